@@ -1,0 +1,286 @@
+"""The transport interface: the data movement every later layer is written against.
+
+A transport is bound to one group of ranks (a domain group, a data-parallel group, the world)
+and speaks in ranks of that group. Tensors are split along any ``dim``; ``sizes`` give the
+extent of every rank's part along it, uneven and zero sizes included. Validation, dimension
+handling and the one-rank shortcut live here, once; a backend implements the primitives on
+contiguous tensors whose split dimension is dimension 0.
+
+Every method is collective over the transport's group unless its docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpidp.errors import CommError
+
+__all__ = ["Transport", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+
+# Reductions of these types accumulate in float32 and are cast back.
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _to_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Contiguous view or copy whose dimension 0 is ``dim`` (no copy when already so laid out)."""
+    return tensor.detach().movedim(dim, 0).contiguous()
+
+
+class Transport(abc.ABC):
+    """Collectives over one group of ranks.
+
+    Attributes
+    ----------
+    name: ``"mpi"`` or ``"torch"``.
+    rank: this process's rank in the group.
+    size: number of ranks in the group.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return f"rank {self.rank} of {self.size}"
+
+    def _dim(self, tensor: torch.Tensor, dim: int) -> int:
+        if not -tensor.dim() <= dim < max(tensor.dim(), 1):
+            raise CommError(
+                f"{self._where()}: dim {dim} is out of range for a {tensor.dim()}-d tensor of "
+                f"shape {tuple(tensor.shape)}; pass a dim in [{-tensor.dim()}, {tensor.dim()})"
+            )
+        return dim % tensor.dim()
+
+    def _sizes(self, sizes: Sequence[int], what: str = "sizes") -> list[int]:
+        out = [int(s) for s in sizes]
+        if len(out) != self.size:
+            raise CommError(
+                f"{self._where()}: expecting {self.size} {what}, one per rank, got {len(out)} "
+                f"({out}); pass one entry per rank of this group"
+            )
+        if any(s < 0 for s in out):
+            raise CommError(f"{self._where()}: negative entry in {what} {out}")
+        return out
+
+    def _local(self, tensor: torch.Tensor, dim: int, expected: int, what: str) -> None:
+        if tensor.size(dim) != expected:
+            raise CommError(
+                f"{self._where()}: tensor of shape {tuple(tensor.shape)} has {tensor.size(dim)} "
+                f"entries along dim {dim} but {what} = {expected}; pass the sizes of the "
+                f"partition this tensor belongs to"
+            )
+
+    @staticmethod
+    def _op(op: str) -> str:
+        if op not in REDUCE_OPS:
+            raise CommError(f"unknown reduction {op!r}; use one of {', '.join(REDUCE_OPS)}")
+        return op
+
+    # -- public collectives -------------------------------------------------------------------
+
+    def all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's part along ``dim``; every rank gets the whole tensor."""
+        dim = self._dim(tensor, dim)
+        sizes = self._sizes(sizes)
+        self._local(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
+        if self.size == 1:
+            return tensor.detach()
+        return self._all_gather_v(_to_front(tensor, dim), sizes).movedim(0, dim)
+
+    def gather_v(
+        self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, dst: int = 0
+    ) -> torch.Tensor | None:
+        """Concatenate every rank's part along ``dim`` on rank ``dst``; others get None."""
+        dim = self._dim(tensor, dim)
+        sizes = self._sizes(sizes)
+        self._root(dst, "dst")
+        self._local(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
+        if self.size == 1:
+            return tensor.detach()
+        out = self._gather_v(_to_front(tensor, dim), sizes, dst)
+        return out.movedim(0, dim) if out is not None else None
+
+    def scatter_v(
+        self, tensor: torch.Tensor | None, sizes: Sequence[int], dim: int = 0, src: int = 0
+    ) -> torch.Tensor:
+        """Split ``src``'s tensor along ``dim`` by ``sizes``; rank i gets part i.
+
+        Ranks other than ``src`` may pass None: shape and dtype come from ``src`` (one small
+        broadcast of metadata).
+        """
+        sizes = self._sizes(sizes)
+        self._root(src, "src")
+        if self.size == 1:
+            if tensor is None:
+                raise CommError(f"{self._where()}: scatter_v from src {src} got None")
+            dim = self._dim(tensor, dim)
+            self._local(tensor, dim, sizes[0], "sum(sizes)")
+            return tensor.detach()
+        meta = None
+        if self.rank == src:
+            if tensor is None:
+                raise CommError(f"{self._where()}: scatter_v src {src} passed None; pass the tensor")
+            dim = self._dim(tensor, dim)
+            self._local(tensor, dim, sum(sizes), "sum(sizes)")
+            meta = (tuple(tensor.shape), tensor.dtype, dim)
+        shape, dtype, dim = self.broadcast_object(meta, src)
+        front = _to_front(tensor, dim) if self.rank == src and tensor is not None else None
+        rest = (shape[dim],) + shape[:dim] + shape[dim + 1 :]
+        device = tensor.device if tensor is not None else self.default_device
+        out = self._scatter_v(front, sizes, src, rest[1:], dtype, device)
+        return out.movedim(0, dim)
+
+    def all_to_all_v(
+        self,
+        tensor: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        dim: int = 0,
+    ) -> torch.Tensor:
+        """Send part j of ``tensor`` (split along ``dim`` by ``send_sizes``) to rank j; receive
+        ``recv_sizes[i]`` entries from rank i, concatenated along ``dim`` in rank order."""
+        dim = self._dim(tensor, dim)
+        send = self._sizes(send_sizes, "send_sizes")
+        recv = self._sizes(recv_sizes, "recv_sizes")
+        self._local(tensor, dim, sum(send), "sum(send_sizes)")
+        if self.size == 1:
+            self._local(tensor, dim, recv[0], "recv_sizes[0]")
+            return tensor.detach()
+        return self._all_to_all_v(_to_front(tensor, dim), send, recv).movedim(0, dim)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Element-wise reduction over the group; returns a new tensor (the input is untouched).
+
+        float16/bfloat16 accumulate in float32. ``avg`` of an integer tensor is refused.
+        """
+        op = self._op(op)
+        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise CommError(f"{self._where()}: avg of a {tensor.dtype} tensor; use sum")
+        work = tensor.detach()
+        low = work.dtype in _LOW_PRECISION
+        work = work.to(torch.float32) if low else work.clone(memory_format=torch.contiguous_format)
+        if self.size > 1:
+            self._all_reduce(work.contiguous(), "sum" if op == "avg" else op)
+        if op == "avg":
+            work /= self.size
+        return work.to(tensor.dtype) if low else work
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s tensor on every rank; every rank passes a tensor of that shape and dtype."""
+        self._root(src, "src")
+        out = tensor.detach().clone(memory_format=torch.contiguous_format)
+        if self.size > 1:
+            self._broadcast(out, src)
+        return out
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        """Point-to-point: post every receive and send, then wait for all.
+
+        ``sends`` are ``(peer, tensor)`` pairs, ``recvs`` are ``(peer, buffer)`` pairs whose
+        buffers are filled in place. The k-th send to a peer matches that peer's k-th receive
+        from this rank, so several messages between one pair of ranks are fine. Only the ranks
+        named take part: this is not a collective over the whole group.
+        """
+        for peer, _ in list(sends) + list(recvs):
+            self._root(peer, "peer")
+        own_sends = [t for peer, t in sends if peer == self.rank]
+        own_recvs = [t for peer, t in recvs if peer == self.rank]
+        if len(own_sends) != len(own_recvs):
+            raise CommError(
+                f"{self._where()}: {len(own_sends)} sends to itself but {len(own_recvs)} "
+                f"receives from itself; they must pair up"
+            )
+        for src_t, dst_t in zip(own_sends, own_recvs):
+            dst_t.copy_(src_t)
+        out = [(p, t.detach().contiguous()) for p, t in sends if p != self.rank]
+        inn = [(p, t) for p, t in recvs if p != self.rank]
+        if out or inn:
+            self._exchange(_tagged(out), _tagged(inn))
+
+    # -- objects and synchronisation ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s picklable ``obj`` on every rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank of the group arrives."""
+
+    @property
+    def default_device(self) -> torch.device:
+        """Device of tensors created for ranks that passed none (scatter_v receivers)."""
+        return torch.device("cpu")
+
+    # -- backend primitives: contiguous tensors, split along dimension 0, group size > 1 ----
+
+    @abc.abstractmethod
+    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None: ...
+
+    @abc.abstractmethod
+    def _scatter_v(
+        self,
+        x: torch.Tensor | None,
+        sizes: list[int],
+        src: int,
+        rest: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, x: torch.Tensor, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, x: torch.Tensor, src: int) -> None: ...
+
+    @abc.abstractmethod
+    def _exchange(
+        self,
+        sends: list[tuple[int, int, torch.Tensor]],
+        recvs: list[tuple[int, int, torch.Tensor]],
+    ) -> None: ...
+
+    def _root(self, root: int, what: str) -> None:
+        if not 0 <= root < self.size:
+            raise CommError(
+                f"{self._where()}: {what} {root} is not a rank of this group; use 0..{self.size - 1}"
+            )
+
+
+def _tagged(pairs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
+    """Number the messages to each peer 0, 1, ... so the k-th send meets the k-th receive."""
+    count: dict[int, int] = {}
+    out = []
+    for peer, tensor in pairs:
+        tag = count.get(peer, 0)
+        count[peer] = tag + 1
+        out.append((peer, tag, tensor))
+    return out

@@ -1,0 +1,127 @@
+"""Transport over an mpi4py communicator, for CPU tensors.
+
+Data moves as raw bytes straight from and into the tensors' memory (zero copy for contiguous
+tensors; any dtype, bfloat16 included). Reductions use the matching MPI datatype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpidp.comm.base import Transport
+from mpidp.errors import CommError
+
+__all__ = ["MPITransport"]
+
+_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+
+
+class MPITransport(Transport):
+    """Collectives over ``comm`` (any intra-communicator: a domain or data-parallel split)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self.comm = comm
+
+    def _bytes(self, tensor: torch.Tensor) -> np.ndarray:
+        if tensor.device.type != "cpu":
+            raise CommError(
+                f"{self._where()}: the MPI transport got a tensor on {tensor.device}; it moves CPU "
+                f"tensors only: use the torch transport (NCCL) for device tensors"
+            )
+        return tensor.reshape(-1).view(torch.uint8).numpy()
+
+    @staticmethod
+    def _row_bytes(x: torch.Tensor) -> int:
+        return math.prod(x.shape[1:]) * x.element_size()
+
+    def _counts(self, sizes: list[int], row: int) -> tuple[list[int], list[int]]:
+        counts = [s * row for s in sizes]
+        displs = [0] * len(counts)
+        for i in range(1, len(counts)):
+            displs[i] = displs[i - 1] + counts[i - 1]
+        return counts, displs
+
+    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        counts, displs = self._counts(sizes, self._row_bytes(x))
+        self.comm.Allgatherv(self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE])
+        return out
+
+    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None:
+        counts, displs = self._counts(sizes, self._row_bytes(x))
+        if self.rank != dst:
+            self.comm.Gatherv(self._bytes(x), None, root=dst)
+            return None
+        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        self.comm.Gatherv(self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE], root=dst)
+        return out
+
+    def _scatter_v(
+        self,
+        x: torch.Tensor | None,
+        sizes: list[int],
+        src: int,
+        rest: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        out = torch.empty((sizes[self.rank],) + rest, dtype=dtype, device=device)
+        if self.rank != src or x is None:
+            self.comm.Scatterv(None, self._bytes(out), root=src)
+            return out
+        counts, displs = self._counts(sizes, self._row_bytes(x))
+        self.comm.Scatterv([self._bytes(x), counts, displs, MPI.BYTE], self._bytes(out), root=src)
+        return out
+
+    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        row = self._row_bytes(x)
+        scounts, sdispls = self._counts(send, row)
+        rcounts, rdispls = self._counts(recv, row)
+        self.comm.Alltoallv(
+            [self._bytes(x), scounts, sdispls, MPI.BYTE],
+            [self._bytes(out), rcounts, rdispls, MPI.BYTE],
+        )
+        return out
+
+    def _all_reduce(self, x: torch.Tensor, op: str) -> None:
+        if x.device.type != "cpu":
+            self._bytes(x)  # raises the device error
+        self.comm.Allreduce(MPI.IN_PLACE, x.numpy(), op=_OPS[op])
+
+    def _broadcast(self, x: torch.Tensor, src: int) -> None:
+        self.comm.Bcast(self._bytes(x), root=src)
+
+    def _exchange(
+        self,
+        sends: list[tuple[int, int, torch.Tensor]],
+        recvs: list[tuple[int, int, torch.Tensor]],
+    ) -> None:
+        # A non-contiguous receive buffer is received into a contiguous copy, then copied back.
+        staged = [(t, t if t.is_contiguous() else torch.empty_like(t)) for _, _, t in recvs]
+        reqs = [
+            self.comm.Irecv(self._bytes(buf), source=peer, tag=tag)
+            for (peer, tag, _), (_, buf) in zip(recvs, staged)
+        ]
+        reqs += [self.comm.Isend(self._bytes(t), dest=peer, tag=tag) for peer, tag, t in sends]
+        MPI.Request.Waitall(reqs)
+        for target, buf in staged:
+            if buf is not target:
+                target.copy_(buf)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return list(self.comm.allgather(obj))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.comm.bcast(obj, root=src)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()

@@ -1,0 +1,34 @@
+"""Exceptions raised by mpidp.
+
+Every message says what was found (the values), where (the rank, when known) and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MpidpError",
+    "LaunchError",
+    "ConfigError",
+    "BackendError",
+    "CommError",
+]
+
+
+class MpidpError(RuntimeError):
+    """Base class of every error mpidp raises on purpose."""
+
+
+class LaunchError(MpidpError):
+    """The launcher environment is inconsistent or unsupported."""
+
+
+class ConfigError(MpidpError, ValueError):
+    """Arguments that cannot describe a valid distributed layout."""
+
+
+class BackendError(MpidpError):
+    """A requested communication backend or device is not available."""
+
+
+class CommError(MpidpError, ValueError):
+    """Arguments of a collective that cannot be satisfied (sizes, shapes, dtypes)."""

@@ -1,0 +1,495 @@
+"""DistributedManager: torch.distributed + MPI, the device, and the dp x domain mesh.
+
+Created once per process by :func:`init` (or ``DistributedManager.initialize``) and passed
+around; :func:`get_manager` returns the one current default, and explicit arguments always win.
+The manager never seeds RNGs and never writes environment variables.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mpidp.bootstrap import LaunchInfo, detect_launch
+from mpidp.comm import Transport, TorchTransport
+from mpidp.errors import BackendError, ConfigError, LaunchError
+
+__all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+TRANSPORTS = ("auto", "mpi", "torch")
+BACKENDS = ("gloo", "nccl", "mpi")
+_MPI_LAUNCHERS = ("openmpi", "mpich", "pals", "pmix")
+
+_default: DistributedManager | None = None
+
+
+class Neighbors(NamedTuple):
+    """Global ranks of the domain neighbours; None beyond an edge of a non-periodic domain."""
+
+    before: int | None
+    after: int | None
+
+
+def _mpi_world() -> Any:
+    """``MPI.COMM_WORLD``, or None when mpi4py or an MPI library cannot be loaded."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError):
+        return None
+    return MPI.COMM_WORLD
+
+
+def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ConfigError(f"timeout {timeout} s must be positive")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+class DistributedManager:
+    """The distributed state of one process: ranks, device, groups and communicators.
+
+    Rank layout: ``rank = dp_rank * domain_world_size + domain_rank``; the domain dimension is
+    innermost, so a domain group is a run of consecutive ranks (normally one node).
+
+    Parameters
+    ----------
+    domain_parallel_size:
+        Ranks that share one sample (P). The world must be a multiple of it; dp = world / P.
+    backend:
+        ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL when CUDA is available, else gloo.
+    shard_dim:
+        The tensor dimension cut into bands (latitude: -2 of (B, C, H, W)).
+    timeout:
+        Seconds (or a timedelta) for the rendezvous and torch.distributed collectives.
+    device:
+        Overrides the device; default ``cuda:(local_rank mod visible devices)`` under NCCL,
+        else ``cpu``.
+    transport:
+        ``"auto"`` (MPI for CPU tensors when MPI runs the job, torch.distributed otherwise),
+        ``"mpi"`` or ``"torch"``.
+    env:
+        The launcher environment; default ``os.environ``. Read, never written.
+
+    Collective over the world: every rank must construct it with the same arguments.
+    """
+
+    def __init__(
+        self,
+        domain_parallel_size: int = 1,
+        backend: str | None = None,
+        shard_dim: int = -2,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+        device: str | torch.device | None = None,
+        transport: str = "auto",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._args = (domain_parallel_size, backend, shard_dim, timeout, device, transport)
+        self.timeout = _as_timeout(timeout)
+        self.shard_dim = shard_dim
+        self.transport_policy = transport
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        env = dict(os.environ) if env is None else env
+        self.launch_info = detect_launch(env)
+        self._world_comm = _mpi_world()
+        info = self._resolve_ranks(self.launch_info)
+        self.rank, self.world_size = info.rank, info.world_size
+        self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
+        self.host = info.host
+        self.domain_world_size = self._check_layout(domain_parallel_size)
+        self.dp_world_size = self.world_size // self.domain_world_size
+        self.dp_rank, self.domain_rank = divmod(self.rank, self.domain_world_size)
+        self.backend, self.device = self._agree(self._choose_device, backend, device)
+        if transport == "mpi" and self._world_comm is None:
+            raise BackendError(f"rank {self.rank}: transport='mpi' but mpi4py cannot load an MPI")
+        self._owns_process_group = not dist.is_initialized()
+        if self._owns_process_group:
+            self._init_process_group(env)
+        else:
+            self._adopt_process_group()
+        self.mesh: DeviceMesh = init_device_mesh(
+            self.device.type,
+            (self.dp_world_size, self.domain_world_size),
+            mesh_dim_names=("dp", "domain"),
+        )
+        self.domain_group = self.mesh.get_group("domain")
+        self.data_parallel_group = self.mesh.get_group("dp")
+        self.domain_comm, self.dp_comm = self._split_comms()
+        self._transports: dict[tuple[str, str], Transport] = {}
+        self._closed = False
+
+    # -- construction steps -------------------------------------------------------------------
+
+    def _mpi_runs_job(self) -> bool:
+        return self._world_comm is not None and self._world_comm.Get_size() > 1
+
+    def _resolve_ranks(self, info: LaunchInfo) -> LaunchInfo:
+        """MPI is the truth when it sees more than one process (decision 1)."""
+        comm = self._world_comm
+        if comm is not None and comm.Get_size() > 1:
+            if info.world_size > 1 and info.launcher != "torchrun" and info.world_size != comm.Get_size():
+                raise LaunchError(
+                    f"rank {comm.Get_rank()}: launcher {info.launcher} reports {info.world_size} "
+                    f"processes but MPI sees {comm.Get_size()}; unset stale launcher variables "
+                    f"or set MPIDP_LAUNCHER"
+                )
+            local = comm.Split_type(_shared_type())
+            try:
+                return LaunchInfo(
+                    launcher=info.launcher if info.world_size > 1 else "mpi",
+                    rank=comm.Get_rank(),
+                    world_size=comm.Get_size(),
+                    local_rank=local.Get_rank(),
+                    local_world_size=local.Get_size(),
+                    host=info.host,
+                    job_id=info.job_id,
+                    nodelist=info.nodelist,
+                )
+            finally:
+                local.Free()
+        if info.world_size > 1 and info.launcher in _MPI_LAUNCHERS:
+            library = _mpi_library() if comm is not None else "no MPI library could be loaded"
+            raise LaunchError(
+                f"rank {info.rank}: {info.launcher} started {info.world_size} processes but MPI in "
+                f"this process sees a world of 1 ({library}): mpi4py loaded another MPI than the "
+                f"launcher's; launch with that library's mpiexec or point MPI4PY_LIBMPI at the "
+                f"launcher's libmpi"
+            )
+        return info
+
+    def _check_layout(self, domain: int) -> int:
+        if not isinstance(domain, int) or isinstance(domain, bool) or domain < 1:
+            raise ConfigError(
+                f"rank {self.rank}: domain_parallel_size must be an integer >= 1, got {domain!r}"
+            )
+        if self.world_size % domain:
+            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+            raise ConfigError(
+                f"rank {self.rank}: world size {self.world_size} is not divisible by "
+                f"domain_parallel_size {domain}; use one of {divisors} or launch a multiple of "
+                f"{domain} ranks"
+            )
+        return domain
+
+    def _choose_device(
+        self, backend: str | None, device: str | torch.device | None
+    ) -> tuple[str, torch.device]:
+        cuda = torch.cuda.is_available()
+        if backend is None:
+            backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
+        if not dist.is_backend_available(backend):
+            raise BackendError(
+                f"rank {self.rank}: torch.distributed backend {backend!r} is not available in "
+                f"this torch build ({torch.__version__}); use backend='gloo' or leave it unset"
+            )
+        if backend == "nccl" and not cuda:
+            raise BackendError(
+                f"rank {self.rank}: backend 'nccl' needs CUDA but torch sees no GPU; use "
+                f"backend='gloo' or run on a GPU node"
+            )
+        if device is None:
+            dev = torch.device("cuda", self.local_rank % torch.cuda.device_count()) if (
+                backend == "nccl") else torch.device("cpu")
+        else:
+            dev = torch.device(device)
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if cuda else 0
+            index = dev.index if dev.index is not None else self.local_rank % max(count, 1)
+            if index >= count:
+                raise BackendError(
+                    f"rank {self.rank}: device cuda:{index} but {count} CUDA devices are visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                    f"pick an index below {count} or leave device unset"
+                )
+            dev = torch.device("cuda", index)
+        return backend, dev
+
+    def _agree(self, step: Any, *args: Any) -> Any:
+        """Run a check that may differ between ranks; when MPI runs the job, every rank raises
+        the same error with every failing rank's message instead of some ranks waiting."""
+        result, error = None, None
+        try:
+            result = step(*args)
+        except (ConfigError, BackendError) as exc:
+            error = exc
+        if self._mpi_runs_job():
+            assert self._world_comm is not None
+            errors = [e for e in self._world_comm.allgather(None if error is None else str(error)) if e]
+            if errors:
+                kind = type(error) if error is not None else BackendError
+                raise kind("; ".join(errors))
+        elif error is not None:
+            raise error
+        return result
+
+    def _init_process_group(self, env: dict[str, str]) -> None:
+        kwargs: dict[str, Any] = dict(
+            backend=self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            kwargs["device_id"] = self.device
+        if self.world_size == 1:
+            kwargs["store"] = dist.HashStore()
+        elif self._mpi_runs_job():
+            kwargs["store"] = self._mpi_rendezvous(env)
+        elif self.launch_info.launcher == "torchrun":
+            kwargs["init_method"] = "env://"
+        else:
+            addr, port = self.launch_info.master_addr, self.launch_info.master_port
+            if addr is None or port is None:
+                raise LaunchError(
+                    f"rank {self.rank}: {self.launch_info.launcher} started {self.world_size} "
+                    f"processes without MPI and without a rendezvous address; launch with mpiexec, "
+                    f"srun --mpi=pmi2 or torchrun"
+                )
+            kwargs["store"] = dist.TCPStore(
+                addr, port, self.world_size, self.rank == 0, timeout=self.timeout
+            )
+        dist.init_process_group(**kwargs)
+
+    def _mpi_rendezvous(self, env: dict[str, str]) -> dist.Store:
+        """Rank 0 opens a store on a port the OS picks and broadcasts where it is: nothing to
+        export, and two jobs on one node never collide."""
+        comm = self._world_comm
+        assert comm is not None
+        store, where, error = None, None, None
+        if self.rank == 0:
+            try:
+                addr = env.get("MPIDP_MASTER_ADDR") or socket.gethostname()
+                store = dist.TCPStore(
+                    "0.0.0.0", 0, self.world_size, True, timeout=self.timeout,
+                    wait_for_workers=False,
+                )
+                where = (addr, store.port)
+            except (OSError, RuntimeError) as exc:
+                error = f"rank 0 could not open a rendezvous port: {exc}"
+        where, error = comm.bcast((where, error), root=0)
+        if error:
+            raise BackendError(f"rank {self.rank}: {error}; set MPIDP_MASTER_ADDR to a reachable address")
+        if store is None:
+            store = dist.TCPStore(where[0], where[1], self.world_size, False, timeout=self.timeout)
+        return store
+
+    def _adopt_process_group(self) -> None:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        if (rank, size) != (self.rank, self.world_size):
+            raise ConfigError(
+                f"rank {self.rank}: torch.distributed is already initialised as rank {rank} of "
+                f"{size}, but the launcher says rank {self.rank} of {self.world_size}; let mpidp "
+                f"initialise it or initialise it with the launcher's numbering"
+            )
+        self.backend = dist.get_backend()
+
+    def _split_comms(self) -> tuple[Any, Any]:
+        if not self._mpi_runs_job():
+            if self._world_comm is None:
+                return None, None
+            from mpi4py import MPI
+
+            # One process, or a job MPI does not span (torchrun): only COMM_SELF is meaningful.
+            if self.world_size == 1:
+                return MPI.COMM_SELF, MPI.COMM_SELF
+            return None, None
+        comm = self._world_comm
+        domain = comm.Split(color=self.dp_rank, key=self.domain_rank)
+        dp = comm.Split(color=self.domain_rank, key=self.dp_rank)
+        return domain, dp
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @classmethod
+    def initialize(cls, **kwargs: Any) -> DistributedManager:
+        """Same as :func:`mpidp.init`."""
+        return init(**kwargs)
+
+    @property
+    def is_first_domain_rank(self) -> bool:
+        return self.domain_rank == 0
+
+    @property
+    def is_last_domain_rank(self) -> bool:
+        return self.domain_rank == self.domain_world_size - 1
+
+    @property
+    def mpi_available(self) -> bool:
+        """True when MPI communicators span this job (the MPI transport can be used)."""
+        return self.domain_comm is not None
+
+    def neighbor_ranks(self, periodic: bool = False) -> Neighbors:
+        """Global ranks of the domain ranks before and after this one (None at an edge unless
+        ``periodic``)."""
+        base, p = self.dp_rank * self.domain_world_size, self.domain_world_size
+        before = self.domain_rank - 1 if self.domain_rank > 0 else (p - 1 if periodic else None)
+        after = self.domain_rank + 1 if self.domain_rank < p - 1 else (0 if periodic else None)
+        return Neighbors(
+            None if before is None else base + before, None if after is None else base + after
+        )
+
+    def _group_key(self, group: Any) -> str:
+        if group is None or group == "domain" or group is self.domain_group:
+            return "domain"
+        if group in ("dp", "data_parallel") or group is self.data_parallel_group:
+            return "dp"
+        if group == "world" or group is dist.group.WORLD:
+            return "world"
+        raise ConfigError(
+            f"rank {self.rank}: unknown group {group!r}; pass manager.domain_group, "
+            f"manager.data_parallel_group, 'domain', 'dp' or 'world'"
+        )
+
+    def transport(self, group: Any = None, device: str | torch.device | None = None) -> Transport:
+        """The transport for tensors on ``device`` (default: this manager's device) over
+        ``group`` (default: the domain group).
+
+        Rule: CUDA tensors go through torch.distributed; CPU tensors through MPI when MPI spans
+        the job, unless ``transport`` was forced at construction.
+        """
+        key = self._group_key(group)
+        dev = torch.device(device) if device is not None else self.device
+        kind = self.transport_policy
+        if kind == "auto":
+            kind = "mpi" if dev.type == "cpu" and self.mpi_available else "torch"
+        if kind == "mpi" and not self.mpi_available:
+            raise BackendError(
+                f"rank {self.rank}: the MPI transport needs a job launched by MPI (this one: "
+                f"{self.launch_info.launcher}); use transport='torch'"
+            )
+        cached = self._transports.get((key, kind + dev.type))
+        if cached is not None:
+            return cached
+        made: Transport
+        if kind == "mpi":
+            from mpi4py import MPI
+
+            from mpidp.comm.mpi import MPITransport
+
+            comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
+            made = MPITransport(comm if comm is not None else (
+                MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF))
+        else:
+            pg = {"domain": self.domain_group, "dp": self.data_parallel_group}.get(key)
+            made = TorchTransport(pg if pg is not None else dist.group.WORLD, dev)
+        self._transports[(key, kind + dev.type)] = made
+        return made
+
+    def describe(self) -> dict[str, Any]:
+        """This rank's facts as plain data (what ``mpidp info`` prints)."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "host": self.host,
+            "pid": os.getpid(),
+            "launcher": self.launch_info.launcher,
+            "device": str(self.device),
+            "backend": self.backend,
+            "transport": self.transport().name,
+            "mpi_library": _mpi_library() if self._world_comm is not None else None,
+            "torch": torch.__version__,
+            "mesh_shape": [self.dp_world_size, self.domain_world_size],
+            "mesh_coords": [self.dp_rank, self.domain_rank],
+            "dp_rank": self.dp_rank,
+            "domain_rank": self.domain_rank,
+        }
+
+    def shutdown(self) -> None:
+        """Free the communicators and, if this manager created it, the process group."""
+        global _default
+        if self._closed:
+            return
+        self._closed = True
+        for comm in {id(c): c for c in (self.domain_comm, self.dp_comm) if c is not None}.values():
+            if self._mpi_runs_job():
+                comm.Free()
+        self._transports.clear()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if _default is self:
+            _default = None
+
+    def __enter__(self) -> DistributedManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedManager(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "
+            f"launcher={self.launch_info.launcher}, backend={self.backend}, device={self.device}, "
+            f"mesh=(dp={self.dp_world_size}, domain={self.domain_world_size}), "
+            f"dp_rank={self.dp_rank}, domain_rank={self.domain_rank}, "
+            f"transport={self.transport_policy})"
+        )
+
+
+def _shared_type() -> int:
+    from mpi4py import MPI
+
+    return int(MPI.COMM_TYPE_SHARED)
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def init(
+    domain_parallel_size: int = 1,
+    backend: str | None = None,
+    shard_dim: int = -2,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    device: str | torch.device | None = None,
+    transport: str = "auto",
+) -> DistributedManager:
+    """Initialise mpidp and return the default :class:`DistributedManager`.
+
+    Collective over the world. Calling it again with the same arguments returns the same
+    manager; with different arguments it raises :class:`ConfigError` (shut the first one down
+    before building another layout).
+    """
+    global _default
+    args = (domain_parallel_size, backend, shard_dim, timeout, device, transport)
+    if _default is not None:
+        if _default._args != args:
+            raise ConfigError(
+                f"rank {_default.rank}: mpidp is already initialised with "
+                f"{_describe_args(_default._args)}; called again with {_describe_args(args)}: "
+                f"call get_manager().shutdown() first or pass the same arguments"
+            )
+        return _default
+    _default = DistributedManager(
+        domain_parallel_size=domain_parallel_size, backend=backend, shard_dim=shard_dim,
+        timeout=timeout, device=device, transport=transport,
+    )
+    return _default
+
+
+def _describe_args(args: tuple[Any, ...]) -> str:
+    names = ("domain_parallel_size", "backend", "shard_dim", "timeout", "device", "transport")
+    return ", ".join(f"{n}={v!r}" for n, v in zip(names, args))
+
+
+def get_manager() -> DistributedManager:
+    """The default manager (the one :func:`init` created)."""
+    if _default is None:
+        raise ConfigError("mpidp is not initialised: call mpidp.init(domain_parallel_size=...) first")
+    return _default
+
+
+def is_initialized() -> bool:
+    return _default is not None

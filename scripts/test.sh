@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite: lint, type check, unit tests, MPI tests at 1-4 ranks, launch tests.
+# Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
+# aborts the job instead of leaving the others waiting.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${MPIDP_VENV:-.venv}"
+export PATH="$PWD/$venv/bin:$PATH"
+py="$PWD/$venv/bin/python"
+per_run="${MPIDP_TEST_TIMEOUT:-600}"
+export MPIEXEC_TIMEOUT="$per_run"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fail=0
+step() { echo; echo "=== $*"; }
+
+step "ruff"; "$py" -m ruff check mpidp tests examples bench || fail=1
+step "mypy"; "$py" -m mypy || fail=1
+step "unit tests"; timeout "$per_run" "$py" -m pytest -q tests/unit || fail=1
+for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
+  step "MPI tests, $n ranks"
+  timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
+    || { echo "MPI tests FAILED at $n ranks"; fail=1; }
+done
+step "launch tests"; timeout "$per_run" "$py" -m pytest -q tests/launch || fail=1
+echo
+if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi
+echo "test suite: all steps passed"
