@@ -100,9 +100,10 @@ def _expand_tasks_per_node(text: str) -> list[int]:
     """``2(x3),1`` -> ``[2, 2, 2, 1]`` (SLURM's compressed tasks-per-node format)."""
     counts: list[int] = []
     for item in text.split(","):
-        count, _, rep = item.partition("(x")
-        rep = rep.rstrip(")")
-        if not count.isdigit() or not (rep.isdigit() or rep == ""):
+        count, sep, rep = item.partition("(x")
+        closed = rep.endswith(")")
+        rep = rep[:-1] if closed else rep
+        if not count.isdigit() or (sep and not (closed and rep.isdigit())):
             raise LaunchError(f"cannot read SLURM tasks per node {text!r}; expected e.g. '2(x3),1'")
         counts.extend([int(count)] * (int(rep) if rep else 1))
     return counts
@@ -278,12 +279,14 @@ def _select(env: Mapping[str, str]) -> str:
     return "single"
 
 
-def _srun_agrees(env: Mapping[str, str], info: LaunchInfo) -> bool:
-    """True when srun itself started this MPI process (``--mpi=pmi2``/``pmix``)."""
+def _srun_agrees(env: Mapping[str, str], name: str) -> bool:
+    """True when srun itself started this MPI process (``--mpi=pmi2``/``pmix``): SLURM's
+    numbering equals the PMI one and no other launcher's local-rank variable is present."""
     if "SLURM_PROCID" not in env or any(var in env for var in _OWN_LOCAL_VARS):
         return False
+    rank_var, size_var = ("PMI_RANK", "PMI_SIZE") if name == "mpich" else ("PMIX_RANK", "PMIX_SIZE")
     size = env.get("SLURM_NTASKS", env.get("SLURM_NPROCS"))
-    return env["SLURM_PROCID"] == str(info.rank) and size == str(info.world_size)
+    return env[rank_var] == env["SLURM_PROCID"] and env.get(size_var, size) == size
 
 
 def _check(info: LaunchInfo) -> LaunchInfo:
@@ -325,7 +328,6 @@ def detect_launch(env: Mapping[str, str], host: str | None = None) -> LaunchInfo
     """
     host = host if host is not None else socket.gethostname()
     name = _select(env)
-    info = _READERS[name](env, host)
-    if name in ("mpich", "pmix") and OVERRIDE_VAR not in env and _srun_agrees(env, info):
-        info = _slurm(env, host)
-    return _check(info)
+    if name in ("mpich", "pmix") and OVERRIDE_VAR not in env and _srun_agrees(env, name):
+        name = "slurm"
+    return _check(_READERS[name](env, host))

@@ -101,8 +101,8 @@ class DistributedManager:
         if backend is not None and backend not in BACKENDS:
             raise ConfigError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         env = dict(os.environ) if env is None else env
-        self.launch_info = detect_launch(env)
         self._world_comm = _mpi_world()
+        self.launch_info = self._agree(detect_launch, env)
         info = self._resolve_ranks(self.launch_info)
         self.rank, self.world_size = info.rank, info.world_size
         self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
@@ -221,14 +221,18 @@ class DistributedManager:
         result, error = None, None
         try:
             result = step(*args)
-        except (ConfigError, BackendError) as exc:
+        except (ConfigError, BackendError, LaunchError) as exc:
             error = exc
         if self._mpi_runs_job():
             assert self._world_comm is not None
-            errors = [e for e in self._world_comm.allgather(None if error is None else str(error)) if e]
+            text = str(error)
+            if not text.startswith("rank "):
+                text = f"rank {self._world_comm.Get_rank()}: {text}"
+            mine = None if error is None else (type(error).__name__, text)
+            errors = [e for e in self._world_comm.allgather(mine) if e is not None]
             if errors:
-                kind = type(error) if error is not None else BackendError
-                raise kind("; ".join(errors))
+                kinds = {k.__name__: k for k in (ConfigError, BackendError, LaunchError)}
+                raise kinds[errors[0][0]]("; ".join(msg for _, msg in errors))
         elif error is not None:
             raise error
         return result

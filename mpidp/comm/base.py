@@ -275,6 +275,11 @@ class Transport(abc.ABC):
             )
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer shaped like ``t`` (``empty_like`` would keep ``t``'s strides)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _tagged(pairs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
     """Number the messages to each peer 0, 1, ... so the k-th send meets the k-th receive."""
     count: dict[int, int] = {}

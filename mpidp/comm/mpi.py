@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidp.comm.base import Transport
+from mpidp.comm.base import Transport, _dense
 from mpidp.errors import CommError
 
 __all__ = ["MPITransport"]
@@ -36,7 +36,10 @@ class MPITransport(Transport):
                 f"{self._where()}: the MPI transport got a tensor on {tensor.device}; it moves CPU "
                 f"tensors only: use the torch transport (NCCL) for device tensors"
             )
-        return tensor.reshape(-1).view(torch.uint8).numpy()
+        if not tensor.is_contiguous():
+            # reshape would copy, and a receive would land in the copy.
+            raise CommError(f"{self._where()}: internal error: non-contiguous MPI buffer")
+        return tensor.view(-1).view(torch.uint8).numpy()
 
     @staticmethod
     def _row_bytes(x: torch.Tensor) -> int:
@@ -106,7 +109,7 @@ class MPITransport(Transport):
         recvs: list[tuple[int, int, torch.Tensor]],
     ) -> None:
         # A non-contiguous receive buffer is received into a contiguous copy, then copied back.
-        staged = [(t, t if t.is_contiguous() else torch.empty_like(t)) for _, _, t in recvs]
+        staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         reqs = [
             self.comm.Irecv(self._bytes(buf), source=peer, tag=tag)
             for (peer, tag, _), (_, buf) in zip(recvs, staged)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mpidp.comm.base import Transport
+from mpidp.comm.base import Transport, _dense
 
 __all__ = ["TorchTransport"]
 
@@ -47,11 +47,8 @@ class TorchTransport(Transport):
 
     def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # Each rank sends its part to every rank: P copies on the send side, one call.
-        n = x.shape[0]
-        send = x.unsqueeze(0).expand((self.size,) + tuple(x.shape)).reshape(
-            (self.size * n,) + tuple(x.shape[1:])
-        )
-        return self._a2a(send, [n] * self.size, sizes)
+        send = x.repeat((self.size,) + (1,) * (x.dim() - 1))
+        return self._a2a(send, [x.shape[0]] * self.size, sizes)
 
     def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None:
         send = [0] * self.size
@@ -92,7 +89,7 @@ class TorchTransport(Transport):
         sends: list[tuple[int, int, torch.Tensor]],
         recvs: list[tuple[int, int, torch.Tensor]],
     ) -> None:
-        staged = [(t, t if t.is_contiguous() else torch.empty_like(t)) for _, _, t in recvs]
+        staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         ops = [
             dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag)
             for (peer, tag, _), (_, buf) in zip(recvs, staged)

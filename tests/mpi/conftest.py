@@ -1,0 +1,73 @@
+"""MPI test harness: verdicts agreed across ranks, quiet ranks other than 0, no hangs.
+
+Every test phase (setup, call, teardown) ends with a non-blocking all-gather of each rank's
+outcome on a private communicator. A rank whose test passed but whose peers failed reports the
+failure too, so all ranks stay in step. When a failing rank waits longer than
+MPIDP_VERDICT_TIMEOUT seconds for its peers (they are stuck in a collective it skipped), it
+prints the failure and aborts the whole job: a red run, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+_WORLD = MPI.COMM_WORLD
+_VERDICTS = _WORLD.Dup()
+_TIMEOUT = float(os.environ.get("MPIDP_VERDICT_TIMEOUT", "120"))
+_CODES = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if _WORLD.Get_rank() != 0:
+        # Quiet: only rank 0 reports. Failures on other ranks still reach stderr (below).
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"mpidp MPI tests: {_WORLD.Get_size()} ranks ({MPI.Get_library_version().splitlines()[0]})"
+
+
+def _all_outcomes(code: int, nodeid: str, text: str) -> np.ndarray:
+    send = np.array([code], dtype=np.int32)
+    recv = np.empty(_WORLD.Get_size(), dtype=np.int32)
+    req = _VERDICTS.Iallgather(send, recv)
+    deadline = time.monotonic() + _TIMEOUT
+    while not req.Test():
+        if time.monotonic() > deadline:
+            sys.stderr.write(
+                f"\n[rank {_WORLD.Get_rank()}] {nodeid}: outcome {code}, peers did not reach the "
+                f"verdict within {_TIMEOUT:.0f} s (stuck in a collective); aborting the job\n{text}\n"
+            )
+            sys.stderr.flush()
+            _WORLD.Abort(1)
+        time.sleep(0.0005)
+    return recv
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    rep = outcome.get_result()
+    rank = _WORLD.Get_rank()
+    if rep.failed and rank != 0:
+        sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid} ({rep.when})\n{rep.longreprtext}\n")
+        sys.stderr.flush()
+    codes = _all_outcomes(_CODES[rep.outcome], item.nodeid, rep.longreprtext)
+    failed = [r for r, c in enumerate(codes) if c == 2]
+    if failed and not rep.failed:
+        rep.outcome = "failed"
+        rep.longrepr = f"failed on rank(s) {failed} (details on their stderr)"
+    elif not failed and len(set(codes.tolist())) > 1:
+        rep.outcome = "failed"
+        rep.longrepr = f"skipped on some ranks only: outcomes by rank {codes.tolist()}"
+    elif failed and rank == 0 and failed != [0]:
+        rep.longrepr = f"{rep.longreprtext}\n(also failed on ranks {failed})"
