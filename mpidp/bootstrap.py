@@ -203,32 +203,53 @@ def _single(env: Mapping[str, str], host: str) -> LaunchInfo:
 
 def _openmpi(env: Mapping[str, str], host: str) -> LaunchInfo:
     return _mpi_like(
-        env, host, "openmpi", "OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",),
-        ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        env,
+        host,
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        ("OMPI_COMM_WORLD_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
         ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"),
     )
 
 
 def _pals(env: Mapping[str, str], host: str) -> LaunchInfo:
     return _mpi_like(
-        env, host, "pals", "PALS_RANKID", ("PALS_SIZE", "PMI_SIZE"),
-        ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"), ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"),
+        env,
+        host,
+        "pals",
+        "PALS_RANKID",
+        ("PALS_SIZE", "PMI_SIZE"),
+        ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+        ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"),
         ("PALS_APID", "PBS_JOBID"),
     )
 
 
 def _mpich(env: Mapping[str, str], host: str) -> LaunchInfo:
     return _mpi_like(
-        env, host, "mpich", "PMI_RANK", ("PMI_SIZE",),
-        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+        env,
+        host,
+        "mpich",
+        "PMI_RANK",
+        ("PMI_SIZE",),
+        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
         ("PMI_JOBID", "PBS_JOBID"),
     )
 
 
 def _pmix(env: Mapping[str, str], host: str) -> LaunchInfo:
     return _mpi_like(
-        env, host, "pmix", "PMIX_RANK", ("PMIX_SIZE", "OMPI_COMM_WORLD_SIZE"),
-        ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",), ("PMIX_NAMESPACE",),
+        env,
+        host,
+        "pmix",
+        "PMIX_RANK",
+        ("PMIX_SIZE", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_LOCAL_RANK",),
+        ("PMIX_LOCAL_SIZE",),
+        ("PMIX_NAMESPACE",),
     )
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mpidp.bootstrap import LaunchInfo, detect_launch
-from mpidp.comm import Transport, TorchTransport
+from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import BackendError, ConfigError, LaunchError
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
@@ -138,7 +138,11 @@ class DistributedManager:
         """MPI is the truth when it sees more than one process (decision 1)."""
         comm = self._world_comm
         if comm is not None and comm.Get_size() > 1:
-            if info.world_size > 1 and info.launcher != "torchrun" and info.world_size != comm.Get_size():
+            if (
+                info.world_size > 1
+                and info.launcher != "torchrun"
+                and info.world_size != comm.Get_size()
+            ):
                 raise LaunchError(
                     f"rank {comm.Get_rank()}: launcher {info.launcher} reports {info.world_size} "
                     f"processes but MPI sees {comm.Get_size()}; unset stale launcher variables "
@@ -199,8 +203,11 @@ class DistributedManager:
                 f"backend='gloo' or run on a GPU node"
             )
         if device is None:
-            dev = torch.device("cuda", self.local_rank % torch.cuda.device_count()) if (
-                backend == "nccl") else torch.device("cpu")
+            dev = (
+                torch.device("cuda", self.local_rank % torch.cuda.device_count())
+                if (backend == "nccl")
+                else torch.device("cpu")
+            )
         else:
             dev = torch.device(device)
         if dev.type == "cuda":
@@ -223,12 +230,15 @@ class DistributedManager:
             result = step(*args)
         except (ConfigError, BackendError, LaunchError) as exc:
             error = exc
+        if (
+            error is not None
+            and not str(error).startswith("rank ")
+            and self._world_comm is not None
+        ):
+            error = type(error)(f"rank {self._world_comm.Get_rank()}: {error}")
         if self._mpi_runs_job():
             assert self._world_comm is not None
-            text = str(error)
-            if not text.startswith("rank "):
-                text = f"rank {self._world_comm.Get_rank()}: {text}"
-            mine = None if error is None else (type(error).__name__, text)
+            mine = None if error is None else (type(error).__name__, str(error))
             errors = [e for e in self._world_comm.allgather(mine) if e is not None]
             if errors:
                 kinds = {k.__name__: k for k in (ConfigError, BackendError, LaunchError)}
@@ -273,7 +283,11 @@ class DistributedManager:
             try:
                 addr = env.get("MPIDP_MASTER_ADDR") or socket.gethostname()
                 store = dist.TCPStore(
-                    "0.0.0.0", 0, self.world_size, True, timeout=self.timeout,
+                    "0.0.0.0",
+                    0,
+                    self.world_size,
+                    True,
+                    timeout=self.timeout,
                     wait_for_workers=False,
                 )
                 where = (addr, store.port)
@@ -281,7 +295,9 @@ class DistributedManager:
                 error = f"rank 0 could not open a rendezvous port: {exc}"
         where, error = comm.bcast((where, error), root=0)
         if error:
-            raise BackendError(f"rank {self.rank}: {error}; set MPIDP_MASTER_ADDR to a reachable address")
+            raise BackendError(
+                f"rank {self.rank}: {error}; set MPIDP_MASTER_ADDR to a reachable address"
+            )
         if store is None:
             store = dist.TCPStore(where[0], where[1], self.world_size, False, timeout=self.timeout)
         return store
@@ -312,6 +328,15 @@ class DistributedManager:
         return domain, dp
 
     # -- public API ---------------------------------------------------------------------------
+
+    @staticmethod
+    def world_from_launcher(env: dict[str, str] | None = None) -> int:
+        """World size without initialising anything: MPI's when it spans the job, else the
+        launcher's."""
+        comm = _mpi_world()
+        if comm is not None and comm.Get_size() > 1:
+            return int(comm.Get_size())
+        return detect_launch(dict(os.environ) if env is None else env).world_size
 
     @classmethod
     def initialize(cls, **kwargs: Any) -> DistributedManager:
@@ -380,11 +405,16 @@ class DistributedManager:
             from mpidp.comm.mpi import MPITransport
 
             comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
-            made = MPITransport(comm if comm is not None else (
-                MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF))
+            made = MPITransport(
+                comm
+                if comm is not None
+                else (MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF)
+            )
         else:
             pg = {"domain": self.domain_group, "dp": self.data_parallel_group}.get(key)
-            made = TorchTransport(pg if pg is not None else dist.group.WORLD, dev)
+            world = dist.group.WORLD
+            assert world is not None  # the manager initialised or adopted the default group
+            made = TorchTransport(pg if pg is not None else world, dev)
         self._transports[(key, kind + dev.type)] = made
         return made
 
@@ -477,21 +507,27 @@ def init(
             )
         return _default
     _default = DistributedManager(
-        domain_parallel_size=domain_parallel_size, backend=backend, shard_dim=shard_dim,
-        timeout=timeout, device=device, transport=transport,
+        domain_parallel_size=domain_parallel_size,
+        backend=backend,
+        shard_dim=shard_dim,
+        timeout=timeout,
+        device=device,
+        transport=transport,
     )
     return _default
 
 
 def _describe_args(args: tuple[Any, ...]) -> str:
     names = ("domain_parallel_size", "backend", "shard_dim", "timeout", "device", "transport")
-    return ", ".join(f"{n}={v!r}" for n, v in zip(names, args))
+    return ", ".join(f"{n}={v!r}" for n, v in zip(names, args, strict=False))
 
 
 def get_manager() -> DistributedManager:
     """The default manager (the one :func:`init` created)."""
     if _default is None:
-        raise ConfigError("mpidp is not initialised: call mpidp.init(domain_parallel_size=...) first")
+        raise ConfigError(
+            "mpidp is not initialised: call mpidp.init(domain_parallel_size=...) first"
+        )
     return _default
 
 

@@ -38,8 +38,15 @@ class SerialComparison:
     max_abs_diff: dict[str, float]
 
 
-def _compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float | None,
-             atol: float | None, found: dict[str, float], failures: list[str]) -> None:
+def _compare(
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    rtol: float | None,
+    atol: float | None,
+    found: dict[str, float],
+    failures: list[str],
+) -> None:
     if got.shape != want.shape:
         failures.append(f"{name}: shape {tuple(got.shape)} != serial {tuple(want.shape)}")
         return
@@ -54,7 +61,8 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float | Non
         where = tuple(int(i) for i in bad.nonzero()[0]) if bool(bad.any()) else ()
         failures.append(
             f"{name}: max |diff| {worst:.3e} (rtol {r:g}, atol {a:g}); first bad index {where}: "
-            f"got {got[where].item() if where else 'nan'} want {want[where].item() if where else 'nan'}"
+            f"got {got[where].item() if where else 'nan'} "
+            f"want {want[where].item() if where else 'nan'}"
         )
 
 
@@ -103,7 +111,7 @@ def assert_matches_serial(
 
     xd = [
         t.narrow(dim, offsets(s)[me], s[me]).clone().requires_grad_(t.is_floating_point())
-        for t, s in zip(full, in_sizes)
+        for t, s in zip(full, in_sizes, strict=False)
     ]
     out_d = distributed(*xd)
     out_sizes = comm.all_gather_object(out_d.size(dim))
@@ -112,15 +120,29 @@ def assert_matches_serial(
 
     found: dict[str, float] = {}
     failures: list[str] = []
-    _compare("output", comm.all_gather_v(out_d.detach(), out_sizes, dim), out_s.detach(),
-             rtol, atol, found, failures)
-    for i, (x_s, x_d, s) in enumerate(zip(xs, xd, in_sizes)):
+    _compare(
+        "output",
+        comm.all_gather_v(out_d.detach(), out_sizes, dim),
+        out_s.detach(),
+        rtol,
+        atol,
+        found,
+        failures,
+    )
+    for i, (x_s, x_d, s) in enumerate(zip(xs, xd, in_sizes, strict=False)):
         if x_s.grad is None and x_d.grad is None:
             continue
         g_d = x_d.grad if x_d.grad is not None else torch.zeros_like(x_d)
         g_s = x_s.grad if x_s.grad is not None else torch.zeros_like(x_s)
-        _compare(f"grad_input[{i}]", comm.all_gather_v(g_d, list(s), dim), g_s, rtol, atol,
-                 found, failures)
+        _compare(
+            f"grad_input[{i}]",
+            comm.all_gather_v(g_d, list(s), dim),
+            g_s,
+            rtol,
+            atol,
+            found,
+            failures,
+        )
     if modules is not None:
         dist_params = dict(modules[1].named_parameters())
         for name, p_s in modules[0].named_parameters():

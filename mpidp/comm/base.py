@@ -91,7 +91,9 @@ class Transport(abc.ABC):
 
     # -- public collectives -------------------------------------------------------------------
 
-    def all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+    def all_gather_v(
+        self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0
+    ) -> torch.Tensor:
         """Concatenate every rank's part along ``dim``; every rank gets the whole tensor."""
         dim = self._dim(tensor, dim)
         sizes = self._sizes(sizes)
@@ -132,13 +134,15 @@ class Transport(abc.ABC):
         meta = None
         if self.rank == src:
             if tensor is None:
-                raise CommError(f"{self._where()}: scatter_v src {src} passed None; pass the tensor")
+                raise CommError(
+                    f"{self._where()}: scatter_v src {src} passed None; pass the tensor"
+                )
             dim = self._dim(tensor, dim)
             self._local(tensor, dim, sum(sizes), "sum(sizes)")
             meta = (tuple(tensor.shape), tensor.dtype, dim)
         shape, dtype, dim = self.broadcast_object(meta, src)
         front = _to_front(tensor, dim) if self.rank == src and tensor is not None else None
-        rest = (shape[dim],) + shape[:dim] + shape[dim + 1 :]
+        rest = (shape[dim], *shape[:dim], *shape[dim + 1 :])
         device = tensor.device if tensor is not None else self.default_device
         out = self._scatter_v(front, sizes, src, rest[1:], dtype, device)
         return out.movedim(0, dim)
@@ -207,7 +211,7 @@ class Transport(abc.ABC):
                 f"{self._where()}: {len(own_sends)} sends to itself but {len(own_recvs)} "
                 f"receives from itself; they must pair up"
             )
-        for src_t, dst_t in zip(own_sends, own_recvs):
+        for src_t, dst_t in zip(own_sends, own_recvs, strict=False):
             dst_t.copy_(src_t)
         out = [(p, t.detach().contiguous()) for p, t in sends if p != self.rank]
         inn = [(p, t) for p, t in recvs if p != self.rank]
@@ -271,7 +275,8 @@ class Transport(abc.ABC):
     def _root(self, root: int, what: str) -> None:
         if not 0 <= root < self.size:
             raise CommError(
-                f"{self._where()}: {what} {root} is not a rank of this group; use 0..{self.size - 1}"
+                f"{self._where()}: {what} {root} is not a rank of this group; "
+                f"use 0..{self.size - 1}"
             )
 
 

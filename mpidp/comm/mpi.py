@@ -53,7 +53,7 @@ class MPITransport(Transport):
         return counts, displs
 
     def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        out = x.new_empty((sum(sizes), *tuple(x.shape[1:])))
         counts, displs = self._counts(sizes, self._row_bytes(x))
         self.comm.Allgatherv(self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE])
         return out
@@ -63,7 +63,7 @@ class MPITransport(Transport):
         if self.rank != dst:
             self.comm.Gatherv(self._bytes(x), None, root=dst)
             return None
-        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        out = x.new_empty((sum(sizes), *tuple(x.shape[1:])))
         self.comm.Gatherv(self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE], root=dst)
         return out
 
@@ -76,7 +76,7 @@ class MPITransport(Transport):
         dtype: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
-        out = torch.empty((sizes[self.rank],) + rest, dtype=dtype, device=device)
+        out = torch.empty((sizes[self.rank], *rest), dtype=dtype, device=device)
         if self.rank != src or x is None:
             self.comm.Scatterv(None, self._bytes(out), root=src)
             return out
@@ -85,7 +85,7 @@ class MPITransport(Transport):
         return out
 
     def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        out = x.new_empty((sum(recv), *tuple(x.shape[1:])))
         row = self._row_bytes(x)
         scounts, sdispls = self._counts(send, row)
         rcounts, rdispls = self._counts(recv, row)
@@ -112,7 +112,7 @@ class MPITransport(Transport):
         staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         reqs = [
             self.comm.Irecv(self._bytes(buf), source=peer, tag=tag)
-            for (peer, tag, _), (_, buf) in zip(recvs, staged)
+            for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)
         ]
         reqs += [self.comm.Isend(self._bytes(t), dest=peer, tag=tag) for peer, tag, t in sends]
         MPI.Request.Waitall(reqs)

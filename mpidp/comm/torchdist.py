@@ -38,10 +38,8 @@ class TorchTransport(Transport):
     def default_device(self) -> torch.device:
         return self._device
 
-    def _a2a(
-        self, x: torch.Tensor, send: list[int], recv: list[int]
-    ) -> torch.Tensor:
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv), *tuple(x.shape[1:])))
         dist.all_to_all_single(out, x, recv, send, group=self.group)
         return out
 
@@ -69,7 +67,7 @@ class TorchTransport(Transport):
         if self.rank == src and x is not None:
             send = sizes
         else:
-            x = torch.empty((0,) + rest, dtype=dtype, device=device)
+            x = torch.empty((0, *rest), dtype=dtype, device=device)
             send = [0] * self.size
         recv = [0] * self.size
         recv[src] = sizes[self.rank]
@@ -92,7 +90,7 @@ class TorchTransport(Transport):
         staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         ops = [
             dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag)
-            for (peer, tag, _), (_, buf) in zip(recvs, staged)
+            for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)
         ]
         ops += [
             dist.P2POp(dist.isend, t, group=self.group, group_peer=peer, tag=tag)

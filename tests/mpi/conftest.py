@@ -33,7 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"mpidp MPI tests: {_WORLD.Get_size()} ranks ({MPI.Get_library_version().splitlines()[0]})"
+    return (
+        f"mpidp MPI tests: {_WORLD.Get_size()} ranks ({MPI.Get_library_version().splitlines()[0]})"
+    )
 
 
 def _all_outcomes(code: int, nodeid: str, text: str) -> np.ndarray:
@@ -45,7 +47,8 @@ def _all_outcomes(code: int, nodeid: str, text: str) -> np.ndarray:
         if time.monotonic() > deadline:
             sys.stderr.write(
                 f"\n[rank {_WORLD.Get_rank()}] {nodeid}: outcome {code}, peers did not reach the "
-                f"verdict within {_TIMEOUT:.0f} s (stuck in a collective); aborting the job\n{text}\n"
+                f"verdict within {_TIMEOUT:.0f} s (stuck in a collective); "
+                f"aborting the job\n{text}\n"
             )
             sys.stderr.flush()
             _WORLD.Abort(1)

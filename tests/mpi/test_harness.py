@@ -35,8 +35,9 @@ def test_pointwise_module_parameter_gradients_match(manager):
     serial = torch.nn.Conv2d(3, 4, kernel_size=1, dtype=torch.float64)
     dist = torch.nn.Conv2d(3, 4, kernel_size=1, dtype=torch.float64)
     dist.load_state_dict(serial.state_dict())
-    result = assert_matches_serial(serial, dist, [_field(9)], manager=manager,
-                                   modules=(serial, dist))
+    result = assert_matches_serial(
+        serial, dist, [_field(9)], manager=manager, modules=(serial, dist)
+    )
     assert set(result.max_abs_diff) >= {"output", "grad_input[0]", "grad[weight]", "grad[bias]"}
 
 

@@ -57,10 +57,13 @@ def global_tensor(shape, dtype=torch.float64, seed=0):
 
 def size_cases(p):
     """(name, sizes) partitions for p ranks: balanced 13 and 721, 1-row, empty first rank."""
-    cases = [("balanced13", balanced_sizes(13, p)), ("balanced721", balanced_sizes(721, p)),
-             ("one_row", (1,) * p)]
+    cases = [
+        ("balanced13", balanced_sizes(13, p)),
+        ("balanced721", balanced_sizes(721, p)),
+        ("one_row", (1,) * p),
+    ]
     if p > 1:
-        cases.append(("empty_first", (0,) + tuple(range(2, p + 1))))
+        cases.append(("empty_first", (0, *tuple(range(2, p + 1)))))
     return cases
 
 
@@ -112,8 +115,10 @@ def test_scatter_v_from_last_rank_others_pass_none(transport, dim, case):
     assert torch.equal(out, local_part(full, sizes, dim, transport.rank)), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
-                                   torch.bool, torch.complex128])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex128],
+)
 def test_dtypes_move_exactly(transport, dtype):
     sizes = balanced_sizes(7, transport.size, allow_empty=True)
     full = global_tensor((sum(sizes), 5), dtype)
@@ -160,8 +165,13 @@ def test_all_reduce(transport, op):
     p, me = transport.size, transport.rank
     contributions = [global_tensor((4, 3), seed=r) for r in range(p)]
     stacked = torch.stack(contributions)
-    want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0),
-            "min": stacked.amin(0), "prod": stacked.prod(0)}[op]
+    want = {
+        "sum": stacked.sum(0),
+        "avg": stacked.mean(0),
+        "max": stacked.amax(0),
+        "min": stacked.amin(0),
+        "prod": stacked.prod(0),
+    }[op]
     mine = contributions[me].clone()
     out = transport.all_reduce(mine, op)
     torch.testing.assert_close(out, want, rtol=1e-13, atol=1e-12)
@@ -178,7 +188,7 @@ def test_all_reduce_low_precision_accumulates_in_float32(transport):
 
 
 def test_all_reduce_avg_of_integers_is_refused(transport):
-    with pytest.raises(CommError, match="avg of a torch.int64 tensor"):
+    with pytest.raises(CommError, match=r"avg of a torch\.int64 tensor"):
         transport.all_reduce(torch.ones(3, dtype=torch.int64), "avg")
 
 
@@ -195,7 +205,10 @@ def test_exchange_ring_both_directions(transport):
     p, me = transport.size, transport.rank
     nxt, prv = (me + 1) % p, (me - 1) % p
     up, down = chunk(me, nxt, 2), chunk(me, prv, 3)
-    from_prv, from_nxt = torch.empty(2, 3, dtype=torch.float64), torch.empty(3, 3, dtype=torch.float64)
+    from_prv, from_nxt = (
+        torch.empty(2, 3, dtype=torch.float64),
+        torch.empty(3, 3, dtype=torch.float64),
+    )
     transport.exchange([(nxt, up), (prv, down)], [(prv, from_prv), (nxt, from_nxt)])
     assert torch.equal(from_prv, chunk(prv, me, 2))
     assert torch.equal(from_nxt, chunk(nxt, me, 3))
@@ -214,9 +227,12 @@ def test_exchange_into_non_contiguous_buffer(transport):
 
 def test_objects(transport):
     assert transport.all_gather_object({"r": transport.rank}) == [
-        {"r": r} for r in range(transport.size)]
+        {"r": r} for r in range(transport.size)
+    ]
     assert transport.broadcast_object(("x", transport.rank), src=transport.size - 1) == (
-        "x", transport.size - 1)
+        "x",
+        transport.size - 1,
+    )
     transport.barrier()
 
 
@@ -227,8 +243,11 @@ def test_argument_errors_are_the_same_on_every_rank(transport):
         transport.all_gather_v(x, [2] * (p + 1))
     with pytest.raises(CommError, match=r"dim 3 is out of range for a 2-d tensor"):
         transport.all_gather_v(x, [2] * p, dim=3)
-    with pytest.raises(CommError, match=rf"rank {transport.rank} of {p}: tensor of shape \(2, 3\) "
-                                        r"has 2 entries along dim 0 but sizes\[\d+\] = 5"):
+    with pytest.raises(
+        CommError,
+        match=rf"rank {transport.rank} of {p}: tensor of shape \(2, 3\) "
+        r"has 2 entries along dim 0 but sizes\[\d+\] = 5",
+    ):
         transport.all_gather_v(x, [5] * p)
     with pytest.raises(CommError, match="negative entry"):
         transport.gather_v(x, [-1] * p)

@@ -27,10 +27,17 @@ def test_host_defaults_to_this_machine():
 
 
 def test_torchrun():
-    info = detect({
-        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "n0", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "abc",
-    })
+    info = detect(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "n0",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_RUN_ID": "abc",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size) == ("torchrun", 5, 8)
     assert (info.local_rank, info.local_world_size) == (1, 4)
     assert (info.master_addr, info.master_port, info.job_id) == ("n0", 29500, "abc")
@@ -38,61 +45,128 @@ def test_torchrun():
 
 def test_torchrun_under_srun_wins_over_slurm():
     # srun starts one torchrun per node; torchrun's numbering describes the workers.
-    info = detect({
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-        "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-    })
+    info = detect(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size) == ("torchrun", 3, 4)
 
 
 def test_openmpi():
-    info = detect({
-        "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMIX_RANK": "2",
-    })
+    info = detect(
+        {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "PMIX_RANK": "2",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
-        "openmpi", 2, 4, 0, 2)
+        "openmpi",
+        2,
+        4,
+        0,
+        2,
+    )
 
 
 def test_mpich_hydra():
-    info = detect({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3",
-                   "MPI_LOCALNRANKS": "4", "PMI_FD": "9"})
+    info = detect(
+        {
+            "PMI_RANK": "3",
+            "PMI_SIZE": "4",
+            "MPI_LOCALRANKID": "3",
+            "MPI_LOCALNRANKS": "4",
+            "PMI_FD": "9",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
-        "mpich", 3, 4, 3, 4)
+        "mpich",
+        3,
+        4,
+        3,
+        4,
+    )
 
 
 def test_intel_mpi_uses_the_pmi_variables():
-    info = detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
-                   "MPI_LOCALNRANKS": "2", "I_MPI_ROOT": "/opt/intel/mpi"})
+    info = detect(
+        {
+            "PMI_RANK": "1",
+            "PMI_SIZE": "2",
+            "MPI_LOCALRANKID": "1",
+            "MPI_LOCALNRANKS": "2",
+            "I_MPI_ROOT": "/opt/intel/mpi",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size) == ("mpich", 1, 2)
 
 
 def test_cray_pals():
-    info = detect({"PALS_RANKID": "6", "PALS_LOCAL_RANKID": "2", "PALS_NODEID": "1",
-                   "PMI_RANK": "6", "PMI_SIZE": "8", "PMI_LOCAL_SIZE": "4",
-                   "PALS_APID": "1234", "PBS_JOBID": "99.pbs"})
+    info = detect(
+        {
+            "PALS_RANKID": "6",
+            "PALS_LOCAL_RANKID": "2",
+            "PALS_NODEID": "1",
+            "PMI_RANK": "6",
+            "PMI_SIZE": "8",
+            "PMI_LOCAL_SIZE": "4",
+            "PALS_APID": "1234",
+            "PBS_JOBID": "99.pbs",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
-        "pals", 6, 8, 2, 4)
+        "pals",
+        6,
+        8,
+        2,
+        4,
+    )
     assert info.job_id == "1234"
 
 
 def test_pmix_standalone():
-    info = detect({"PMIX_RANK": "1", "PMIX_SIZE": "3", "PMIX_LOCAL_RANK": "1",
-                   "PMIX_LOCAL_SIZE": "3", "PMIX_NAMESPACE": "prterun-vm-1@1"})
+    info = detect(
+        {
+            "PMIX_RANK": "1",
+            "PMIX_SIZE": "3",
+            "PMIX_LOCAL_RANK": "1",
+            "PMIX_LOCAL_SIZE": "3",
+            "PMIX_NAMESPACE": "prterun-vm-1@1",
+        }
+    )
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("pmix", 1, 3, 1)
 
 
 SLURM_4 = {
-    "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-    "SLURM_STEP_NODELIST": "nid[001-004,010]", "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
-    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_NODELIST": "nid[001-004,010]",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
 }
 
 
 def test_slurm_srun():
     info = detect(SLURM_4)
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == (
-        "slurm", 3, 8, 1, 2)
+        "slurm",
+        3,
+        8,
+        1,
+        2,
+    )
     assert info.nodelist == ("nid001", "nid002", "nid003", "nid004", "nid010")
     assert info.master_addr == "nid001"
     assert info.master_port == slurm_port("4242", "0")
@@ -100,8 +174,13 @@ def test_slurm_srun():
 
 
 def test_slurm_uneven_tasks_per_node():
-    env = dict(SLURM_4, SLURM_STEP_TASKS_PER_NODE="3(x2),2", SLURM_NTASKS="8", SLURM_NODEID="2",
-               SLURM_STEP_NODELIST="a[1-3]")
+    env = dict(
+        SLURM_4,
+        SLURM_STEP_TASKS_PER_NODE="3(x2),2",
+        SLURM_NTASKS="8",
+        SLURM_NODEID="2",
+        SLURM_STEP_NODELIST="a[1-3]",
+    )
     assert detect(env).local_world_size == 2
 
 
@@ -112,16 +191,29 @@ def test_slurm_falls_back_to_job_nodelist():
 
 
 def test_srun_pmi2_is_reported_as_slurm():
-    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "2",
-           "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "7", "PMI_RANK": "2", "PMI_SIZE": "4",
-           "PMI_FD": "5"}
+    env = {
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "2",
+        "SLURM_STEP_NODELIST": "vm",
+        "SLURM_JOB_ID": "7",
+        "PMI_RANK": "2",
+        "PMI_SIZE": "4",
+        "PMI_FD": "5",
+    }
     info = detect(env)
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 2, 4, 2)
 
 
 def test_srun_pmix_is_reported_as_slurm():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-           "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_ID": "7", "PMIX_RANK": "1"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "vm",
+        "SLURM_JOB_ID": "7",
+        "PMIX_RANK": "1",
+    }
     assert detect(env).launcher == "slurm"
 
 
@@ -129,22 +221,38 @@ def test_srun_pmix_is_reported_as_slurm():
 def test_mpirun_inside_sbatch_mpi_wins(rank):
     # sbatch exports SLURM_PROCID=0 to the batch script; every rank mpirun starts inherits it.
     env = {
-        "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "55",
-        "SLURM_JOB_NODELIST": "vm", "OMPI_COMM_WORLD_RANK": str(rank),
-        "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "55",
+        "SLURM_JOB_NODELIST": "vm",
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
         "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
     }
     info = detect(env)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("openmpi", rank, 4, rank)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == (
+        "openmpi",
+        rank,
+        4,
+        rank,
+    )
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_hydra_mpiexec_inside_sbatch_mpi_wins(rank):
     # Even rank 0, whose PMI numbers agree with SLURM's by coincidence, is labelled consistently.
     env = {
-        "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "55",
-        "SLURM_JOB_NODELIST": "vm", "PMI_RANK": str(rank), "PMI_SIZE": "4",
-        "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "55",
+        "SLURM_JOB_NODELIST": "vm",
+        "PMI_RANK": str(rank),
+        "PMI_SIZE": "4",
+        "MPI_LOCALRANKID": str(rank),
+        "MPI_LOCALNRANKS": "4",
     }
     info = detect(env)
     assert (info.launcher, info.rank, info.local_rank) == ("mpich", rank, rank)
@@ -167,20 +275,30 @@ def test_override_unknown_name():
         detect({"MPIDP_LAUNCHER": "lsf"})
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"PMI_RANK": "4", "PMI_SIZE": "4"}, r"rank 4 is outside \[0, 4\)"),
-    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "world size 0 < 1"),
-    ({"PMI_RANK": "1"}, "PMI_RANK is set but none of PMI_SIZE is"),
-    ({"PALS_RANKID": "1"}, "none of PALS_SIZE, PMI_SIZE is"),
-    ({"PMIX_RANK": "0"}, "cannot tell the world size"),
-    ({"SLURM_PROCID": "0"}, "SLURM_NTASKS is not"),
-    ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
-    ({"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "5", "MPI_LOCALNRANKS": "4"},
-     r"local rank 5 is outside \[0, 4\)"),
-    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"},
-     "local world size 3 > world size 2"),
-    (dict(SLURM_4, SLURM_STEP_TASKS_PER_NODE="2(x"), "cannot read SLURM tasks per node"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"PMI_RANK": "4", "PMI_SIZE": "4"}, r"rank 4 is outside \[0, 4\)"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}, "world size 0 < 1"),
+        ({"PMI_RANK": "1"}, "PMI_RANK is set but none of PMI_SIZE is"),
+        ({"PALS_RANKID": "1"}, "none of PALS_SIZE, PMI_SIZE is"),
+        ({"PMIX_RANK": "0"}, "cannot tell the world size"),
+        ({"SLURM_PROCID": "0"}, "SLURM_NTASKS is not"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"},
+            "WORLD_SIZE='two' is not an integer",
+        ),
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "5", "MPI_LOCALNRANKS": "4"},
+            r"local rank 5 is outside \[0, 4\)",
+        ),
+        (
+            {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"},
+            "local world size 3 > world size 2",
+        ),
+        (dict(SLURM_4, SLURM_STEP_TASKS_PER_NODE="2(x"), "cannot read SLURM tasks per node"),
+    ],
+)
 def test_inconsistent_environments_raise(env, message):
     with pytest.raises(LaunchError, match=message):
         detect(env)

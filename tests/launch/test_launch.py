@@ -1,0 +1,167 @@
+"""Real launches in subprocesses: mpiexec, torchrun, a SLURM-style environment without MPI.
+
+These start their own jobs, so they run outside mpiexec (scripts/test.sh runs them last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+TIMEOUT = 240
+
+# A tiny job: initialise, check an all-reduce through the default transport, print a verdict.
+JOB = """
+import sys, torch, mpidp
+m = mpidp.init(domain_parallel_size=int(sys.argv[1]))
+total = m.transport("world").all_reduce(torch.ones(1) * m.rank).item()
+assert total == m.world_size * (m.world_size - 1) / 2, total
+print(f"OK rank={m.rank} size={m.world_size} launcher={m.launch_info.launcher} "
+      f"transport={m.transport().name}", flush=True)
+m.shutdown()
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment minus any launcher variables (the suite itself may run under one)."""
+    prefixes = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "PALS_", "SLURM_", "MPIDP_", "HYDRA_")
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=clean_env(**extra), capture_output=True, text=True, timeout=TIMEOUT
+    )
+
+
+def test_info_json_four_ranks_two_by_two():
+    res = run([MPIEXEC, "-n", "4", str(BIN / "mpidp"), "info", "-d", "2", "--json"])
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["world_size"] == 4 and doc["mesh"] == {"dp": 2, "domain": 2}
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    assert [r["mesh_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert {r["launcher"] for r in doc["ranks"]} == {"mpich"}
+    assert len({r["pid"] for r in doc["ranks"]}) == 4
+
+
+def test_info_table_one_process_without_launcher():
+    res = run([sys.executable, "-m", "mpidp", "info"])
+    assert res.returncode == 0, res.stderr
+    assert "mpidp: 1 ranks, mesh dp x domain = 1 x 1" in res.stdout
+    assert "single" in res.stdout
+
+
+def test_info_json_one_process():
+    res = run([str(BIN / "mpidp"), "info", "--json"])
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads(res.stdout)["ranks"]) == 1
+
+
+def test_info_rejects_bad_domain_size_on_every_rank():
+    res = run(
+        [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "mpidp", "info", "-d", "2"]
+    )
+    assert res.returncode != 0
+    for rank in range(3):
+        assert f"rank {rank}: world size 3 is not divisible by domain_parallel_size 2" in res.stderr
+
+
+def test_two_jobs_at_once_do_not_collide():
+    """Two 2-rank jobs started together on one node both initialise (no fixed port)."""
+    procs = [
+        subprocess.Popen(
+            [MPIEXEC, "-n", "2", sys.executable, "-c", JOB, "2"],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+        assert out.count("OK rank=") == 2 and "transport=mpi" in out
+
+
+def test_torchrun_without_mpi_rendezvous():
+    res = run(
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "mpidp",
+            "info",
+            "--json",
+            "-d",
+            "2",
+        ]
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout[res.stdout.index("{") :])
+    assert {r["launcher"] for r in doc["ranks"]} == {"torchrun"}
+    assert {r["transport"] for r in doc["ranks"]} == {"torch"}  # MPI does not span the job
+
+
+def test_slurm_environment_without_mpi_uses_slurm_rendezvous():
+    """What `srun --mpi=none -n 2` gives: SLURM variables, MPI singletons. mpidp must form one
+    2-rank job from SLURM's numbering, not two independent rank-0 runs."""
+    job = str(random.randint(10_000, 99_999))
+    base = dict(
+        SLURM_NTASKS="2",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_JOB_ID=job,
+        SLURM_STEP_ID="0",
+        SLURM_STEP_TASKS_PER_NODE="2",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOB, "1"],
+            env=clean_env(**base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+        outs.append(out)
+    assert "OK rank=0 size=2 launcher=slurm transport=torch" in outs[0]
+    assert "OK rank=1 size=2 launcher=slurm transport=torch" in outs[1]
+
+
+def test_mpi_launcher_but_mpi_sees_one_process_is_an_error():
+    """Open MPI's variables with MPICH's mpi4py: the classic wrong-library launch."""
+    res = run([sys.executable, "-c", JOB, "1"], OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2")
+    assert res.returncode != 0
+    assert (
+        "rank 1: openmpi started 2 processes but MPI in this process sees a world of 1"
+        in res.stderr
+    )
+    assert "MPI4PY_LIBMPI" in res.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_python_dash_c_init_prints_manager(n):
+    code = "import mpidp; m = mpidp.init(domain_parallel_size=1); print(m)"
+    res = run([MPIEXEC, "-n", str(n), sys.executable, "-c", code])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("DistributedManager(rank=") == n
