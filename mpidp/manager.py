@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import BackendError, ConfigError, LaunchError
+from mpidp.partition import Balanced, PartitionPolicy, ShardSpec
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
 
@@ -78,6 +79,9 @@ class DistributedManager:
         ``"mpi"`` or ``"torch"``.
     env:
         The launcher environment; default ``os.environ``. Read, never written.
+    partition:
+        The partition policy that cuts every length over the domain group
+        (default :class:`~mpidp.partition.Balanced`); see :meth:`spec`.
 
     Collective over the world: every rank must construct it with the same arguments.
     """
@@ -91,8 +95,18 @@ class DistributedManager:
         device: str | torch.device | None = None,
         transport: str = "auto",
         env: dict[str, str] | None = None,
+        partition: PartitionPolicy | None = None,
     ) -> None:
-        self._args = (domain_parallel_size, backend, shard_dim, timeout, device, transport)
+        self.partition: PartitionPolicy = partition if partition is not None else Balanced()
+        self._args = (
+            domain_parallel_size,
+            backend,
+            shard_dim,
+            timeout,
+            device,
+            transport,
+            self.partition,
+        )
         self.timeout = _as_timeout(timeout)
         self.shard_dim = shard_dim
         self.transport_policy = transport
@@ -366,6 +380,13 @@ class DistributedManager:
             None if before is None else base + before, None if after is None else base + after
         )
 
+    def spec(self, n: int) -> ShardSpec:
+        """The partition of a length ``n`` over the domain group, by this manager's policy."""
+        try:
+            return self.partition.spec(n, self.domain_world_size)
+        except ConfigError as err:
+            raise ConfigError(f"rank {self.rank}: {err}") from None
+
     def _group_key(self, group: Any) -> str:
         if group is None or group == "domain" or group is self.domain_group:
             return "domain"
@@ -489,6 +510,7 @@ def init(
     timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
     device: str | torch.device | None = None,
     transport: str = "auto",
+    partition: PartitionPolicy | None = None,
 ) -> DistributedManager:
     """Initialise mpidp and return the default :class:`DistributedManager`.
 
@@ -497,7 +519,8 @@ def init(
     before building another layout).
     """
     global _default
-    args = (domain_parallel_size, backend, shard_dim, timeout, device, transport)
+    partition = partition if partition is not None else Balanced()
+    args = (domain_parallel_size, backend, shard_dim, timeout, device, transport, partition)
     if _default is not None:
         if _default._args != args:
             raise ConfigError(
@@ -513,12 +536,21 @@ def init(
         timeout=timeout,
         device=device,
         transport=transport,
+        partition=partition,
     )
     return _default
 
 
 def _describe_args(args: tuple[Any, ...]) -> str:
-    names = ("domain_parallel_size", "backend", "shard_dim", "timeout", "device", "transport")
+    names = (
+        "domain_parallel_size",
+        "backend",
+        "shard_dim",
+        "timeout",
+        "device",
+        "transport",
+        "partition",
+    )
     return ", ".join(f"{n}={v!r}" for n, v in zip(names, args, strict=False))
 
 

@@ -1,4 +1,8 @@
-"""Partitions of a length over ranks (the single source of truth for shard sizes).
+"""Partitions of a length over ranks: the single source of truth for shard sizes.
+
+:class:`ShardSpec` is one partition (sizes of every rank's band). A partition *policy* maps any
+length to a ShardSpec, so every activation of a network (a U-Net's down path, up path and skip
+connections) is cut by the same rule.
 
 Balanced rule: the first ``n mod parts`` parts get one extra row (721 over 4 -> 181, 180, 180,
 180). This is not ``torch.chunk``'s rule, which can give fewer chunks than ranks.
@@ -6,9 +10,30 @@ Balanced rule: the first ``n mod parts`` parts get one extra row (721 over 4 -> 
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from fractions import Fraction
+
 from mpidp.errors import ConfigError
 
-__all__ = ["balanced_sizes", "offsets"]
+__all__ = [
+    "Balanced",
+    "PartitionPolicy",
+    "ShardSpec",
+    "Weighted",
+    "as_sizes",
+    "balanced_sizes",
+    "offsets",
+]
+
+
+def _too_few(n: int, parts: int) -> ConfigError:
+    return ConfigError(
+        f"cannot split {n} rows over {parts} ranks; use at most {max(n, 1)} ranks or a larger "
+        f"grid (or pass allow_empty=True for zero-size shards)"
+    )
 
 
 def balanced_sizes(n: int, parts: int, allow_empty: bool = False) -> tuple[int, ...]:
@@ -16,18 +41,193 @@ def balanced_sizes(n: int, parts: int, allow_empty: bool = False) -> tuple[int, 
     if parts < 1:
         raise ConfigError(f"cannot split {n} rows over {parts} parts; use at least 1 part")
     if n < 0 or (n < parts and not allow_empty):
-        raise ConfigError(
-            f"cannot split {n} rows over {parts} ranks; use at most {max(n, 1)} ranks or a "
-            f"larger grid (or allow empty shards)"
-        )
+        raise _too_few(n, parts)
     base, extra = divmod(n, parts)
     return tuple(base + 1 if i < extra else base for i in range(parts))
 
 
-def offsets(sizes: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+def offsets(sizes: Sequence[int]) -> tuple[int, ...]:
     """Start of every shard: ``(0, s0, s0 + s1, ...)`` without the total."""
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return tuple(out)
+    return (0, *itertools.accumulate(sizes))[: len(sizes)]
+
+
+def _weighted_bounds(weights: Sequence[float], n: int, allow_empty: bool) -> list[int]:
+    """Shard boundaries at the rounded cumulative weight fractions of ``n``.
+
+    Exact rational arithmetic, so every rank computes the same boundaries. Without
+    ``allow_empty`` every shard keeps at least one row (boundaries nudged by the fewest rows).
+    """
+    ws = [Fraction(w) for w in weights]
+    if not ws or any(w < 0 for w in ws) or sum(ws) <= 0:
+        raise ConfigError(
+            f"partition weights {list(weights)} must be non-negative with a positive sum"
+        )
+    total, parts = sum(ws), len(ws)
+    if n < parts and not allow_empty:
+        raise _too_few(n, parts)
+    if any(w == 0 for w in ws) and not allow_empty:
+        raise ConfigError(
+            f"partition weights {list(weights)} give a rank no rows; pass allow_empty=True "
+            f"or give every rank a positive weight"
+        )
+    cum = list(itertools.accumulate(ws))
+    bounds = [0] + [int(n * c / total + Fraction(1, 2)) for c in cum[:-1]] + [n]
+    if not allow_empty:
+        for i in range(1, parts):  # at least one row each, room left for the rest
+            bounds[i] = min(max(bounds[i], bounds[i - 1] + 1), n - (parts - i))
+    return bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How one dimension of ``total`` entries is cut into ``parts`` consecutive shards.
+
+    Shard ``r`` (rank ``r`` of the group) owns the global rows ``[offsets[r], offsets[r] +
+    sizes[r])``. Build one with :meth:`balanced`, :meth:`from_sizes` or :meth:`from_weights`.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = tuple(int(s) for s in self.sizes)
+        if not sizes:
+            raise ConfigError("a ShardSpec needs at least one shard; got sizes ()")
+        if any(s < 0 for s in sizes):
+            raise ConfigError(f"shard sizes {list(sizes)} contain a negative size")
+        object.__setattr__(self, "sizes", sizes)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def balanced(cls, n: int, parts: int, allow_empty: bool = False) -> ShardSpec:
+        """``n`` rows over ``parts`` shards; the first ``n mod parts`` get one extra row."""
+        return cls(balanced_sizes(n, parts, allow_empty))
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int]) -> ShardSpec:
+        """Explicit sizes (zero sizes allowed: the caller chose them)."""
+        return cls(tuple(sizes))
+
+    @classmethod
+    def from_weights(cls, weights: Sequence[float], n: int, allow_empty: bool = False) -> ShardSpec:
+        """Sizes proportional to ``weights`` (one per shard), integers summing to ``n``.
+
+        Boundaries are the rounded cumulative fractions ``round(n * (w0 + ... + wi) / sum(w))``,
+        so the same weights scale consistently to every length.
+        """
+        bounds = _weighted_bounds(weights, n, allow_empty)
+        return cls(tuple(b - a for a, b in itertools.pairwise(bounds)))
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def parts(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return offsets(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"ShardSpec(total={self.total}, parts={self.parts}, sizes={self.sizes})"
+
+    def __len__(self) -> int:
+        return self.parts
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.sizes)
+
+    def __getitem__(self, rank: int) -> int:
+        return self.sizes[rank]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.parts:
+            raise ConfigError(f"rank {rank} is not a shard of {self!r}; use 0..{self.parts - 1}")
+
+    def start(self, rank: int) -> int:
+        """First global row of ``rank``'s shard."""
+        self._check_rank(rank)
+        return self.offsets[rank]
+
+    def stop(self, rank: int) -> int:
+        """One past the last global row of ``rank``'s shard."""
+        self._check_rank(rank)
+        return self.offsets[rank] + self.sizes[rank]
+
+    def slice(self, rank: int) -> slice:
+        """The global rows ``rank`` owns, as a slice."""
+        return slice(self.start(rank), self.stop(rank))
+
+    def owner(self, row: int) -> int:
+        """The rank owning global ``row`` (negative rows count from the end, like indexing)."""
+        if not -self.total <= row < self.total:
+            raise ConfigError(f"row {row} is outside {self!r}; use 0..{self.total - 1}")
+        row %= self.total
+        # The last shard starting at or before the row; empty shards start where the next does.
+        return bisect.bisect_right(self.offsets, row) - 1
+
+    def overlaps(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """``(rank, lo, hi)`` for every shard holding rows of the global range ``[start, stop)``
+        (clipped to ``[0, total)``), in rank order; ``[lo, hi)`` are global rows, non-empty."""
+        out = []
+        for rank, (off, size) in enumerate(zip(self.offsets, self.sizes, strict=True)):
+            lo, hi = max(start, off), min(stop, off + size)
+            if lo < hi:
+                out.append((rank, lo, hi))
+        return out
+
+
+def as_sizes(sizes: ShardSpec | Sequence[int]) -> list[int]:
+    """Plain list of shard sizes from a ShardSpec or any sequence of ints."""
+    return list(sizes.sizes) if isinstance(sizes, ShardSpec) else [int(s) for s in sizes]
+
+
+class PartitionPolicy:
+    """Maps a length to the ShardSpec of that length over ``parts`` ranks.
+
+    Every activation of a network is cut by the same policy, so shapes that a model produces on
+    several paths (a skip connection and an upsampled tensor) get the same shard boundaries.
+    """
+
+    allow_empty: bool = False
+
+    def spec(self, n: int, parts: int) -> ShardSpec:
+        raise NotImplementedError
+
+    def __call__(self, n: int, parts: int) -> ShardSpec:
+        return self.spec(n, parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Balanced(PartitionPolicy):
+    """The balanced rule (the default): the first ``n mod parts`` ranks get one extra row."""
+
+    allow_empty: bool = False
+
+    def spec(self, n: int, parts: int) -> ShardSpec:
+        return ShardSpec.balanced(n, parts, self.allow_empty)
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighted(PartitionPolicy):
+    """Shards proportional to ``weights`` (one per rank) at every length: boundaries are the
+    weight fractions scaled to the length and rounded (see :meth:`ShardSpec.from_weights`)."""
+
+    weights: tuple[float, ...]
+    allow_empty: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", tuple(self.weights))
+        _weighted_bounds(self.weights, len(self.weights), True)  # validates the weights
+
+    def spec(self, n: int, parts: int) -> ShardSpec:
+        if parts != len(self.weights):
+            raise ConfigError(
+                f"weighted partition has {len(self.weights)} weights {self.weights} but the "
+                f"group has {parts} ranks; give one weight per rank"
+            )
+        return ShardSpec.from_weights(self.weights, n, self.allow_empty)

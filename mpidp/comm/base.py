@@ -116,12 +116,20 @@ class Transport(abc.ABC):
         return out.movedim(0, dim) if out is not None else None
 
     def scatter_v(
-        self, tensor: torch.Tensor | None, sizes: Sequence[int], dim: int = 0, src: int = 0
+        self,
+        tensor: torch.Tensor | None,
+        sizes: Sequence[int],
+        dim: int = 0,
+        src: int = 0,
+        *,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Split ``src``'s tensor along ``dim`` by ``sizes``; rank i gets part i.
 
-        Ranks other than ``src`` may pass None: shape and dtype come from ``src`` (one small
-        broadcast of metadata).
+        Ranks other than ``src`` may pass None. Their result's shape and dtype come from
+        ``src`` by one small broadcast, unless every rank passes the full ``shape`` and
+        ``dtype`` (then ``dim`` must be the same on every rank, negative or not).
         """
         sizes = self._sizes(sizes)
         self._root(src, "src")
@@ -131,7 +139,6 @@ class Transport(abc.ABC):
             dim = self._dim(tensor, dim)
             self._local(tensor, dim, sizes[0], "sum(sizes)")
             return tensor.detach()
-        meta = None
         if self.rank == src:
             if tensor is None:
                 raise CommError(
@@ -139,13 +146,37 @@ class Transport(abc.ABC):
                 )
             dim = self._dim(tensor, dim)
             self._local(tensor, dim, sum(sizes), "sum(sizes)")
-            meta = (tuple(tensor.shape), tensor.dtype, dim)
-        shape, dtype, dim = self.broadcast_object(meta, src)
+        if shape is None or dtype is None:
+            meta = (tuple(tensor.shape), tensor.dtype, dim) if tensor is not None else None
+            shape, dtype, dim = self.broadcast_object(meta if self.rank == src else None, src)
+        else:
+            dim %= len(shape)
+        assert shape is not None and dtype is not None
         front = _to_front(tensor, dim) if self.rank == src and tensor is not None else None
-        rest = (shape[dim], *shape[:dim], *shape[dim + 1 :])
+        rest = (*shape[:dim], *shape[dim + 1 :])
         device = tensor.device if tensor is not None else self.default_device
-        out = self._scatter_v(front, sizes, src, rest[1:], dtype, device)
+        out = self._scatter_v(front, sizes, src, tuple(rest), dtype, device)
         return out.movedim(0, dim)
+
+    def reduce_scatter_v(
+        self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, op: str = "sum"
+    ) -> torch.Tensor:
+        """Reduce every rank's whole tensor element-wise, then split along ``dim`` by ``sizes``:
+        rank i gets part i of the reduction. float16/bfloat16 accumulate in float32."""
+        op = self._op(op)
+        dim = self._dim(tensor, dim)
+        sizes = self._sizes(sizes)
+        self._local(tensor, dim, sum(sizes), "sum(sizes)")
+        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise CommError(f"{self._where()}: avg of a {tensor.dtype} tensor; use sum")
+        if self.size == 1:
+            return tensor.detach()
+        low = tensor.dtype in _LOW_PRECISION
+        work = _to_front(tensor.to(torch.float32) if low else tensor, dim)
+        out = self._reduce_scatter_v(work, sizes, "sum" if op == "avg" else op)
+        if op == "avg":
+            out /= self.size
+        return (out.to(tensor.dtype) if low else out).movedim(0, dim)
 
     def all_to_all_v(
         self,
@@ -258,6 +289,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor: ...
 
     @abc.abstractmethod
     def _all_reduce(self, x: torch.Tensor, op: str) -> None: ...

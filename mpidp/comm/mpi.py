@@ -109,6 +109,15 @@ class MPITransport(Transport):
         )
         return out
 
+    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+        self._bytes(x)  # device and layout checks
+        out = self._new((sizes[self.rank], *x.shape[1:]), x.dtype)
+        row = math.prod(x.shape[1:])
+        self.comm.Reduce_scatter(
+            x.numpy(), out.numpy(), recvcounts=[s * row for s in sizes], op=_OPS[op]
+        )
+        return out
+
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         if x.device.type != "cpu":
             self._bytes(x)  # raises the device error

@@ -76,6 +76,17 @@ class TorchTransport(Transport):
     def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         return self._a2a(x, send, recv)
 
+    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+        # Every rank's copy of my part, stacked in rank order, then reduced here: a fixed
+        # summation order, and gloo has no uneven reduce_scatter.
+        mine = sizes[self.rank]
+        parts = self._a2a(x, sizes, [mine] * self.size).view(self.size, mine, *x.shape[1:])
+        if op == "sum":
+            return parts.sum(0)
+        if op == "prod":
+            return parts.prod(0)
+        return parts.amax(0) if op == "max" else parts.amin(0)
+
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         dist.all_reduce(x, op=_OPS[op], group=self.group)
 

@@ -1,0 +1,657 @@
+"""Differentiable collectives: one autograd.Function per primitive, backward = its adjoint.
+
+Every backward ``.apply``-s the partner Function, so double backward works too. Two kinds of
+downstream decide which adjoint is right:
+
+* **partial**: each rank's result feeds a different computation and the global loss is the sum
+  over ranks of what each rank computes. The backward must add the contributions of every rank
+  (``all_gather_v`` -> ``reduce_scatter_v``, ``all_reduce`` -> ``all_reduce``).
+* **replicated**: every rank computes the same thing from the same result (the loss counted
+  once). The backward takes this rank's part only (``all_gather_v_replicated`` -> slice,
+  ``reduce_from`` -> identity).
+
+``group`` accepts what the manager exposes: None (the default manager's domain group),
+``"domain"``, ``"dp"``, ``"world"``, ``manager.domain_group`` / ``manager.data_parallel_group``,
+a :class:`~mpidp.DistributedManager` (its domain group) or a :class:`~mpidp.comm.Transport`.
+The transport follows the manager's rule: MPI for CPU tensors when MPI runs the job,
+torch.distributed otherwise.
+
+``sizes`` are the shard sizes along ``dim``, one per rank of the group: a list or a
+:class:`~mpidp.ShardSpec`. Every function here is collective over its group: every rank calls
+it, in the same order, and (when gradients flow) every rank runs its backward.
+
+Debug check: pass ``debug=True``, or set ``MPIDP_DEBUG=1`` in every rank's environment, and
+each call first all-gathers the arguments every rank passed and raises the same
+:class:`~mpidp.CommError` on every rank when they disagree, instead of a hang or garbage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpidp.comm import Transport
+from mpidp.errors import CommError
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import ShardSpec, as_sizes
+
+__all__ = [
+    "all_gather_v",
+    "all_gather_v_replicated",
+    "all_reduce",
+    "all_to_all_v",
+    "copy_to",
+    "debug_enabled",
+    "gather_v",
+    "indexed_all_to_all_v",
+    "reduce_from",
+    "reduce_scatter_v",
+    "resolve_transport",
+    "scatter_v",
+]
+
+Sizes = Sequence[int] | ShardSpec
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+
+
+def resolve_transport(group: Any = None, device: torch.device | str | None = None) -> Transport:
+    """The transport for tensors on ``device`` over ``group`` (see the module docstring)."""
+    if isinstance(group, Transport):
+        return group
+    if isinstance(group, DistributedManager):
+        return group.transport(None, device)
+    return get_manager().transport(group, device)
+
+
+def debug_enabled(debug: bool | None = None) -> bool:
+    """``debug`` if given, else whether ``MPIDP_DEBUG`` is set to something other than 0."""
+    if debug is not None:
+        return debug
+    return os.environ.get("MPIDP_DEBUG", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def _check_agreement(
+    t: Transport, debug: bool | None, op: str, same: dict[str, Any], problems: list[str]
+) -> None:
+    """Debug mode: compare ``same`` (must be equal everywhere) and collect every rank's local
+    ``problems``; raise one message on every rank when anything is off."""
+    if not debug_enabled(debug) or t.size == 1:
+        return
+    everyone = t.all_gather_object((same, problems))
+    first = everyone[0][0]
+    lines = []
+    for rank, (facts, probs) in enumerate(everyone):
+        lines += [
+            f"rank {rank}: {key}={value!r} but rank 0 passed {first.get(key)!r}"
+            for key, value in facts.items()
+            if value != first.get(key)
+        ]
+        lines += [f"rank {rank}: {msg}" for msg in probs]
+    if lines:
+        raise CommError(
+            f"rank {t.rank}: {op} called with inconsistent arguments over a group of {t.size} "
+            f"ranks (debug check):\n  " + "\n  ".join(lines) + "\nfix: every rank must pass "
+            "the same sizes, dim and root, and a tensor whose extent along dim is its own size"
+        )
+
+
+def _ndim_dim(tensor: torch.Tensor, dim: int) -> int | None:
+    return dim % tensor.dim() if -tensor.dim() <= dim < max(tensor.dim(), 1) else None
+
+
+def _shape_facts(tensor: torch.Tensor, dim: int) -> dict[str, Any]:
+    d = _ndim_dim(tensor, dim)
+    other = tuple(s for i, s in enumerate(tensor.shape) if i != d)
+    return {"dim": d, "ndim": tensor.dim(), "dtype": str(tensor.dtype), "other dims": other}
+
+
+def _extent_problem(tensor: torch.Tensor, dim: int, want: int, what: str) -> list[str]:
+    d = _ndim_dim(tensor, dim)
+    if d is None:
+        return [f"dim {dim} out of range for shape {tuple(tensor.shape)}"]
+    if tensor.size(d) != want:
+        return [f"shape {tuple(tensor.shape)} has {tensor.size(d)} along dim {d}, {what}={want}"]
+    return []
+
+
+def _fresh(out: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+    """A one-rank transport returns its input; a Function must not return an alias of it."""
+    if source is not None and out.data_ptr() == source.data_ptr() and out.numel():
+        return out.clone()
+    return out
+
+
+# -- autograd Functions -----------------------------------------------------------------------
+
+
+class _AllGatherV(torch.autograd.Function):
+    """Partial downstream: backward reduce-scatters (sums) every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int) -> Any:
+        ctx.t, ctx.sizes, ctx.dim = t, sizes, dim
+        return _fresh(t.all_gather_v(x, sizes, dim), x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _ReduceScatterV.apply(g, ctx.t, ctx.sizes, ctx.dim, "sum"), None, None, None
+
+
+class _AllGatherVReplicated(torch.autograd.Function):
+    """Replicated downstream: backward keeps this rank's slice of the (equal) gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int) -> Any:
+        ctx.t, ctx.sizes, ctx.dim = t, sizes, dim
+        return _fresh(t.all_gather_v(x, sizes, dim), x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _Shard.apply(g, ctx.t, ctx.sizes, ctx.dim), None, None, None
+
+
+class _Shard(torch.autograd.Function):
+    """This rank's slice of a replicated tensor (no communication); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int) -> Any:
+        ctx.t, ctx.sizes, ctx.dim = t, sizes, dim
+        start = sum(sizes[: t.rank])
+        return x.narrow(dim, start, sizes[t.rank]).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _AllGatherVReplicated.apply(g, ctx.t, ctx.sizes, ctx.dim), None, None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    """Sum (or average) of every rank's tensor, split by sizes; backward all-gathers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int, op: str
+    ) -> Any:
+        ctx.t, ctx.sizes, ctx.dim, ctx.op = t, sizes, dim, op
+        return _fresh(t.reduce_scatter_v(x, sizes, dim, op), x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        out = _AllGatherV.apply(g, ctx.t, ctx.sizes, ctx.dim)
+        if ctx.op == "avg":
+            out = out / ctx.t.size
+        return out, None, None, None, None
+
+
+class _ScatterV(torch.autograd.Function):
+    """Split ``src``'s tensor over the group; backward gathers the gradient back to ``src``.
+
+    ``anchor`` is an empty tensor that requires grad on ranks other than ``src`` when ``src``'s
+    tensor does, so that their results join the graph and they take part in the backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor | None,
+        anchor: torch.Tensor | None,
+        t: Transport,
+        sizes: list[int],
+        dim: int,
+        src: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> Any:
+        ctx.t, ctx.sizes, ctx.dim, ctx.src = t, sizes, dim, src
+        ctx.has_x = x is not None
+        out = t.scatter_v(x if t.rank == src else None, sizes, dim, src, shape=shape, dtype=dtype)
+        return _fresh(out, x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        full = _GatherV.apply(g, ctx.t, ctx.sizes, ctx.dim, ctx.src)
+        grad = full if ctx.t.rank == ctx.src and ctx.has_x else None
+        return grad, None, None, None, None, None, None, None
+
+
+class _GatherV(torch.autograd.Function):
+    """Concatenate on ``dst`` (others get an empty tensor); backward scatters from ``dst``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int, dst: int
+    ) -> Any:
+        ctx.t, ctx.sizes, ctx.dim, ctx.dst = t, sizes, dim, dst
+        ctx.full = tuple(sum(sizes) if i == dim else s for i, s in enumerate(x.shape))
+        out = t.gather_v(x, sizes, dim, dst)
+        if out is None:
+            empty = tuple(0 if i == dim else s for i, s in enumerate(x.shape))
+            return x.new_empty(empty)
+        return _fresh(out, x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        t = ctx.t
+        mine = g if t.rank == ctx.dst else None
+        part = _ScatterV.apply(mine, None, t, ctx.sizes, ctx.dim, ctx.dst, ctx.full, g.dtype)
+        return part, None, None, None, None
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Split along one dim, concatenate along another; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        t: Transport,
+        split_sizes: list[int],
+        cat_sizes: list[int],
+        split_dim: int,
+        cat_dim: int,
+    ) -> Any:
+        ctx.args = (t, split_sizes, cat_sizes, split_dim, cat_dim)
+        return _fresh(_exchange_transpose(x, t, split_sizes, cat_sizes, split_dim, cat_dim), x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        t, split_sizes, cat_sizes, split_dim, cat_dim = ctx.args
+        out = _AllToAllV.apply(g, t, cat_sizes, split_sizes, cat_dim, split_dim)
+        return out, None, None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """Partial downstream: backward all-reduces the gradients the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport, op: str) -> Any:
+        ctx.t, ctx.op = t, op
+        return t.all_reduce(x, op)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _AllReduce.apply(g, ctx.t, ctx.op), None, None
+
+
+class _CopyTo(torch.autograd.Function):
+    """Identity forward into a region whose ranks use the value differently; backward sums."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport) -> Any:
+        ctx.t = t
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _ReduceFrom.apply(g, ctx.t), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    """Sum of partial results into a replicated value; backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: Transport) -> Any:
+        ctx.t = t
+        return t.all_reduce(x, "sum")
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _CopyTo.apply(g, ctx.t), None
+
+
+def _exchange_transpose(
+    x: torch.Tensor,
+    t: Transport,
+    split_sizes: list[int],
+    cat_sizes: list[int],
+    split_dim: int,
+    cat_dim: int,
+) -> torch.Tensor:
+    """Send part j of ``x`` along ``split_dim`` to rank j; concatenate what rank i sends along
+    ``cat_dim`` (``cat_sizes[i]`` entries each)."""
+    if split_dim == cat_dim:
+        return t.all_to_all_v(x, split_sizes, cat_sizes, split_dim)
+    if t.size == 1:
+        return x.detach()
+    # Parts travel flattened (each part contiguous with split_dim in front), then every
+    # received part is viewed in its shape and the parts are concatenated along cat_dim.
+    front = x.detach().movedim(split_dim, 0).contiguous()
+    cat_front = cat_dim + 1 if cat_dim < split_dim else cat_dim  # where cat_dim moved to
+    mine = split_sizes[t.rank]
+    per_row = _numel_without(x.shape, split_dim)
+    per_cat = _numel_without(x.shape, split_dim, cat_dim)
+    send = [s * per_row for s in split_sizes]
+    recv = [mine * c * per_cat for c in cat_sizes]
+    flat = t.all_to_all_v(front.reshape(-1), send, recv, 0)
+    part_shape = list(front.shape)
+    part_shape[0] = mine
+    parts = []
+    for c, piece in zip(cat_sizes, flat.split(recv), strict=True):
+        part_shape[cat_front] = c
+        parts.append(piece.view(part_shape))
+    return torch.cat(parts, cat_front).movedim(0, split_dim)
+
+
+def _numel_without(shape: torch.Size, *dims: int) -> int:
+    n = 1
+    for i, s in enumerate(shape):
+        if i not in dims:
+            n *= s
+    return n
+
+
+# -- public API -------------------------------------------------------------------------------
+
+
+def all_gather_v(
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    dim: int = 0,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Concatenate every rank's part along ``dim``; every rank gets the whole tensor.
+
+    **Partial downstream**: use it when each rank computes something different from the
+    result (the loss is the sum over ranks). The backward sums every rank's gradient for this
+    rank's part (reduce_scatter_v). When every rank computes the same thing from the result,
+    use :func:`all_gather_v_replicated`, or the gradient comes out ``P`` times too large.
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    sz = as_sizes(sizes)
+    _check_agreement(
+        t,
+        debug,
+        "all_gather_v",
+        {"sizes": sz, **_shape_facts(tensor, dim)},
+        _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
+    )
+    return _AllGatherV.apply(tensor, t, sz, dim % max(tensor.dim(), 1))
+
+
+def all_gather_v_replicated(
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    dim: int = 0,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Concatenate every rank's part along ``dim`` for a **replicated downstream**.
+
+    Every rank must compute the same thing from the result (the same loss, counted once), so
+    every rank's gradient is the same and the backward keeps this rank's slice of it, with no
+    communication. This is the adjoint partner of :func:`shard_tensor`.
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    sz = as_sizes(sizes)
+    _check_agreement(
+        t,
+        debug,
+        "all_gather_v_replicated",
+        {"sizes": sz, **_shape_facts(tensor, dim)},
+        _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
+    )
+    return _AllGatherVReplicated.apply(tensor, t, sz, dim % max(tensor.dim(), 1))
+
+
+def reduce_scatter_v(
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    dim: int = 0,
+    group: Any = None,
+    op: str = "sum",
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Element-wise ``sum`` (or ``avg``) of every rank's whole tensor; rank i keeps part i along
+    ``dim``. float16/bfloat16 accumulate in float32.
+
+    Every rank's input is its own partial contribution; the result is sharded. The backward
+    all-gathers the gradient (the adjoint of the sum is a copy to every rank).
+
+    Collective over ``group``.
+    """
+    if op not in ("sum", "avg"):
+        raise NotImplementedError(f"reduce_scatter_v with op={op!r} has no adjoint; use sum/avg")
+    t = resolve_transport(group, tensor.device)
+    sz = as_sizes(sizes)
+    _check_agreement(
+        t,
+        debug,
+        "reduce_scatter_v",
+        {"sizes": sz, "op": op, "shape": tuple(tensor.shape), "dtype": str(tensor.dtype)},
+        _extent_problem(tensor, dim, sum(sz), "sum(sizes)"),
+    )
+    return _ReduceScatterV.apply(tensor, t, sz, dim % max(tensor.dim(), 1), op)
+
+
+def scatter_v(
+    tensor: torch.Tensor | None,
+    sizes: Sizes,
+    dim: int = 0,
+    src: int = 0,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Split ``src``'s tensor along ``dim`` by ``sizes``: rank i gets part i.
+
+    Ranks other than ``src`` may pass None or any tensor; its values are ignored (shape, dtype,
+    ``dim`` and whether gradients flow all come from ``src`` in one small broadcast) and its
+    gradient is None. A tensor that requires grad there keeps that rank's autograd graph shaped
+    like ``src``'s, which keeps the order of collectives in the backward the same on every rank. The downstream of each
+    part is this rank's own (sharded); the backward gathers the gradients to ``src``, and every
+    rank must run it when ``src``'s tensor requires grad.
+
+    Collective over ``group``.
+    """
+    device = tensor.device if tensor is not None else None
+    t = resolve_transport(group, device)
+    sz = as_sizes(sizes)
+    src_tensor = tensor if t.rank == src else None
+    problems = []
+    if t.rank == src:
+        problems = (
+            ["src passed None"]
+            if tensor is None
+            else _extent_problem(tensor, dim, sum(sz), "sum(sizes)")
+        )
+    _check_agreement(t, debug, "scatter_v", {"sizes": sz, "src": src}, problems)
+    if not 0 <= src < t.size:
+        raise CommError(f"{t._where()}: src {src} is not a rank of this group; use 0..{t.size - 1}")
+    meta = None
+    if src_tensor is not None:
+        d = _ndim_dim(src_tensor, dim)
+        if d is None:
+            raise CommError(
+                f"{t._where()}: dim {dim} is out of range for the src tensor of shape "
+                f"{tuple(src_tensor.shape)}"
+            )
+        meta = (tuple(src_tensor.shape), src_tensor.dtype, d, _grad_flows(src_tensor))
+    if t.size > 1:
+        meta = t.broadcast_object(meta, src)
+    if meta is None:
+        raise CommError(
+            f"{t._where()}: scatter_v src {src} passed None; the src rank must pass the tensor"
+        )
+    shape, dtype, d, grad = meta
+    anchor = None
+    if grad and src_tensor is None and torch.is_grad_enabled():
+        # Join the graph where the caller's own (ignored) tensor is, so that this rank's graph
+        # has the same shape as src's and autograd runs its collectives in the same order.
+        use = tensor is not None and tensor.requires_grad
+        anchor = tensor if use else torch.empty(0, requires_grad=True)
+    return _ScatterV.apply(src_tensor, anchor, t, sz, d, src, shape, dtype)
+
+
+def gather_v(
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    dim: int = 0,
+    dst: int = 0,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Concatenate every rank's part along ``dim`` on rank ``dst``.
+
+    Ranks other than ``dst`` get an **empty tensor** (extent 0 along ``dim``, never None) so
+    that every rank's result stays in the autograd graph. The backward scatters ``dst``'s
+    gradient back (the downstream lives on ``dst`` alone): every rank must backpropagate
+    through its result, e.g. ``loss = f(out) if rank == dst else out.sum()``.
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    sz = as_sizes(sizes)
+    _check_agreement(
+        t,
+        debug,
+        "gather_v",
+        {"sizes": sz, "dst": dst, **_shape_facts(tensor, dim)},
+        _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
+    )
+    return _GatherV.apply(tensor, t, sz, dim % max(tensor.dim(), 1), dst)
+
+
+def all_to_all_v(
+    tensor: torch.Tensor,
+    split_sizes: Sizes,
+    cat_sizes: Sizes,
+    split_dim: int = 0,
+    cat_dim: int | None = None,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Send part j of ``tensor`` (split along ``split_dim`` by ``split_sizes``) to rank j, and
+    concatenate the parts received from ranks 0..P-1 along ``cat_dim`` (default: the same dim);
+    the part from rank i has ``cat_sizes[i]`` entries along ``cat_dim``.
+
+    With two different dims and both sizes partitions of their dims, this is the distributed
+    transpose: a tensor sharded along ``cat_dim`` (this rank holds ``cat_sizes[rank]``) becomes
+    sharded along ``split_dim`` (this rank gets ``split_sizes[rank]``). With one dim it is the
+    plain all-to-all: ``split_sizes`` are the rows sent to each rank, ``cat_sizes`` the rows
+    received from each. Sharded in, sharded out; the backward is the reverse exchange.
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    ss, cs = as_sizes(split_sizes), as_sizes(cat_sizes)
+    sd = _ndim_dim(tensor, split_dim)
+    cd = sd if cat_dim is None else _ndim_dim(tensor, cat_dim)
+    problems = _extent_problem(tensor, split_dim, sum(ss), "sum(split_sizes)")
+    transpose = cd is not None and sd is not None and cd != sd
+    if transpose:
+        problems += _extent_problem(tensor, cd, _at(cs, t), "cat_sizes[rank]")  # type: ignore[arg-type]
+    same: dict[str, Any] = {"split_dim": sd, "cat_dim": cd, "ndim": tensor.dim()}
+    if transpose:
+        same.update(split_sizes=ss, cat_sizes=cs, dtype=str(tensor.dtype))
+    _check_agreement(t, debug, "all_to_all_v", same, problems)
+    if sd is None or cd is None:
+        raise CommError(
+            f"{t._where()}: dims ({split_dim}, {cat_dim}) out of range for shape "
+            f"{tuple(tensor.shape)}"
+        )
+    if transpose:
+        t._sizes(ss, "split_sizes")
+        t._sizes(cs, "cat_sizes")
+        t._local(tensor, sd, sum(ss), "sum(split_sizes)")
+        t._local(tensor, cd, cs[t.rank], f"cat_sizes[{t.rank}]")
+    return _AllToAllV.apply(tensor, t, ss, cs, sd, cd)
+
+
+def indexed_all_to_all_v(
+    tensor: torch.Tensor,
+    indices: Sequence[torch.Tensor],
+    sizes: Sequence[Sequence[int]] | None = None,
+    dim: int = 0,
+    group: Any = None,
+    *,
+    debug: bool | None = None,
+) -> torch.Tensor:
+    """Send the entries ``indices[j]`` of ``tensor`` along ``dim`` to rank j; concatenate what
+    arrives, in rank order. Indices may repeat.
+
+    ``sizes[i][j]`` is how many entries rank i sends to rank j (the same matrix on every rank);
+    when None it is learned with one small all-gather. The backward sends the gradients back
+    and adds them at their indices (float16/bfloat16 accumulate in float32).
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    if len(indices) != t.size:
+        raise CommError(
+            f"{t._where()}: expecting {t.size} index tensors, one per rank, got {len(indices)}"
+        )
+    counts = [int(i.numel()) for i in indices]
+    if sizes is None:
+        matrix = [list(row) for row in t.all_gather_object(counts)]
+    else:
+        matrix = [[int(v) for v in row] for row in sizes]
+        if len(matrix) != t.size or any(len(row) != t.size for row in matrix):
+            raise CommError(f"{t._where()}: sizes must be a {t.size} x {t.size} matrix")
+    problems = []
+    if matrix[t.rank] != counts:
+        problems.append(f"index counts {counts} but sizes[{t.rank}] = {matrix[t.rank]}")
+    _check_agreement(t, debug, "indexed_all_to_all_v", {"sizes": matrix}, problems)
+    if problems:
+        raise CommError(f"{t._where()}: " + "; ".join(problems))
+    d = dim % max(tensor.dim(), 1)
+    idx = torch.cat([i.reshape(-1).to(device=tensor.device, dtype=torch.long) for i in indices])
+    work = tensor.to(torch.float32) if tensor.dtype in _LOW_PRECISION else tensor
+    picked = work.index_select(d, idx)
+    recv = [matrix[i][t.rank] for i in range(t.size)]
+    out = _AllToAllV.apply(picked, t, counts, recv, d, d)
+    return out.to(tensor.dtype) if work is not tensor else out
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """Element-wise reduction over ``group``; a new tensor (the input is untouched).
+
+    Differentiable for ``sum`` and ``avg`` with a **partial downstream**: the backward
+    all-reduces the gradients the same way. For a sum whose result every rank uses the same way
+    (replicated downstream) use :func:`reduce_from`. ``max``/``min``/``prod`` are forward-only.
+
+    Collective over ``group``.
+    """
+    t = resolve_transport(group, tensor.device)
+    if op in ("sum", "avg"):
+        return _AllReduce.apply(tensor, t, op)
+    if _grad_flows(tensor):
+        raise NotImplementedError(
+            f"all_reduce with op={op!r} is not differentiable; use sum or avg, or detach"
+        )
+    return t.all_reduce(tensor, op)
+
+
+def copy_to(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Identity forward, all-reduce (sum) backward: a replicated value entering a region where
+    every rank uses it differently (Megatron's *f*). Collective over ``group`` in backward."""
+    return _CopyTo.apply(tensor, resolve_transport(group, tensor.device))
+
+
+def reduce_from(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-reduce (sum) forward, identity backward: partial results summed into a value every
+    rank then uses the same way (Megatron's *g*). Collective over ``group``."""
+    return _ReduceFrom.apply(tensor, resolve_transport(group, tensor.device))
+
+
+def _at(sizes: list[int], t: Transport) -> int:
+    return sizes[t.rank] if t.rank < len(sizes) else -1
+
+
+def _grad_flows(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad

@@ -1,0 +1,120 @@
+"""CREDIT-style conveniences over the domain group: cut a replicated tensor into this rank's
+band, put the bands back together, shard a whole batch.
+
+Built on the differentiable primitives of :mod:`mpidp.collectives`, so gradients flow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mpidp.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _Shard
+from mpidp.comm import Transport
+from mpidp.errors import ConfigError
+from mpidp.manager import DistributedManager, get_manager, is_initialized
+from mpidp.partition import Balanced, PartitionPolicy, as_sizes
+
+__all__ = ["gather_tensor", "shard_batch", "shard_tensor"]
+
+
+def _domain(
+    manager: DistributedManager | None, device: torch.device, group: Any
+) -> tuple[PartitionPolicy, Transport]:
+    """The partition policy and the transport: ``group`` (default: the domain group).
+
+    A Transport given as ``group`` needs no manager (the policy is then the default manager's,
+    or the balanced one when mpidp is not initialised)."""
+    if isinstance(group, Transport) and manager is None:
+        return (get_manager().partition if is_initialized() else Balanced()), group
+    m = manager if manager is not None else get_manager()
+    if isinstance(group, Transport):
+        return m.partition, group
+    return m.partition, m.transport(m.domain_group if group is None else group, device)
+
+
+def _spec_for(
+    policy: PartitionPolicy, t: Transport, n: int, spec: Sizes | None, dim: int
+) -> list[int]:
+    try:
+        sizes = as_sizes(spec) if spec is not None else as_sizes(policy.spec(n, t.size))
+    except ConfigError as err:
+        raise ConfigError(f"rank {t.rank}: {err}") from None
+    if len(sizes) != t.size or sum(sizes) != n:
+        raise ConfigError(
+            f"rank {t.rank}: partition {sizes} does not cut the {n} entries along dim {dim} "
+            f"over {t.size} domain ranks; pass a spec with {t.size} sizes summing to {n}"
+        )
+    return sizes
+
+
+def shard_tensor(
+    x: torch.Tensor,
+    dim: int = -2,
+    manager: DistributedManager | None = None,
+    spec: Sizes | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """This rank's band of a tensor that every domain rank holds whole (no communication).
+
+    ``spec`` (a ShardSpec or sizes) defaults to the manager's partition policy for
+    ``x.size(dim)``. The backward all-gathers the band gradients, so a replicated ``x`` gets
+    its full gradient on every rank. ``group`` (default: the domain group) may be any group
+    :func:`mpidp.collectives.resolve_transport` accepts.
+    """
+    policy, t = _domain(manager, x.device, group)
+    d = dim % max(x.dim(), 1)
+    sizes = _spec_for(policy, t, x.size(d), spec, dim)
+    return _Shard.apply(x, t, sizes, d)
+
+
+def gather_tensor(
+    x: torch.Tensor,
+    dim: int = -2,
+    manager: DistributedManager | None = None,
+    *,
+    spec: Sizes | None = None,
+    replicated: bool = True,
+    group: Any = None,
+) -> torch.Tensor:
+    """The whole tensor from every domain rank's band, on every domain rank (uneven shards fine).
+
+    The band sizes come from ``spec`` or, when None, from one small all-gather of every rank's
+    extent along ``dim``. By default the downstream is **replicated** (every rank computes the
+    same thing from the result; backward keeps this rank's slice): the inverse of
+    :func:`shard_tensor`. ``replicated=False`` gives :func:`all_gather_v`'s partial downstream.
+
+    Collective over the domain group.
+    """
+    _, t = _domain(manager, x.device, group)
+    d = dim % max(x.dim(), 1)
+    if spec is not None:
+        sizes = as_sizes(spec)
+    else:
+        sizes = [int(s) for s in t.all_gather_object(x.size(d))] if t.size > 1 else [x.size(d)]
+    fn = _AllGatherVReplicated if replicated else _AllGatherV
+    return fn.apply(x, t, sizes, d)
+
+
+def shard_batch(
+    batch: Any,
+    dim: int = -2,
+    manager: DistributedManager | None = None,
+    spec: Sizes | None = None,
+) -> Any:
+    """Shard every 4-D (B, C, H, W) and 5-D (B, C, T, H, W) tensor in ``batch`` along ``dim``
+    (H by default) with :func:`shard_tensor`; other entries come back untouched.
+
+    ``batch`` may be a tensor, a mapping, a list or a tuple, nested. No communication.
+    """
+    if isinstance(batch, torch.Tensor):
+        return shard_tensor(batch, dim, manager, spec) if batch.dim() in (4, 5) else batch
+    if isinstance(batch, Mapping):
+        return {k: shard_batch(v, dim, manager, spec) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        items = [shard_batch(v, dim, manager, spec) for v in batch]
+        return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
+    return batch
