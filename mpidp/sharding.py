@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _Shard
+from mpidp.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager, get_manager, is_initialized
@@ -68,7 +68,7 @@ def shard_tensor(
     policy, t = _domain(manager, x.device, group)
     d = dim % max(x.dim(), 1)
     sizes = _spec_for(policy, t, x.size(d), spec, dim)
-    return _Shard.apply(x, t, sizes, d)
+    return _call(_Shard, x, t, sizes, d)
 
 
 def gather_tensor(
@@ -96,7 +96,7 @@ def gather_tensor(
     else:
         sizes = [int(s) for s in t.all_gather_object(x.size(d))] if t.size > 1 else [x.size(d)]
     fn = _AllGatherVReplicated if replicated else _AllGatherV
-    return fn.apply(x, t, sizes, d)
+    return _call(fn, x, t, sizes, d)
 
 
 def shard_batch(

@@ -29,7 +29,14 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def _to_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Contiguous view or copy whose dimension 0 is ``dim`` (no copy when already so laid out)."""
+    if dim == 0 and tensor.is_contiguous():
+        return tensor.detach()
     return tensor.detach().movedim(dim, 0).contiguous()
+
+
+def _from_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Undo :func:`_to_front`'s move (a view)."""
+    return tensor if dim == 0 else tensor.movedim(0, dim)
 
 
 class Transport(abc.ABC):
@@ -100,7 +107,7 @@ class Transport(abc.ABC):
         self._local(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
         if self.size == 1:
             return tensor.detach()
-        return self._all_gather_v(_to_front(tensor, dim), sizes).movedim(0, dim)
+        return _from_front(self._all_gather_v(_to_front(tensor, dim), sizes), dim)
 
     def gather_v(
         self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, dst: int = 0
@@ -113,7 +120,7 @@ class Transport(abc.ABC):
         if self.size == 1:
             return tensor.detach()
         out = self._gather_v(_to_front(tensor, dim), sizes, dst)
-        return out.movedim(0, dim) if out is not None else None
+        return _from_front(out, dim) if out is not None else None
 
     def scatter_v(
         self,
@@ -156,7 +163,7 @@ class Transport(abc.ABC):
         rest = (*shape[:dim], *shape[dim + 1 :])
         device = tensor.device if tensor is not None else self.default_device
         out = self._scatter_v(front, sizes, src, tuple(rest), dtype, device)
-        return out.movedim(0, dim)
+        return _from_front(out, dim)
 
     def reduce_scatter_v(
         self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, op: str = "sum"
@@ -176,7 +183,7 @@ class Transport(abc.ABC):
         out = self._reduce_scatter_v(work, sizes, "sum" if op == "avg" else op)
         if op == "avg":
             out /= self.size
-        return (out.to(tensor.dtype) if low else out).movedim(0, dim)
+        return _from_front(out.to(tensor.dtype) if low else out, dim)
 
     def all_to_all_v(
         self,
@@ -194,7 +201,7 @@ class Transport(abc.ABC):
         if self.size == 1:
             self._local(tensor, dim, recv[0], "recv_sizes[0]")
             return tensor.detach()
-        return self._all_to_all_v(_to_front(tensor, dim), send, recv).movedim(0, dim)
+        return _from_front(self._all_to_all_v(_to_front(tensor, dim), send, recv), dim)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Element-wise reduction over the group; returns a new tensor (the input is untouched).
