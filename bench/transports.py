@@ -10,30 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from common import timed
 from mpi4py import MPI
 
 import mpidp
 
 SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 24]  # bytes per rank
-
-
-def timed(fn: Callable[[], object], comm: MPI.Comm, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    worst = comm.allreduce(statistics.median(samples), op=MPI.MAX)
-    return worst * 1e3
 
 
 def cases(nbytes: int, m: mpidp.DistributedManager, world: MPI.Comm) -> dict[str, dict[str, Any]]:
@@ -91,15 +77,27 @@ def main() -> None:
             for name, fn in impls.items():
                 ms = timed(fn, world, args.repeats)
                 base = ms if base is None else base
-                rows.append({"op": op, "bytes": nbytes, "impl": name, "ms": ms,
-                             "ratio_to_raw": ms / base, "ranks": p})
+                rows.append(
+                    {
+                        "op": op,
+                        "bytes": nbytes,
+                        "impl": name,
+                        "ms": ms,
+                        "ratio_to_raw": ms / base,
+                        "ranks": p,
+                    }
+                )
     if me == 0:
-        print(f"transports, {p} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
-              f"torch {torch.__version__}")
+        print(
+            f"transports, {p} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
+            f"torch {torch.__version__}"
+        )
         print(f"{'op':<13}{'bytes':>10}  {'impl':<18}{'ms':>10}{'x raw':>8}")
         for r in rows:
-            print(f"{r['op']:<13}{r['bytes']:>10}  {r['impl']:<18}{r['ms']:>10.3f}"
-                  f"{r['ratio_to_raw']:>8.2f}")
+            print(
+                f"{r['op']:<13}{r['bytes']:>10}  {r['impl']:<18}{r['ms']:>10.3f}"
+                f"{r['ratio_to_raw']:>8.2f}"
+            )
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)

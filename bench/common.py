@@ -1,0 +1,71 @@
+"""Timing and reporting shared by the benchmarks (not a test; compare ratios within one run)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+
+def timed(fn: Callable[[], object], comm: MPI.Comm, repeats: int) -> float:
+    """Median over ``repeats`` barrier-aligned calls, of the slowest rank, in ms (one warm-up)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return comm.allreduce(statistics.median(samples), op=MPI.MAX) * 1e3
+
+
+def repeats_for(nbytes: int, base: int) -> int:
+    """Fewer repeats for large messages, so a run stays within minutes on a laptop."""
+    return max(5, base if nbytes < (1 << 22) else base // 4)
+
+
+def run_table(
+    title: str,
+    sizes: list[int],
+    cases: Callable[[int], dict[str, dict[str, Callable[[], object]]]],
+    comm: MPI.Comm,
+    repeats: int,
+    json_path: str | None,
+) -> list[dict[str, Any]]:
+    """Time every implementation of every op at every size; rank 0 prints a table (ratio to the
+    first implementation of each op, the baseline) and writes JSON."""
+    p = comm.Get_size()
+    rows = []
+    for nbytes in sizes:
+        for op, impls in cases(nbytes).items():
+            base = None
+            for name, fn in impls.items():
+                ms = timed(fn, comm, repeats_for(nbytes, repeats))
+                base = ms if base is None else base
+                rows.append(
+                    {
+                        "op": op,
+                        "bytes": nbytes,
+                        "impl": name,
+                        "ms": ms,
+                        "GB/s": nbytes / ms / 1e6,
+                        "ratio_to_raw": ms / base,
+                        "ranks": p,
+                    }
+                )
+    if comm.Get_rank() == 0:
+        print(title)
+        print(f"{'op':<15}{'bytes':>10}  {'impl':<26}{'ms':>10}{'GB/s':>8}{'x raw':>8}")
+        for r in rows:
+            print(
+                f"{r['op']:<15}{r['bytes']:>10}  {r['impl']:<26}{r['ms']:>10.3f}"
+                f"{r['GB/s']:>8.2f}{r['ratio_to_raw']:>8.2f}"
+            )
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump(rows, fh, indent=1)
+    return rows
