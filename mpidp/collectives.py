@@ -579,6 +579,13 @@ def all_to_all_v(
     if transpose:
         same.update(split_sizes=ss, cat_sizes=cs, dtype=str(tensor.dtype))
     if debug_enabled(debug):
+        if not transpose and t.size > 1:  # rank i's sends to j must be j's receives from i
+            pairs = t.all_gather_object((ss, cs))
+            problems += [
+                f"sends {ss[j]} rows to rank {j}, which expects {pairs[j][1][t.rank]}"
+                for j in range(min(t.size, len(ss)))
+                if len(pairs[j][1]) == t.size and pairs[j][1][t.rank] != ss[j]
+            ]
         _check_agreement(t, "all_to_all_v", same, problems)
     if sd is None or cd is None:
         raise CommError(

@@ -304,7 +304,7 @@ def adjoint_gap(t, f, x, replicated_out=False, replicated_in=False, seed=70):
     y = rand(y_out.shape, seed if replicated_out else seed + t.rank)
     lhs = float((y_out.detach() * y).sum())
     y_out.backward(y)
-    rhs = float((x * x.grad).sum()) if x is not None and x.grad is not None else 0.0
+    rhs = float((x.detach() * x.grad).sum()) if x is not None and x.grad is not None else 0.0
     lhs_all = lhs if replicated_out else sum(t.all_gather_object(lhs))
     rhs_all = rhs if replicated_in else sum(t.all_gather_object(rhs))
     return abs(lhs_all - rhs_all) / max(1.0, abs(lhs_all))
@@ -469,3 +469,13 @@ def test_debug_wrong_local_extent_on_one_rank(t, monkeypatch):
         mpidp.scatter_v(full if t.rank == 0 else None, spec, 0, 0, t)
     # The group is still usable afterwards: nothing was left half-sent.
     assert torch.equal(mpidp.all_reduce(torch.ones(1), group=t), torch.full((1,), t.size * 1.0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_all_to_all_counts_must_pair_up(t):
+    send = [1] * t.size
+    recv = [1] * t.size
+    if t.rank == 0:
+        recv[1] = 2  # rank 1 sends rank 0 one row, rank 0 waits for two
+    with pytest.raises(mpidp.CommError, match="rank 1: sends 1 rows to rank 0, which expects 2"):
+        mpidp.all_to_all_v(torch.zeros(t.size, 2), send, recv, group=t, debug=True)
