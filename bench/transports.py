@@ -9,12 +9,11 @@ ratios within one run, since the machine is shared and noisy. Not a test.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
 import torch
-from common import timed
+from common import run_table
 from mpi4py import MPI
 
 import mpidp
@@ -67,40 +66,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    m = mpidp.init(domain_parallel_size=MPI.COMM_WORLD.Get_size())
     world = MPI.COMM_WORLD
-    p, me = world.Get_size(), world.Get_rank()
-    rows = []
-    for nbytes in SIZES:
-        for op, impls in cases(nbytes, m, world).items():
-            base = None
-            for name, fn in impls.items():
-                ms = timed(fn, world, args.repeats)
-                base = ms if base is None else base
-                rows.append(
-                    {
-                        "op": op,
-                        "bytes": nbytes,
-                        "impl": name,
-                        "ms": ms,
-                        "ratio_to_raw": ms / base,
-                        "ranks": p,
-                    }
-                )
-    if me == 0:
-        print(
-            f"transports, {p} ranks, {MPI.Get_library_version().splitlines()[0].strip()}, "
-            f"torch {torch.__version__}"
-        )
-        print(f"{'op':<13}{'bytes':>10}  {'impl':<18}{'ms':>10}{'x raw':>8}")
-        for r in rows:
-            print(
-                f"{r['op']:<13}{r['bytes']:>10}  {r['impl']:<18}{r['ms']:>10.3f}"
-                f"{r['ratio_to_raw']:>8.2f}"
-            )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(rows, fh, indent=1)
+    m = mpidp.init(domain_parallel_size=world.Get_size())
+    title = (
+        f"transports, {world.Get_size()} ranks, "
+        f"{MPI.Get_library_version().splitlines()[0].strip()}, torch {torch.__version__}"
+    )
+    run_table(title, SIZES, lambda nb: cases(nb, m, world), world, args.repeats, args.json)
     m.shutdown()
 
 

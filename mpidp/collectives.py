@@ -384,16 +384,7 @@ def all_gather_v(
 
     Collective over ``group``.
     """
-    t = resolve_transport(group, tensor.device)
-    sz = as_sizes(sizes)
-    if debug_enabled(debug):
-        _check_agreement(
-            t,
-            "all_gather_v",
-            {"sizes": sz, **_shape_facts(tensor, dim)},
-            _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
-        )
-    return _call(_AllGatherV, tensor, t, sz, dim % max(tensor.dim(), 1))
+    return _gather_to_all(_AllGatherV, "all_gather_v", tensor, sizes, dim, group, debug)
 
 
 def all_gather_v_replicated(
@@ -412,16 +403,30 @@ def all_gather_v_replicated(
 
     Collective over ``group``.
     """
+    return _gather_to_all(
+        _AllGatherVReplicated, "all_gather_v_replicated", tensor, sizes, dim, group, debug
+    )
+
+
+def _gather_to_all(
+    fn: type[torch.autograd.Function],
+    name: str,
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    dim: int,
+    group: Any,
+    debug: bool | None,
+) -> torch.Tensor:
     t = resolve_transport(group, tensor.device)
     sz = as_sizes(sizes)
     if debug_enabled(debug):
         _check_agreement(
             t,
-            "all_gather_v_replicated",
+            name,
             {"sizes": sz, **_shape_facts(tensor, dim)},
             _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
         )
-    return _call(_AllGatherVReplicated, tensor, t, sz, dim % max(tensor.dim(), 1))
+    return _call(fn, tensor, t, sz, dim % max(tensor.dim(), 1))
 
 
 def reduce_scatter_v(
