@@ -16,7 +16,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import balanced_sizes, offsets
+from mpidp.partition import offsets
 
 __all__ = ["SerialComparison", "assert_matches_serial", "default_tolerance"]
 
@@ -87,7 +87,7 @@ def assert_matches_serial(
         Called with the full inputs and with this rank's bands of them.
     inputs:
         Full tensors, identical on every rank (domain rank 0's are broadcast to make sure).
-        Every input is cut along ``dim`` by ``sizes`` (default: balanced over the domain group).
+        Every input is cut along ``dim`` by ``sizes`` (default: the manager's partition policy).
     modules:
         ``(serial_module, distributed_module)``; every parameter gradient of the distributed one,
         summed over the domain group, must equal the serial one (matched by name).
@@ -101,7 +101,9 @@ def assert_matches_serial(
     comm: Transport = manager.transport(manager.domain_group, "cpu")
     p, me = comm.size, comm.rank
     full = [comm.broadcast(t.detach().cpu(), 0) for t in inputs]
-    in_sizes = [tuple(sizes) if sizes is not None else balanced_sizes(t.size(dim), p) for t in full]
+    in_sizes = [
+        tuple(sizes) if sizes is not None else manager.spec(t.size(dim)).sizes for t in full
+    ]
 
     xs = [t.clone().requires_grad_(t.is_floating_point()) for t in full]
     out_s = serial(*xs)
