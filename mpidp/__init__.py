@@ -14,6 +14,8 @@ from mpidp.collectives import (
     scatter_v,
 )
 from mpidp.errors import BackendError, CommError, ConfigError, LaunchError, MpidpError
+from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
+from mpidp.halo import Boundary, HaloExchange, PendingHalo, halo_exchange, start_halo_exchange
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
@@ -23,14 +25,18 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "Balanced",
+    "Boundary",
     "CommError",
     "ConfigError",
     "DistributedManager",
+    "HaloExchange",
+    "HaloSpec",
     "LaunchError",
     "LaunchInfo",
     "MpidpError",
     "Neighbors",
     "PartitionPolicy",
+    "PendingHalo",
     "ShardSpec",
     "Weighted",
     "__version__",
@@ -38,17 +44,21 @@ __all__ = [
     "all_gather_v_replicated",
     "all_reduce",
     "all_to_all_v",
+    "conv_output_size",
     "copy_to",
     "detect_launch",
     "gather_tensor",
     "gather_v",
     "get_manager",
+    "halo_exchange",
     "indexed_all_to_all_v",
     "init",
+    "input_ranges",
     "is_initialized",
     "reduce_from",
     "reduce_scatter_v",
     "scatter_v",
     "shard_batch",
     "shard_tensor",
+    "start_halo_exchange",
 ]

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mpidp.comm import Transport
+from mpidp.halo import Boundary
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import offsets
 
-__all__ = ["SerialComparison", "assert_matches_serial", "default_tolerance"]
+__all__ = ["SerialComparison", "assert_matches_serial", "default_tolerance", "serial_halo"]
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -164,3 +165,48 @@ def assert_matches_serial(
             + "\n".join(lines)
         )
     return SerialComparison(found)
+
+
+def _edge_rows(full: torch.Tensor, m: int, kind: str, low: bool, dim: int, roll_dim: int):
+    """The ``m`` rows beyond one edge of ``full``, built from torch.flip / torch.roll."""
+    h = full.size(dim)
+    if kind == "zeros":
+        shape = list(full.shape)
+        shape[dim] = m
+        return full.new_zeros(shape)
+    if kind == "replicate":
+        return torch.cat([full.narrow(dim, 0 if low else h - 1, 1)] * m, dim)
+    if kind == "circular":
+        return full.narrow(dim, h - m, m) if low else full.narrow(dim, 0, m)
+    if kind in ("reflect", "polar"):
+        rows = full.narrow(dim, 1, m) if low else full.narrow(dim, h - 1 - m, m)
+    elif kind in ("symmetric", "polar_half"):
+        rows = full.narrow(dim, 0, m) if low else full.narrow(dim, h - m, m)
+    else:
+        raise ValueError(f"boundary {kind!r} supplies no rows beyond the edge")
+    rows = rows.flip(dim)
+    return rows.roll(full.size(roll_dim) // 2, roll_dim) if kind.startswith("polar") else rows
+
+
+def serial_halo(
+    full: torch.Tensor,
+    lo: int,
+    hi: int,
+    dim: int = -2,
+    boundary: object = "zeros",
+    roll_dim: int = -1,
+) -> torch.Tensor:
+    """Global rows ``[lo, hi)`` of ``full`` with the rows beyond its edges filled by
+    ``boundary`` -- the serial reference for :func:`mpidp.halo_exchange`, written with
+    ``torch.cat``, ``torch.flip`` and ``torch.roll`` on the whole field (differentiable)."""
+    b = Boundary.of(boundary, roll_dim)
+    dim = dim % full.dim()
+    h = full.size(dim)
+    m_low, m_high = max(0, -lo), max(0, hi - h)
+    parts = [full]
+    if m_low:
+        parts.insert(0, _edge_rows(full, m_low, b.low, True, dim, b.roll_dim))
+    if m_high:
+        parts.append(_edge_rows(full, m_high, b.high, False, dim, b.roll_dim))
+    ext = torch.cat(parts, dim) if len(parts) > 1 else full
+    return ext.narrow(dim, lo + m_low, hi - lo)

@@ -5,7 +5,7 @@ NCCL on GPU, gloo as CPU fallback). The MPI one is imported lazily so that impor
 not initialise MPI.
 """
 
-from mpidp.comm.base import REDUCE_OPS, Transport
+from mpidp.comm.base import REDUCE_OPS, PendingExchange, Transport
 from mpidp.comm.torchdist import TorchTransport
 
-__all__ = ["Transport", "TorchTransport", "REDUCE_OPS"]
+__all__ = ["PendingExchange", "Transport", "TorchTransport", "REDUCE_OPS"]

@@ -12,14 +12,14 @@ Every method is collective over the transport's group unless its docstring says 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from mpidp.errors import CommError
 
-__all__ = ["Transport", "REDUCE_OPS"]
+__all__ = ["PendingExchange", "Transport", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 
@@ -37,6 +37,24 @@ def _to_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 def _from_front(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """Undo :func:`_to_front`'s move (a view)."""
     return tensor if dim == 0 else tensor.movedim(0, dim)
+
+
+class PendingExchange:
+    """Messages posted by :meth:`Transport.start_exchange`; ``wait()`` completes them (once)."""
+
+    def __init__(self, waiter: Callable[[], None] | None) -> None:
+        self._waiter = waiter
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has completed (or there was nothing to wait for)."""
+        return self._waiter is None
+
+    def wait(self) -> None:
+        """Block until every posted message is complete; later calls return at once."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter()
 
 
 class Transport(abc.ABC):
@@ -240,6 +258,16 @@ class Transport(abc.ABC):
         from this rank, so several messages between one pair of ranks are fine. Only the ranks
         named take part: this is not a collective over the whole group.
         """
+        self.start_exchange(sends, recvs).wait()
+
+    def start_exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> PendingExchange:
+        """:meth:`exchange` without the wait: the messages are posted, the caller computes,
+        then calls ``wait()`` on the result. Until then the send tensors must not change and
+        the receive buffers must not be read."""
         for peer, _ in list(sends) + list(recvs):
             self._root(peer, "peer")
         own_sends = [t for peer, t in sends if peer == self.rank]
@@ -253,8 +281,9 @@ class Transport(abc.ABC):
             dst_t.copy_(src_t)
         out = [(p, t.detach().contiguous()) for p, t in sends if p != self.rank]
         inn = [(p, t) for p, t in recvs if p != self.rank]
-        if out or inn:
-            self._exchange(_tagged(out), _tagged(inn))
+        if not (out or inn):
+            return PendingExchange(None)
+        return PendingExchange(self._start_exchange(_tagged(out), _tagged(inn)))
 
     # -- objects and synchronisation ---------------------------------------------------------
 
@@ -307,11 +336,12 @@ class Transport(abc.ABC):
     def _broadcast(self, x: torch.Tensor, src: int) -> None: ...
 
     @abc.abstractmethod
-    def _exchange(
+    def _start_exchange(
         self,
         sends: list[tuple[int, int, torch.Tensor]],
         recvs: list[tuple[int, int, torch.Tensor]],
-    ) -> None: ...
+    ) -> Callable[[], None]:
+        """Post ``(peer, tag, tensor)`` messages; return the function that waits for them."""
 
     def _root(self, root: int, what: str) -> None:
         if not 0 <= root < self.size:

@@ -7,6 +7,7 @@ tensors; any dtype, bfloat16 included). Reductions use the matching MPI datatype
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -136,11 +137,11 @@ class MPITransport(Transport):
     def _broadcast(self, x: torch.Tensor, src: int) -> None:
         self.comm.Bcast(self._bytes(x), root=src)
 
-    def _exchange(
+    def _start_exchange(
         self,
         sends: list[tuple[int, int, torch.Tensor]],
         recvs: list[tuple[int, int, torch.Tensor]],
-    ) -> None:
+    ) -> Callable[[], None]:
         # A non-contiguous receive buffer is received into a contiguous copy, then copied back.
         staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         reqs = [
@@ -148,10 +149,15 @@ class MPITransport(Transport):
             for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)
         ]
         reqs += [self.comm.Isend(self._bytes(t), dest=peer, tag=tag) for peer, tag, t in sends]
-        MPI.Request.Waitall(reqs)
-        for target, buf in staged:
-            if buf is not target:
-                target.copy_(buf)
+
+        def wait() -> None:
+            MPI.Request.Waitall(reqs)
+            for target, buf in staged:
+                if buf is not target:
+                    target.copy_(buf)
+            sends.clear()  # the send tensors lived until here
+
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.comm.allgather(obj))

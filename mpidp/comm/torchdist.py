@@ -7,6 +7,7 @@ accepts ``all_to_all_single`` with uneven and zero splits, so every v-collective
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,11 +94,11 @@ class TorchTransport(Transport):
     def _broadcast(self, x: torch.Tensor, src: int) -> None:
         dist.broadcast(x, group=self.group, group_src=src)
 
-    def _exchange(
+    def _start_exchange(
         self,
         sends: list[tuple[int, int, torch.Tensor]],
         recvs: list[tuple[int, int, torch.Tensor]],
-    ) -> None:
+    ) -> Callable[[], None]:
         staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
         ops = [
             dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag)
@@ -107,11 +108,17 @@ class TorchTransport(Transport):
             dist.P2POp(dist.isend, t, group=self.group, group_peer=peer, tag=tag)
             for peer, tag, t in sends
         ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for target, buf in staged:
-            if buf is not target:
-                target.copy_(buf)
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+            for target, buf in staged:
+                if buf is not target:
+                    target.copy_(buf)
+            sends.clear()  # the send tensors lived until here
+
+        return wait
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size

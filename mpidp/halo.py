@@ -1,0 +1,672 @@
+"""Halo exchange as a range fetch: each rank's band, extended by rows that other ranks own.
+
+Rank r owns global rows ``[s, e)`` of a field of ``H`` rows (a :class:`~mpidp.ShardSpec`).
+``halo_exchange(x, before, after)`` returns global rows ``[s - before, e + after)``, taken from
+whichever ranks own them, several ranks away when shards are thinner than the halo. Negative
+widths trim. Rows outside ``[0, H)`` are filled by the boundary rule of the serial layer
+(:class:`Boundary`). Widths are one int for every rank, or one entry per rank.
+
+Data moves point to point only: every rank computes the same plan from global facts (sizes,
+widths, boundary), so each message has a sender and a receiver that agree on it without any
+negotiation. The backward is the exact adjoint, *halo accumulate*: every halo row's gradient
+goes back to the rank that owns the row and is added there (through the boundary's mirror and
+roll, and summed over replicated rows). Fetch and accumulate are each other's backward, so
+double backward works.
+
+Nothing here names an axis: ``dim`` is the sharded dimension and, for the polar boundary,
+``roll_dim`` the one rolled by half its size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import itertools
+import operator
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpidp.collectives import _call, resolve_transport
+from mpidp.comm import PendingExchange, Transport
+from mpidp.errors import CommError, ConfigError
+from mpidp.geometry import HaloSpec
+from mpidp.manager import DistributedManager
+from mpidp.partition import ShardSpec
+
+__all__ = [
+    "BOUNDARY_KINDS",
+    "Boundary",
+    "HaloExchange",
+    "PendingHalo",
+    "halo_exchange",
+    "start_halo_exchange",
+]
+
+#: Rows beyond the edge each boundary kind can supply (None: any number).
+_REACH = {
+    "none": lambda h: 0,
+    "zeros": lambda h: None,
+    "replicate": lambda h: None,
+    "reflect": lambda h: h - 1,
+    "symmetric": lambda h: h,
+    "circular": lambda h: h,
+    "polar": lambda h: h - 1,
+    "polar_half": lambda h: h,
+}
+BOUNDARY_KINDS = tuple(_REACH)
+
+Widths = int | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """What fills the rows beyond the global edges, at the low end and at the high end.
+
+    Kinds (global row ``i`` outside ``[0, H)``):
+
+    * ``"none"``: no rows may be asked for beyond the edge (an error if a halo reaches there).
+    * ``"zeros"``: zeros (``F.pad`` constant 0, a convolution's zero padding).
+    * ``"replicate"``: the edge row repeated (``F.pad`` replicate).
+    * ``"reflect"``: mirror without repeating the edge row: row -k is row k (``F.pad`` reflect).
+    * ``"symmetric"``: mirror repeating the edge row: row -k is row k - 1 (numpy symmetric).
+    * ``"circular"``: periodic, row -k is row H - k (``F.pad`` circular); both ends.
+    * ``"polar"``: across the pole of a global latitude-longitude grid whose **poles lie on the
+      first and last rows** (e.g. 721 rows, 90 to -90 degrees): row -k is row k rolled by half
+      the circle along ``roll_dim`` (``reflect`` plus the roll).
+    * ``"polar_half"``: the same for grids whose **poles lie half a row beyond the first and last
+      rows** (cell centres, e.g. 720 rows, 89.875 to -89.875, and Gaussian grids): row -k is row
+      k - 1 rolled by half the circle (``symmetric`` plus the roll).
+
+    The polar kinds need an even extent along ``roll_dim`` (the longitude), unsharded on the
+    group of the exchange. Build one with :meth:`of`: a kind, a ``(low, high)`` pair of kinds,
+    None (``"none"``) or a Boundary.
+    """
+
+    low: str
+    high: str
+    roll_dim: int = -1
+
+    def __post_init__(self) -> None:
+        for kind in (self.low, self.high):
+            if kind not in _REACH:
+                raise ConfigError(
+                    f"unknown halo boundary {kind!r}; use one of {', '.join(BOUNDARY_KINDS)}"
+                )
+        if (self.low == "circular") != (self.high == "circular"):
+            raise ConfigError(
+                f"boundary ({self.low!r}, {self.high!r}): circular must be used at both ends"
+            )
+
+    @classmethod
+    def of(cls, boundary: Any, roll_dim: int = -1) -> Boundary:
+        """Parse what users pass as ``boundary=`` (see the class docstring)."""
+        if isinstance(boundary, Boundary):
+            return boundary
+        if boundary is None or isinstance(boundary, str):
+            kind = "none" if boundary is None else boundary
+            return cls(kind, kind, roll_dim)
+        if isinstance(boundary, Sequence) and len(boundary) == 2:
+            low, high = ("none" if b is None else b for b in boundary)
+            return cls(str(low), str(high), roll_dim)
+        raise ConfigError(
+            f"boundary {boundary!r}: pass a kind ({', '.join(BOUNDARY_KINDS)}), a (low, high) "
+            f"pair of kinds, or a mpidp.Boundary"
+        )
+
+    @property
+    def polar(self) -> bool:
+        return self.low.startswith("polar") or self.high.startswith("polar")
+
+    def __repr__(self) -> str:
+        kinds = repr(self.low) if self.low == self.high else f"{self.low!r}, {self.high!r}"
+        return f"Boundary({kinds}" + (f", roll_dim={self.roll_dim})" if self.polar else ")")
+
+
+# -- the plan: which rows go where (pure, the same on every rank) -----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Rows ``[lo, hi)`` of ``owner``'s band placed at output row ``at`` of the receiver,
+    flipped along dim and/or rolled along roll_dim, a single row possibly ``repeat``-ed."""
+
+    owner: int
+    lo: int
+    hi: int
+    at: int
+    flip: bool = False
+    roll: bool = False
+    repeat: int = 0  # 0: hi - lo rows as they are
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def span(self) -> int:
+        return self.repeat or self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One rank's part of a halo exchange.
+
+    Rows a peer must send are merged into one message where pieces overlap or touch (a thin
+    shard's row that is both a neighbour row and a mirrored row travels once).
+    """
+
+    length: int  # rows of the extended band
+    local: tuple[_Piece, ...]  # from this rank's own rows
+    recv: tuple[tuple[int, int, int], ...]  # (peer, lo, hi) of the peer's rows, message order
+    remote: tuple[tuple[int, _Piece], ...]  # (message index, piece) from other ranks
+    send: tuple[tuple[int, int, int], ...]  # (peer, lo, hi) of own rows, message order
+    zeros: tuple[tuple[int, int], ...]  # (at, rows) filled with zeros
+
+
+def _messages(pieces: list[_Piece]) -> list[tuple[int, int, int]]:
+    """``(owner, lo, hi)`` messages covering the remote pieces: overlapping or touching row
+    ranges of one owner merged, sorted by owner then rows (the same on sender and receiver)."""
+    out: list[tuple[int, int, int]] = []
+    for owner, lo, hi in sorted((p.owner, p.lo, p.hi) for p in pieces):
+        if out and out[-1][0] == owner and lo <= out[-1][2]:
+            out[-1] = (owner, out[-1][1], max(hi, out[-1][2]))
+        else:
+            out.append((owner, lo, hi))
+    return out
+
+
+def _owners(spec: ShardSpec, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(rank, lo, hi)`` of the non-empty shards covering global rows ``[lo, hi)``."""
+    ends = list(itertools.accumulate(spec.sizes))
+    out = []
+    rank = bisect.bisect_right(ends, lo)
+    while lo < hi:
+        stop = min(hi, ends[rank])
+        if stop > lo:
+            out.append((rank, lo, stop))
+        lo = max(lo, stop)
+        rank += 1
+    return out
+
+
+def _edge_source(kind: str, a: int, b: int, h: int, low: bool) -> tuple[int, int, bool] | None:
+    """Global source rows ``[lo, hi)`` and whether they are mirrored, for output rows ``[a, b)``
+    beyond one edge; None for zeros. ``replicate`` is handled by the caller."""
+    if kind == "zeros":
+        return None
+    if kind == "circular":
+        shift = h if low else -h
+        return a + shift, b + shift, False
+    if kind in ("reflect", "polar"):
+        return (1 - b, 1 - a, True) if low else (2 * h - 1 - b, 2 * h - 1 - a, True)
+    return (-b, -a, True) if low else (2 * h - b, 2 * h - a, True)  # symmetric, polar_half
+
+
+def _pieces(
+    spec: ShardSpec, lo_g: int, hi_g: int, boundary: Boundary
+) -> tuple[list[_Piece], list[tuple[int, int]]]:
+    """Pieces and zero runs that make up global rows ``[lo_g, hi_g)`` (rows may lie outside)."""
+    h, offs = spec.total, spec.offsets
+    pieces: list[_Piece] = []
+    zeros: list[tuple[int, int]] = []
+
+    def emit(src_lo: int, src_hi: int, a: int, flip: bool, roll: bool) -> None:
+        for q, glo, ghi in _owners(spec, src_lo, src_hi):
+            first = a + (src_hi - ghi if flip else glo - src_lo)
+            pieces.append(_Piece(q, glo - offs[q], ghi - offs[q], first - lo_g, flip, roll))
+
+    regions = (
+        (lo_g, min(hi_g, 0), boundary.low, True),
+        (max(lo_g, 0), min(hi_g, h), None, False),
+        (max(lo_g, h), hi_g, boundary.high, False),
+    )
+    for a, b, kind, low in regions:
+        if a >= b:
+            continue
+        if kind is None:
+            emit(a, b, a, False, False)
+        elif kind == "replicate":
+            ((q, glo, _),) = _owners(spec, 0, 1) if low else _owners(spec, h - 1, h)
+            local = glo - offs[q]
+            pieces.append(_Piece(q, local, local + 1, a - lo_g, repeat=b - a))
+        else:
+            source = _edge_source(kind, a, b, h, low)
+            if source is None:
+                zeros.append((a - lo_g, b - a))
+            else:
+                src_lo, src_hi, flip = source
+                emit(src_lo, src_hi, a, flip, kind.startswith("polar"))
+    return pieces, zeros
+
+
+def _check_widths(spec: ShardSpec, before: tuple[int, ...], after: tuple[int, ...], b: Boundary):
+    """Raise the same ConfigError on every rank when the widths cannot be served."""
+    h = spec.total
+    for r, (s, n) in enumerate(zip(spec.offsets, spec.sizes, strict=True)):
+        lo, hi = s - before[r], s + n + after[r]
+        if max(before[r], after[r]) > h:
+            raise ConfigError(
+                f"rank {r}: halo widths (before={before[r]}, after={after[r]}) are wider than the "
+                f"global size {h} along the sharded dim; use widths of at most {h}"
+            )
+        if hi < lo:
+            raise ConfigError(
+                f"rank {r}: widths (before={before[r]}, after={after[r]}) trim more than its "
+                f"{n} rows (would return rows [{lo}, {hi})); trim at most {n} rows in total"
+            )
+        for kind, beyond, edge in ((b.low, -lo, "low"), (b.high, hi - h, "high")):
+            limit = _REACH[kind](h)
+            if beyond > 0 and limit is not None and beyond > limit:
+                fix = (
+                    "pass a boundary (zeros, replicate, reflect, circular, polar) or widths "
+                    "that stay inside the field"
+                    if kind == "none"
+                    else f"use widths that reach at most {limit} rows beyond the edge"
+                )
+                raise ConfigError(
+                    f"rank {r}: halo (before={before[r]}, after={after[r]}) reaches {beyond} "
+                    f"rows beyond the {edge} edge of {h} rows but boundary {kind!r} supplies "
+                    f"{limit}; {fix}"
+                )
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    sizes: tuple[int, ...],
+    before: tuple[int, ...],
+    after: tuple[int, ...],
+    boundary: Boundary,
+    rank: int,
+) -> _Plan:
+    """This rank's plan. Cached on global facts only, so every rank hits or misses alike."""
+    spec = ShardSpec(sizes)
+    _check_widths(spec, before, after, boundary)
+
+    def needs(r: int) -> tuple[list[_Piece], list[tuple[int, int]]]:
+        s = spec.offsets[r]
+        return _pieces(spec, s - before[r], s + sizes[r] + after[r], boundary)
+
+    mine, zeros = needs(rank)
+    remote = [p for p in mine if p.owner != rank]
+    recv = _messages(remote)
+    send = []
+    for r in range(len(sizes)):
+        if r != rank:
+            send += [(r, lo, hi) for q, lo, hi in _messages(needs(r)[0]) if q == rank]
+
+    def message_of(p: _Piece) -> int:
+        return next(i for i, (q, lo, hi) in enumerate(recv) if q == p.owner and lo <= p.lo < hi)
+
+    return _Plan(
+        length=sizes[rank] + before[rank] + after[rank],
+        local=tuple(p for p in mine if p.owner == rank),
+        recv=tuple(recv),
+        remote=tuple((message_of(p), p) for p in remote),
+        send=tuple(send),
+        zeros=tuple(zeros),
+    )
+
+
+# -- moving the rows ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """A resolved exchange: transport, plan, dims."""
+
+    t: Transport
+    plan: _Plan
+    dim: int
+    roll_dim: int
+    half: int  # roll by this many entries along roll_dim (polar)
+
+    def rows(self, shape: torch.Size, n: int) -> tuple[int, ...]:
+        return tuple(n if i == self.dim else s for i, s in enumerate(shape))
+
+    def place(self, out: torch.Tensor, src: torch.Tensor, p: _Piece) -> None:
+        v = src.flip(self.dim) if p.flip else src
+        if p.roll:
+            v = v.roll(self.half, self.roll_dim)
+        if p.repeat:
+            v = v.expand(self.rows(v.shape, p.repeat))
+        out.narrow(self.dim, p.at, p.span).copy_(v)
+
+    def unplace(self, g: torch.Tensor, p: _Piece) -> torch.Tensor:
+        """Adjoint of :meth:`place`: the gradient of the piece's source rows."""
+        v = g.narrow(self.dim, p.at, p.span)
+        if p.repeat:
+            v = v.sum(self.dim, keepdim=True)
+        if p.roll:
+            v = v.roll(-self.half, self.roll_dim)
+        return v.flip(self.dim) if p.flip else v
+
+
+_Started = tuple[PendingExchange, list[torch.Tensor]]
+
+
+def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
+    plan = op.plan
+    bufs = [x.new_empty(op.rows(x.shape, hi - lo)) for _, lo, hi in plan.recv]
+    sends = [(peer, x.narrow(op.dim, lo, hi - lo)) for peer, lo, hi in plan.send]
+    recvs = [(peer, buf) for (peer, _, _), buf in zip(plan.recv, bufs, strict=True)]
+    return op.t.start_exchange(sends, recvs), bufs
+
+
+def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> torch.Tensor:
+    pending, bufs = started
+    plan = op.plan
+    out = x.new_empty(op.rows(x.shape, plan.length))
+    for at, n in plan.zeros:
+        out.narrow(op.dim, at, n).zero_()
+    for p in plan.local:  # the band itself: copied while the messages travel
+        op.place(out, x.narrow(op.dim, p.lo, p.rows), p)
+    pending.wait()
+    for i, p in plan.remote:
+        op.place(out, bufs[i].narrow(op.dim, p.lo - plan.recv[i][1], p.rows), p)
+    return out
+
+
+def _accumulate(op: _Op, g: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
+    plan = op.plan
+    back = [g.new_zeros(op.rows(g.shape, hi - lo)) for _, lo, hi in plan.recv]
+    for i, p in plan.remote:
+        back[i].narrow(op.dim, p.lo - plan.recv[i][1], p.rows).add_(op.unplace(g, p))
+    bufs = [g.new_empty(op.rows(g.shape, hi - lo)) for _, lo, hi in plan.send]
+    pending = op.t.start_exchange(
+        [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
+        [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
+    )
+    out = g.new_zeros(op.rows(g.shape, x_shape[op.dim]))
+    for p in plan.local:
+        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(g, p))
+    pending.wait()
+    for (_, lo, hi), buf in zip(plan.send, bufs, strict=True):
+        out.narrow(op.dim, lo, hi - lo).add_(buf)
+    return out
+
+
+class _HaloFetch(torch.autograd.Function):
+    """The extended band; backward is halo accumulate (gradients added where rows live)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: _Op, started: _Started | None) -> Any:
+        ctx.op, ctx.x_shape = op, x.shape
+        return _finish_fetch(op, x, started if started is not None else _start_fetch(op, x))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return _HaloAccumulate.apply(g, ctx.op, ctx.x_shape), None, None
+
+
+class _HaloAccumulate(torch.autograd.Function):
+    """Adjoint of the fetch: every extended row's value added to the row it came from."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, op: _Op, x_shape: torch.Size) -> Any:
+        ctx.op = op
+        return _accumulate(op, g, x_shape)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> Any:
+        return _HaloFetch.apply(gg, ctx.op, None), None, None
+
+
+# -- arguments: checked on every rank, agreed in one small all-gather -----------------------
+
+
+def _widths(w: Widths, p: int, what: str, problems: list[str]) -> tuple[int, ...]:
+    try:
+        return (operator.index(w),) * p  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    try:
+        out = tuple(int(v) for v in w)  # type: ignore[union-attr]
+    except TypeError:
+        problems.append(f"{what}={w!r} is neither an int nor one int per rank")
+        return (0,) * p
+    if len(out) != p:
+        problems.append(f"{what} has {len(out)} entries {list(out)}, expecting one per rank ({p})")
+        return (0,) * p
+    return out
+
+
+def _local_problems(
+    x: torch.Tensor, dim: int, spec: ShardSpec | None, b: Boundary, t: Transport
+) -> tuple[list[str], int, int]:
+    problems = []
+    nd = x.dim()
+    d = dim % nd if -nd <= dim < nd else None
+    if d is None:
+        problems.append(f"dim {dim} is out of range for shape {tuple(x.shape)}")
+    if spec is not None and d is not None:
+        if spec.parts != t.size:
+            problems.append(f"spec {spec} has {spec.parts} shards for a group of {t.size} ranks")
+        elif x.size(d) != spec.sizes[t.rank]:
+            problems.append(
+                f"tensor of shape {tuple(x.shape)} has {x.size(d)} rows along dim {d} but the "
+                f"spec gives this rank {spec.sizes[t.rank]} ({spec})"
+            )
+    rd = b.roll_dim % nd if -nd <= b.roll_dim < nd else None
+    if b.polar:
+        if rd is None or rd == d:
+            problems.append(
+                f"polar boundary: roll_dim {b.roll_dim} must be a dim of shape {tuple(x.shape)} "
+                f"other than the sharded dim {dim}"
+            )
+        elif x.size(rd) % 2:
+            problems.append(
+                f"polar boundary: the extent along roll_dim {rd} is {x.size(rd)}, odd; rows "
+                f"across a pole are rolled by half the circle, which needs an even size"
+            )
+    return problems, (d if d is not None else 0), (rd if rd is not None else 0)
+
+
+def _agree(t: Transport, n: int, problems: list[str], facts: str) -> list[int]:
+    """Every rank's local size; raises one CommError on every rank when any rank found a
+    problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
+    key = zlib.crc32(facts.encode())
+    mine = torch.tensor([[n, len(problems), key]], dtype=torch.int64, device=t.default_device)
+    table = t.all_gather_v(mine, [1] * t.size, 0).cpu().tolist()
+    if all(row[1] == 0 and row[2] == table[0][2] for row in table):
+        return [row[0] for row in table]
+    everyone = t.all_gather_object((problems, facts))
+    lines = [f"rank {r}: {msg}" for r, (probs, _) in enumerate(everyone) for msg in probs]
+    lines += [
+        f"rank {r} passed {f} but rank 0 passed {everyone[0][1]}"
+        for r, (_, f) in enumerate(everyone)
+        if f != everyone[0][1]
+    ]
+    raise CommError(
+        f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
+        + "\n  ".join(lines)
+        + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
+        "extent along dim is its own shard size"
+    )
+
+
+def _resolve(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: ShardSpec | Sequence[int] | None,
+    manager: DistributedManager | None,
+    boundary: Any,
+    group: Any,
+    roll_dim: int,
+) -> _Op:
+    t = resolve_transport(group if group is not None else manager, x.device)
+    if spec is not None and not isinstance(spec, ShardSpec):
+        spec = ShardSpec.from_sizes(spec)
+    b = Boundary.of(boundary, roll_dim)
+    problems, d, rd = _local_problems(x, dim, spec, b, t)
+    bw = _widths(before, t.size, "before", problems)
+    aw = _widths(after, t.size, "after", problems)
+    grad = torch.is_grad_enabled() and x.requires_grad
+    others = tuple(s for i, s in enumerate(x.shape) if i != d)
+    facts = (
+        f"(dim={d}, shape without dim={others}, dtype={x.dtype}, grad={grad}, before={bw}, "
+        f"after={aw}, boundary={b!r}, spec={None if spec is None else spec.sizes})"
+    )
+    sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
+    plan = _plan(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
+    return _Op(t, plan, d, rd, x.size(rd) // 2 if b.polar else 0)
+
+
+# -- public API -----------------------------------------------------------------------------
+
+
+class PendingHalo:
+    """A halo exchange in flight (:func:`start_halo_exchange`): compute, then :meth:`wait`.
+
+    The messages are posted when this object is made. Until :meth:`wait` the input tensor must
+    not be modified in place. Every rank must call :meth:`wait`, in the same order as it
+    started its exchanges.
+    """
+
+    def __init__(self, x: torch.Tensor, op: _Op) -> None:
+        self._x, self._op = x, op
+        self._started: _Started | None = _start_fetch(op, x)
+
+    @property
+    def length(self) -> int:
+        """Rows of the extended band along the sharded dim."""
+        return self._op.plan.length
+
+    def wait(self) -> torch.Tensor:
+        """The extended band (differentiable, as :func:`halo_exchange`). Call once."""
+        if self._started is None:
+            raise CommError("PendingHalo.wait() was already called; it returns the band once")
+        started, self._started = self._started, None
+        return _call(_HaloFetch, self._x, self._op, started)
+
+
+def start_halo_exchange(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int = -2,
+    spec: ShardSpec | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    boundary: Any = "zeros",
+    *,
+    group: Any = None,
+    roll_dim: int = -1,
+) -> PendingHalo:
+    """:func:`halo_exchange` in two halves: post the messages now, ``.wait()`` for the band.
+
+    Between the two the caller computes what needs no halo (a convolution's interior rows).
+    The checks and the agreement all-gather happen here, before anything is posted.
+    """
+    return PendingHalo(x, _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim))
+
+
+def halo_exchange(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int = -2,
+    spec: ShardSpec | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    boundary: Any = "zeros",
+    *,
+    group: Any = None,
+    roll_dim: int = -1,
+) -> torch.Tensor:
+    """This rank's band extended by ``before`` rows at its low end and ``after`` at its high end.
+
+    Parameters
+    ----------
+    x:
+        This rank's band; its extent along ``dim`` is its shard size.
+    before, after:
+        Rows to add (negative: rows to drop) at the low / high end; one int for every rank, or
+        a sequence with one entry per rank (see :class:`mpidp.HaloSpec` for layer geometry).
+    dim:
+        The sharded dimension.
+    spec:
+        The partition of the sharded dim over the group. None: learned from every rank's
+        local size (it is learned anyway in the agreement all-gather, so passing it only adds
+        a check).
+    manager, group:
+        Whose domain group (default: the default manager's), or any group the collectives
+        accept.
+    boundary:
+        How rows beyond the global edges are filled, as the serial layer fills them: a kind
+        (``"zeros"``, ``"replicate"``, ``"reflect"``, ``"symmetric"``, ``"circular"``,
+        ``"polar"``, ``"polar_half"``, ``"none"`` / None), a ``(low, high)`` pair, or a
+        :class:`Boundary`. See :class:`Boundary` for the grid convention of each polar kind.
+    roll_dim:
+        Polar boundaries: the dimension rolled by half its size (the longitude).
+
+    Returns
+    -------
+    The extended band: global rows ``[start - before, stop + after)`` of the field. Its
+    gradient flows back to the ranks owning each row (the exact adjoint).
+
+    Collective over the group: every rank calls it with the same widths, dim, boundary and
+    spec. Bad arguments on any rank raise the same :class:`~mpidp.CommError` (or, for widths
+    the partition cannot serve, :class:`~mpidp.ConfigError`) on every rank.
+    """
+    return start_halo_exchange(
+        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
+    ).wait()
+
+
+class HaloExchange(torch.nn.Module):
+    """Module form of :func:`halo_exchange`.
+
+    ``halo_width`` is an int (both ends), a ``(before, after)`` pair (each may be one entry
+    per rank) or a :class:`~mpidp.HaloSpec`. ``spec``, ``manager``, ``group`` given here are
+    defaults for every call.
+    """
+
+    def __init__(
+        self,
+        halo_width: Widths | tuple[Widths, Widths] | HaloSpec,
+        dim: int = -2,
+        boundary: Any = "zeros",
+        *,
+        spec: ShardSpec | Sequence[int] | None = None,
+        manager: DistributedManager | None = None,
+        group: Any = None,
+        roll_dim: int = -1,
+    ) -> None:
+        super().__init__()
+        self.before: Widths
+        self.after: Widths
+        if isinstance(halo_width, HaloSpec):
+            self.before, self.after = halo_width.before, halo_width.after
+        elif isinstance(halo_width, Sequence) and len(halo_width) == 2:
+            self.before, self.after = halo_width
+        elif isinstance(halo_width, int):
+            self.before = self.after = halo_width
+        else:
+            raise ConfigError(f"halo_width={halo_width!r}: pass an int or a (before, after) pair")
+        self.dim, self.spec, self.manager, self.group = dim, spec, manager, group
+        self.boundary = Boundary.of(boundary, roll_dim)
+
+    def _args(self, spec: ShardSpec | Sequence[int] | None) -> dict[str, Any]:
+        return {
+            "dim": self.dim,
+            "spec": spec if spec is not None else self.spec,
+            "manager": self.manager,
+            "boundary": self.boundary,
+            "group": self.group,
+        }
+
+    def forward(
+        self, x: torch.Tensor, spec: ShardSpec | Sequence[int] | None = None
+    ) -> torch.Tensor:
+        return halo_exchange(x, self.before, self.after, **self._args(spec))
+
+    def start(self, x: torch.Tensor, spec: ShardSpec | Sequence[int] | None = None) -> PendingHalo:
+        """Post the exchange; ``.wait()`` on the result gives what :meth:`forward` returns."""
+        return start_halo_exchange(x, self.before, self.after, **self._args(spec))
+
+    def extra_repr(self) -> str:
+        return f"before={self.before}, after={self.after}, dim={self.dim}, {self.boundary!r}"
