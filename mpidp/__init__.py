@@ -15,7 +15,14 @@ from mpidp.collectives import (
 )
 from mpidp.errors import BackendError, CommError, ConfigError, LaunchError, MpidpError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
-from mpidp.halo import Boundary, HaloExchange, PendingHalo, halo_exchange, start_halo_exchange
+from mpidp.halo import (
+    Boundary,
+    HaloExchange,
+    PendingHalo,
+    halo_exchange,
+    halo_strips,
+    start_halo_exchange,
+)
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
@@ -51,6 +58,7 @@ __all__ = [
     "gather_v",
     "get_manager",
     "halo_exchange",
+    "halo_strips",
     "indexed_all_to_all_v",
     "init",
     "input_ranges",

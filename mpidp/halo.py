@@ -43,6 +43,7 @@ __all__ = [
     "HaloExchange",
     "PendingHalo",
     "halo_exchange",
+    "halo_strips",
     "start_halo_exchange",
 ]
 
@@ -311,15 +312,61 @@ def _plan(
     )
 
 
-# -- moving the rows ------------------------------------------------------------------------
+# -- where the rows land: the whole band, or only the strips beyond it -----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The pieces of a plan assigned to output tensors, one per window ``(start, rows)`` of the
+    extended band; pieces outside every window (the band itself, for strips) are not copied."""
+
+    rows: tuple[int, ...]  # rows of every output
+    zeros: tuple[tuple[int, int, int], ...]  # (output, at, rows)
+    local: tuple[tuple[int, _Piece], ...]  # (output, piece placed in that output)
+    remote: tuple[tuple[int, int, _Piece], ...]  # (message, output, piece), every one
+    direct: tuple[tuple[int, int] | None, ...]  # per message: (output, at) received in place
+    arrive: tuple[tuple[int, int, _Piece], ...]  # the remote pieces placed on arrival
+
+
+@functools.lru_cache(maxsize=512)
+def _layout(plan: _Plan, windows: tuple[tuple[int, int], ...]) -> _Layout:
+    def where(at: int, span: int) -> tuple[int, int] | None:
+        for i, (start, rows) in enumerate(windows):
+            if start <= at and at + span <= start + rows:
+                return i, at - start
+        return None
+
+    def moved(p: _Piece) -> tuple[int, _Piece] | None:
+        found = where(p.at, p.span)
+        return None if found is None else (found[0], dataclasses.replace(p, at=found[1]))
+
+    zeros = [(w[0], w[1], n) for at, n in plan.zeros if (w := where(at, n)) is not None]
+    local = [m for p in plan.local if (m := moved(p)) is not None]
+    remote = [(i, *m) for i, p in plan.remote if (m := moved(p)) is not None]
+    # A message that is one plain piece lands straight in its output rows (no copy on arrival).
+    direct: list[tuple[int, int] | None] = []
+    for i, (_, lo, hi) in enumerate(plan.recv):
+        mine = [(w, p) for m, w, p in remote if m == i]
+        plain = len(mine) == 1 and mine[0][1].rows == hi - lo
+        plain = plain and not (mine[0][1].flip or mine[0][1].roll or mine[0][1].repeat)
+        direct.append((mine[0][0], mine[0][1].at) if plain else None)
+    return _Layout(
+        rows=tuple(r for _, r in windows),
+        zeros=tuple(zeros),
+        local=tuple(local),
+        remote=tuple(remote),
+        direct=tuple(direct),
+        arrive=tuple((i, w, p) for i, w, p in remote if direct[i] is None),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Op:
-    """A resolved exchange: transport, plan, dims."""
+    """A resolved exchange: transport, plan, output layout, dims."""
 
     t: Transport
     plan: _Plan
+    layout: _Layout
     dim: int
     roll_dim: int
     half: int  # roll by this many entries along roll_dim (polar)
@@ -329,11 +376,13 @@ class _Op:
 
     def place(self, out: torch.Tensor, src: torch.Tensor, p: _Piece) -> None:
         v = src.flip(self.dim) if p.flip else src
-        if p.roll:
-            v = v.roll(self.half, self.roll_dim)
-        if p.repeat:
-            v = v.expand(self.rows(v.shape, p.repeat))
-        out.narrow(self.dim, p.at, p.span).copy_(v)
+        dst = out.narrow(self.dim, p.at, p.span)
+        if p.roll:  # the roll as two copies into place (torch.roll would copy once more)
+            w, h = v.size(self.roll_dim), self.half
+            dst.narrow(self.roll_dim, h, w - h).copy_(v.narrow(self.roll_dim, 0, w - h))
+            dst.narrow(self.roll_dim, 0, h).copy_(v.narrow(self.roll_dim, w - h, h))
+            return
+        dst.copy_(v.expand(self.rows(v.shape, p.repeat)) if p.repeat else v)
 
     def unplace(self, g: torch.Tensor, p: _Piece) -> torch.Tensor:
         """Adjoint of :meth:`place`: the gradient of the piece's source rows."""
@@ -345,74 +394,92 @@ class _Op:
         return v.flip(self.dim) if p.flip else v
 
 
-_Started = tuple[PendingExchange, list[torch.Tensor]]
+_Started = tuple[PendingExchange, list[torch.Tensor], list[torch.Tensor]]
 
 
 def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
-    plan = op.plan
-    bufs = [x.new_empty(op.rows(x.shape, hi - lo)) for _, lo, hi in plan.recv]
+    """Allocate the outputs, post the messages (each received in place where it can be)."""
+    plan, lay = op.plan, op.layout
+    outs = [x.new_empty(op.rows(x.shape, n)) for n in lay.rows]
+    bufs = [
+        outs[d[0]].narrow(op.dim, d[1], hi - lo)
+        if d is not None
+        else op.t.scratch(op.rows(x.shape, hi - lo), x.dtype, x.device)
+        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
+    ]
     sends = [(peer, x.narrow(op.dim, lo, hi - lo)) for peer, lo, hi in plan.send]
     recvs = [(peer, buf) for (peer, _, _), buf in zip(plan.recv, bufs, strict=True)]
-    return op.t.start_exchange(sends, recvs), bufs
+    return op.t.start_exchange(sends, recvs), bufs, outs
 
 
-def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> torch.Tensor:
-    pending, bufs = started
-    plan = op.plan
-    out = x.new_empty(op.rows(x.shape, plan.length))
-    for at, n in plan.zeros:
-        out.narrow(op.dim, at, n).zero_()
-    for p in plan.local:  # the band itself: copied while the messages travel
-        op.place(out, x.narrow(op.dim, p.lo, p.rows), p)
+def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> list[torch.Tensor]:
+    pending, bufs, outs = started
+    lay = op.layout
+    for i, at, n in lay.zeros:
+        outs[i].narrow(op.dim, at, n).zero_()
+    for i, p in lay.local:  # the band itself: copied while the messages travel
+        op.place(outs[i], x.narrow(op.dim, p.lo, p.rows), p)
     pending.wait()
-    for i, p in plan.remote:
-        op.place(out, bufs[i].narrow(op.dim, p.lo - plan.recv[i][1], p.rows), p)
-    return out
+    for m, i, p in lay.arrive:
+        op.place(outs[i], bufs[m].narrow(op.dim, p.lo - op.plan.recv[m][1], p.rows), p)
+    return outs
 
 
-def _accumulate(op: _Op, g: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
-    plan = op.plan
-    back = [g.new_zeros(op.rows(g.shape, hi - lo)) for _, lo, hi in plan.recv]
-    for i, p in plan.remote:
-        back[i].narrow(op.dim, p.lo - plan.recv[i][1], p.rows).add_(op.unplace(g, p))
-    bufs = [g.new_empty(op.rows(g.shape, hi - lo)) for _, lo, hi in plan.send]
+def _accumulate(op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size) -> torch.Tensor:
+    plan, lay, g0 = op.plan, op.layout, gs[0]
+    back = [
+        gs[d[0]].narrow(op.dim, d[1], hi - lo)  # a plain piece: its gradient as it is
+        if d is not None
+        else g0.new_zeros(op.rows(g0.shape, hi - lo))
+        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
+    ]
+    for m, i, p in lay.arrive:
+        back[m].narrow(op.dim, p.lo - plan.recv[m][1], p.rows).add_(op.unplace(gs[i], p))
+    bufs = [g0.new_empty(op.rows(g0.shape, hi - lo)) for _, lo, hi in plan.send]
     pending = op.t.start_exchange(
         [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
         [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
     )
-    out = g.new_zeros(op.rows(g.shape, x_shape[op.dim]))
-    for p in plan.local:
-        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(g, p))
+    out = g0.new_zeros(op.rows(g0.shape, x_shape[op.dim]))
+    for i, p in lay.local:
+        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
     pending.wait()
     for (_, lo, hi), buf in zip(plan.send, bufs, strict=True):
         out.narrow(op.dim, lo, hi - lo).add_(buf)
     return out
 
 
+def _one_or_tuple(outs: list[torch.Tensor]) -> Any:
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 class _HaloFetch(torch.autograd.Function):
-    """The extended band; backward is halo accumulate (gradients added where rows live)."""
+    """The extended band (or its strips); backward is halo accumulate (gradients added where
+    the rows live)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, op: _Op, started: _Started | None) -> Any:
         ctx.op, ctx.x_shape = op, x.shape
-        return _finish_fetch(op, x, started if started is not None else _start_fetch(op, x))
+        started = started if started is not None else _start_fetch(op, x)
+        return _one_or_tuple(_finish_fetch(op, x, started))
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return _HaloAccumulate.apply(g, ctx.op, ctx.x_shape), None, None
+    def backward(ctx: Any, *gs: torch.Tensor) -> Any:
+        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, *gs), None, None
 
 
 class _HaloAccumulate(torch.autograd.Function):
-    """Adjoint of the fetch: every extended row's value added to the row it came from."""
+    """Adjoint of the fetch: every fetched row's value added to the row it came from."""
 
     @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, op: _Op, x_shape: torch.Size) -> Any:
+    def forward(ctx: Any, op: _Op, x_shape: torch.Size, *gs: torch.Tensor) -> Any:
         ctx.op = op
-        return _accumulate(op, g, x_shape)
+        return _accumulate(op, gs, x_shape)
 
     @staticmethod
     def backward(ctx: Any, gg: torch.Tensor) -> Any:
-        return _HaloFetch.apply(gg, ctx.op, None), None, None
+        outs = _HaloFetch.apply(gg, ctx.op, None)
+        return None, None, *(outs if isinstance(outs, tuple) else (outs,))
 
 
 # -- arguments: checked on every rank, agreed in one small all-gather -----------------------
@@ -465,15 +532,22 @@ def _local_problems(
     return problems, (d if d is not None else 0), (rd if rd is not None else 0)
 
 
-def _agree(t: Transport, n: int, problems: list[str], facts: str) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(facts: tuple[Any, ...]) -> tuple[str, int]:
+    """Readable form and checksum of the arguments every rank must share (local, pure)."""
+    names = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
+    text = ", ".join(f"{k}={v!r}" for k, v in zip(names, facts, strict=True))
+    return text, zlib.crc32(text.encode())
+
+
+def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) -> list[int]:
     """Every rank's local size; raises one CommError on every rank when any rank found a
     problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
-    key = zlib.crc32(facts.encode())
-    mine = torch.tensor([[n, len(problems), key]], dtype=torch.int64, device=t.default_device)
-    table = t.all_gather_v(mine, [1] * t.size, 0).cpu().tolist()
+    text, key = _fingerprint(facts)
+    table = t.all_gather_ints([n, len(problems), key])
     if all(row[1] == 0 and row[2] == table[0][2] for row in table):
         return [row[0] for row in table]
-    everyone = t.all_gather_object((problems, facts))
+    everyone = t.all_gather_object((problems, text))
     lines = [f"rank {r}: {msg}" for r, (probs, _) in enumerate(everyone) for msg in probs]
     lines += [
         f"rank {r} passed {f} but rank 0 passed {everyone[0][1]}"
@@ -498,6 +572,7 @@ def _resolve(
     boundary: Any,
     group: Any,
     roll_dim: int,
+    strips: bool = False,
 ) -> _Op:
     t = resolve_transport(group if group is not None else manager, x.device)
     if spec is not None and not isinstance(spec, ShardSpec):
@@ -508,13 +583,21 @@ def _resolve(
     aw = _widths(after, t.size, "after", problems)
     grad = torch.is_grad_enabled() and x.requires_grad
     others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (
-        f"(dim={d}, shape without dim={others}, dtype={x.dtype}, grad={grad}, before={bw}, "
-        f"after={aw}, boundary={b!r}, spec={None if spec is None else spec.sizes})"
-    )
+    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
     sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
     plan = _plan(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
-    return _Op(t, plan, d, rd, x.size(rd) // 2 if b.polar else 0)
+    if not strips:
+        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
+    elif min(bw + aw) < 0:
+        raise ConfigError(
+            f"halo strips need widths >= 0 on every rank, got before={bw}, after={aw}; use "
+            f"halo_exchange for widths that trim"
+        )
+    else:
+        me = t.rank
+        windows = ((0, bw[me]), (plan.length - aw[me], aw[me]))
+    layout = _layout(plan, windows)
+    return _Op(t, plan, layout, d, rd, x.size(rd) // 2 if b.polar else 0)
 
 
 # -- public API -----------------------------------------------------------------------------
@@ -537,8 +620,9 @@ class PendingHalo:
         """Rows of the extended band along the sharded dim."""
         return self._op.plan.length
 
-    def wait(self) -> torch.Tensor:
-        """The extended band (differentiable, as :func:`halo_exchange`). Call once."""
+    def wait(self) -> Any:
+        """The extended band, or the ``(low, high)`` strips when started with ``strips=True``
+        (differentiable, as :func:`halo_exchange`). Call once."""
         if self._started is None:
             raise CommError("PendingHalo.wait() was already called; it returns the band once")
         started, self._started = self._started, None
@@ -556,13 +640,16 @@ def start_halo_exchange(
     *,
     group: Any = None,
     roll_dim: int = -1,
+    strips: bool = False,
 ) -> PendingHalo:
-    """:func:`halo_exchange` in two halves: post the messages now, ``.wait()`` for the band.
+    """:func:`halo_exchange` (or with ``strips=True`` :func:`halo_strips`) in two halves: post
+    the messages now, ``.wait()`` for the result.
 
     Between the two the caller computes what needs no halo (a convolution's interior rows).
     The checks and the agreement all-gather happen here, before anything is posted.
     """
-    return PendingHalo(x, _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim))
+    op = _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim, strips)
+    return PendingHalo(x, op)
 
 
 def halo_exchange(
@@ -615,6 +702,32 @@ def halo_exchange(
     return start_halo_exchange(
         x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
     ).wait()
+
+
+def halo_strips(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int = -2,
+    spec: ShardSpec | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    boundary: Any = "zeros",
+    *,
+    group: Any = None,
+    roll_dim: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the rows :func:`halo_exchange` would add: ``(low, high)``, global rows
+    ``[start - before, start)`` and ``[stop, stop + after)``, without copying the band itself.
+
+    For layers that compute their interior from the band directly and only the edge rows from
+    the strips (the band copy costs far more than the exchange on large fields). Widths must be
+    >= 0. Same arguments, errors and adjoint as :func:`halo_exchange`; collective likewise.
+    """
+    pending = start_halo_exchange(
+        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim, strips=True
+    )
+    low, high = pending.wait()
+    return low, high
 
 
 class HaloExchange(torch.nn.Module):

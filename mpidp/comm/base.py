@@ -299,6 +299,21 @@ class Transport(abc.ABC):
     def barrier(self) -> None:
         """Wait until every rank of the group arrives."""
 
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's list of ``len(values)`` int64 values (the same length everywhere), in
+        rank order: the small agreement step of checked operations. Collective."""
+        mine = torch.tensor([list(values)], dtype=torch.int64, device=self.default_device)
+        if self.size == 1:
+            return mine.tolist()
+        return self._all_gather_v(mine, [1] * self.size).cpu().tolist()
+
+    def scratch(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """An uninitialised contiguous tensor for a message that lives only during one call
+        (the MPI transport reuses large ones instead of faulting in fresh pages). Local."""
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
     @property
     def default_device(self) -> torch.device:
         """Device of tensors created for ranks that passed none (scatter_v receivers)."""

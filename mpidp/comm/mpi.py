@@ -7,14 +7,14 @@ tensors; any dtype, bfloat16 included). Reductions use the matching MPI datatype
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidp.comm.base import Transport, _dense
+from mpidp.comm.base import Transport
 from mpidp.comm.buffers import BufferCache
 from mpidp.errors import CommError
 
@@ -65,6 +65,19 @@ class MPITransport(Transport):
             return torch.empty(shape, dtype=dtype)
         raw = self.buffers.take(count * _itemsize(dtype))
         return torch.from_numpy(raw).view(dtype).view(shape)
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        mine = np.array(values, dtype=np.int64)
+        table = np.empty((self.size, mine.size), dtype=np.int64)
+        self.comm.Allgather(mine, table)
+        return table.tolist()
+
+    def scratch(
+        self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            return super().scratch(shape, dtype, device)
+        return self._new(tuple(shape), dtype)
 
     @staticmethod
     def _row_bytes(x: torch.Tensor) -> int:
@@ -143,7 +156,9 @@ class MPITransport(Transport):
         recvs: list[tuple[int, int, torch.Tensor]],
     ) -> Callable[[], None]:
         # A non-contiguous receive buffer is received into a contiguous copy, then copied back.
-        staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
+        staged = [
+            (t, t if t.is_contiguous() else self._new(tuple(t.shape), t.dtype)) for _, _, t in recvs
+        ]
         reqs = [
             self.comm.Irecv(self._bytes(buf), source=peer, tag=tag)
             for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)

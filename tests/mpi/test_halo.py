@@ -86,6 +86,12 @@ def widths(p):
     ]
 
 
+def inner(spec):
+    """Halos of 1 between ranks, none at the global edges ('valid' padding; boundary none)."""
+    p, h = spec.parts, spec.total
+    return [int(spec.start(r) > 0) for r in range(p)], [int(spec.stop(r) < h) for r in range(p)]
+
+
 def per_rank(w, p):
     return [w] * p if isinstance(w, int) else list(w)
 
@@ -133,7 +139,7 @@ def test_matches_serial_reference(t, spec_name, boundary, dim):
     p, me = t.size, t.rank
     full = field(spec, dim, 1)
     problems, served = [], 0
-    for case, (wb, wa) in enumerate(widths(p)):
+    for case, (wb, wa) in enumerate([*widths(p), inner(spec)]):
         before, after = per_rank(wb, p), per_rank(wa, p)
         if not valid(spec, before, after, boundary):
             with pytest.raises(ConfigError, match="rank"):
@@ -180,6 +186,55 @@ def test_matches_serial_reference(t, spec_name, boundary, dim):
             problems.append(
                 f"case {case} ({wb}, {wa}): grad differs by {(got - ref.grad).abs().max():.3e}"
             )
+    agree(t, problems)
+    assert served > 0
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+@pytest.mark.parametrize("boundary", BOUNDARIES, ids=str)
+def test_strips_match_serial_reference(t, spec_name, boundary):
+    """halo_strips: the rows beyond the band only, forward and backward."""
+    spec = specs(t.size)[spec_name]
+    p, me = t.size, t.rank
+    full = field(spec, -2, 2)
+    ragged = ([r % 3 for r in range(p)], [3 - r % 4 for r in range(p)])
+    problems, served = [], 0
+    for case, (wb, wa) in enumerate([(1, 1), (3, 3), (2, 0), (0, 3), ragged, inner(spec)]):
+        before, after = per_rank(wb, p), per_rank(wa, p)
+        if not valid(spec, before, after, boundary):
+            continue
+        served += 1
+
+        def ranges(r, before=before, after=after):
+            s, e = spec.start(r), spec.stop(r)
+            return (s - before[r], s), (e, e + after[r])
+
+        x = full.narrow(-2, spec.start(me), spec.sizes[me]).clone().requires_grad_()
+        low, high = mpidp.halo_strips(x, wb, wa, spec=spec, boundary=boundary, group=t)
+        (a, b), (c, d) = ranges(me)
+        if not (
+            torch.equal(low, serial_halo(full, a, b, -2, boundary))
+            and torch.equal(high, serial_halo(full, c, d, -2, boundary))
+        ):
+            problems.append(f"case {case}: forward differs")
+        seeds = [
+            [
+                rand(serial_halo(full, lo, hi, -2, boundary).shape, 200 + 10 * r + k)
+                for k, (lo, hi) in enumerate(ranges(r))
+            ]
+            for r in range(p)
+        ]
+        ((low * seeds[me][0]).sum() + (high * seeds[me][1]).sum()).backward()
+        ref = full.clone().requires_grad_()
+        total = sum(
+            (serial_halo(ref, lo, hi, -2, boundary) * seeds[r][k]).sum()
+            for r in range(p)
+            for k, (lo, hi) in enumerate(ranges(r))
+        )
+        total.backward()
+        got = mpidp.all_gather_v(x.grad, spec, -2, group=t)
+        if not torch.allclose(got, ref.grad, rtol=1e-14, atol=1e-14):
+            problems.append(f"case {case}: grad differs by {(got - ref.grad).abs().max():.3e}")
     agree(t, problems)
     assert served > 0
 
@@ -253,6 +308,23 @@ def test_gradcheck(t, boundary, spec_name):
         assert torch.autograd.gradgradcheck(f, (full,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("boundary", ["polar", "circular"])
+def test_gradcheck_strips(t, boundary):
+    p = t.size
+    spec = ShardSpec.from_sizes([1] * (p - 1) + [3])
+
+    def strips(x):
+        low, high = mpidp.halo_strips(
+            x, 2, [r % 3 for r in range(p)], 1, spec, None, boundary, group=t
+        )
+        return torch.cat([low, high], 1)
+
+    f = global_fn(t, spec, strips)
+    full = rand((1, spec.total, 2), 8).requires_grad_()
+    assert torch.autograd.gradcheck(f, (full,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    assert torch.autograd.gradgradcheck(f, (full,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
 @pytest.mark.parametrize("boundary", BOUNDARIES[:-1], ids=str)
 def test_adjoint_identity(t, boundary):
     """<F x, y> = <x, F* y>, both sides summed over ranks, for fetch and for accumulate."""
@@ -301,6 +373,9 @@ def test_async_overlap_and_two_in_flight(t):
     torch.testing.assert_close(x.grad, sync.grad, rtol=1e-15, atol=1e-14)  # summation order
     with pytest.raises(CommError, match="already called"):
         a.wait()
+    s = mpidp.start_halo_exchange(x, 2, 1, boundary="polar", spec=spec, group=t, strips=True)
+    low, high = s.wait()
+    assert torch.equal(low, out_a[:, :, 1:3]) and torch.equal(high, out_a[:, :, -3:-2])
 
 
 def test_module(t):
@@ -384,6 +459,8 @@ def test_errors_on_every_rank(t):
         mpidp.halo_exchange(odd, 1, 1, 1, spec, boundary="polar", group=t)
     with pytest.raises(CommError, match="must be a dim"):
         mpidp.halo_exchange(x, 1, 1, 1, spec, boundary="polar", group=t, roll_dim=1)
+    with pytest.raises(ConfigError, match="strips need widths >= 0"):
+        mpidp.halo_strips(x, -1, 1, 1, spec, group=t)
 
 
 def test_size_not_matching_spec_fails_everywhere(t):
