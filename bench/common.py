@@ -11,16 +11,24 @@ from typing import Any
 from mpi4py import MPI
 
 
-def timed(fn: Callable[[], object], comm: MPI.Comm, repeats: int) -> float:
-    """Median over ``repeats`` barrier-aligned calls, of the slowest rank, in ms (one warm-up)."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
+def timed_round_robin(
+    fns: dict[str, Callable[[], object]], comm: MPI.Comm, repeats: int
+) -> dict[str, float]:
+    """Time several implementations interleaved: every round calls each once (barrier-aligned),
+    so a slow spell of this shared machine hits all of them alike. Median over the rounds of
+    the slowest rank, in ms (one warm-up round)."""
+    for fn in fns.values():
         fn()
-        samples.append(time.perf_counter() - t0)
-    return comm.allreduce(statistics.median(samples), op=MPI.MAX) * 1e3
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {
+        name: comm.allreduce(statistics.median(s), op=MPI.MAX) * 1e3 for name, s in samples.items()
+    }
 
 
 def repeats_for(nbytes: int, base: int) -> int:
@@ -36,16 +44,16 @@ def run_table(
     repeats: int,
     json_path: str | None,
 ) -> list[dict[str, Any]]:
-    """Time every implementation of every op at every size; rank 0 prints a table (ratio to the
-    first implementation of each op, the baseline) and writes JSON."""
+    """Time every implementation of every op at every size (interleaved, see
+    :func:`timed_round_robin`); rank 0 prints a table (ratio to the first implementation of
+    each op, the baseline) and writes JSON."""
     p = comm.Get_size()
     rows = []
     for nbytes in sizes:
         for op, impls in cases(nbytes).items():
-            base = None
-            for name, fn in impls.items():
-                ms = timed(fn, comm, repeats_for(nbytes, repeats))
-                base = ms if base is None else base
+            times = timed_round_robin(impls, comm, repeats_for(nbytes, repeats))
+            base = next(iter(times.values()))
+            for name, ms in times.items():
                 rows.append(
                     {
                         "op": op,

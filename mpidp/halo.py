@@ -400,7 +400,7 @@ _Started = tuple[PendingExchange, list[torch.Tensor], list[torch.Tensor]]
 def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
     """Allocate the outputs, post the messages (each received in place where it can be)."""
     plan, lay = op.plan, op.layout
-    outs = [x.new_empty(op.rows(x.shape, n)) for n in lay.rows]
+    outs = [op.t.scratch(op.rows(x.shape, n), x.dtype, x.device) for n in lay.rows]
     bufs = [
         outs[d[0]].narrow(op.dim, d[1], hi - lo)
         if d is not None
