@@ -14,9 +14,9 @@ from a buffer cache, reused once the caller drops the previous result). "strips"
 Sendrecv alone (rows packed, nothing concatenated) against ``mpidp.halo_strips``, which returns
 the halo rows without copying the band. "polar" adds the flip and the half-circle roll at the
 edge ranks.
-The "overlap" rows time a memory-bound interior computation with the exchange before it and
-with the exchange started before it and finished after. The bytes column is the halo bytes a
-rank receives. Not a test: ratios compare within one run.
+The "overlap" rows time a memory-bound interior computation with the strips exchanged before
+it, and with the exchange started before it and finished after it. The bytes column is the
+halo bytes a rank receives. Not a test: ratios compare within one run.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ def cases(
         return torch.mul(x, 1.0001)
 
     def then() -> object:
-        mpidp.halo_exchange(x, width, width, spec=spec, group=t_mpi)
+        mpidp.halo_strips(x, width, width, spec=spec, group=t_mpi)
         return interior()
 
     def overlapped() -> object:
-        pending = mpidp.start_halo_exchange(x, width, width, spec=spec, group=t_mpi)
+        pending = mpidp.start_halo_exchange(x, width, width, spec=spec, group=t_mpi, strips=True)
         out = interior()
         pending.wait()
         return out
@@ -102,7 +102,7 @@ def cases(
     }
     if width == 3:
         out["overlap"] = {
-            "exchange, then compute": then,
+            "strips, then compute": then,
             "start, compute, wait": overlapped,
             "compute alone": interior,
         }

@@ -607,8 +607,8 @@ class PendingHalo:
     """A halo exchange in flight (:func:`start_halo_exchange`): compute, then :meth:`wait`.
 
     The messages are posted when this object is made. Until :meth:`wait` the input tensor must
-    not be modified in place. Every rank must call :meth:`wait`, in the same order as it
-    started its exchanges.
+    not be modified in place. Every rank must start its exchanges in the same order (messages
+    between two ranks match in posting order) and call :meth:`wait` on each, in any order.
     """
 
     def __init__(self, x: torch.Tensor, op: _Op) -> None:
