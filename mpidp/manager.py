@@ -460,8 +460,11 @@ class DistributedManager:
             "domain_rank": self.domain_rank,
         }
 
-    def shutdown(self) -> None:
-        """Free the communicators and, if this manager created it, the process group."""
+    def shutdown(self, sync: bool = True) -> None:
+        """Free the communicators and, if this manager created it, the process group.
+
+        Collective (a barrier first) unless ``sync`` is False, as when leaving a ``with`` block
+        on an exception, where peers may never arrive."""
         global _default
         if self._closed:
             return
@@ -471,6 +474,11 @@ class DistributedManager:
                 comm.Free()
         self._transports.clear()
         if self._owns_process_group and dist.is_initialized():
+            # Every rank arrives before any tears down: a rank that destroys the group (rank 0
+            # takes the rendezvous store with it) while a peer still uses it can abort the peer
+            # ("terminate called without an active exception", seen with gloo under SLURM).
+            if sync and self.world_size > 1:
+                dist.barrier()
             dist.destroy_process_group()
         if _default is self:
             _default = None
@@ -479,7 +487,7 @@ class DistributedManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        self.shutdown(sync=exc[0] is None)
 
     def __repr__(self) -> str:
         return (
