@@ -7,11 +7,11 @@ widths trim. Rows outside ``[0, H)`` are filled by the boundary rule of the seri
 (:class:`Boundary`). Widths are one int for every rank, or one entry per rank.
 
 Data moves point to point only: every rank computes the same plan from global facts (sizes,
-widths, boundary), so each message has a sender and a receiver that agree on it without any
-negotiation. The backward is the exact adjoint, *halo accumulate*: every halo row's gradient
-goes back to the rank that owns the row and is added there (through the boundary's mirror and
-roll, and summed over replicated rows). Fetch and accumulate are each other's backward, so
-double backward works.
+widths, boundary; :mod:`mpidp.halo_plan`), so each message has a sender and a receiver that
+agree on it without any negotiation. The backward is the exact adjoint, *halo accumulate*:
+every halo row's gradient goes back to the rank that owns the row and is added there (through
+the boundary's mirror and roll, and summed over replicated rows). Fetch and accumulate are
+each other's backward, so double backward works.
 
 Nothing here names an axis: ``dim`` is the sharded dimension and, for the polar boundary,
 ``roll_dim`` the one rolled by half its size.
@@ -19,10 +19,8 @@ Nothing here names an axis: ``dim`` is the sharded dimension and, for the polar 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
-import itertools
 import operator
 import zlib
 from collections.abc import Sequence
@@ -34,6 +32,9 @@ from mpidp.collectives import _call, resolve_transport
 from mpidp.comm import PendingExchange, Transport
 from mpidp.errors import CommError, ConfigError
 from mpidp.geometry import HaloSpec
+from mpidp.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
+from mpidp.halo_plan import layout as layout_for
+from mpidp.halo_plan import plan as plan_for
 from mpidp.manager import DistributedManager
 from mpidp.partition import ShardSpec
 
@@ -47,317 +48,7 @@ __all__ = [
     "start_halo_exchange",
 ]
 
-#: Rows beyond the edge each boundary kind can supply (None: any number).
-_REACH = {
-    "none": lambda h: 0,
-    "zeros": lambda h: None,
-    "replicate": lambda h: None,
-    "reflect": lambda h: h - 1,
-    "symmetric": lambda h: h,
-    "circular": lambda h: h,
-    "polar": lambda h: h - 1,
-    "polar_half": lambda h: h,
-}
-BOUNDARY_KINDS = tuple(_REACH)
-
 Widths = int | Sequence[int]
-
-
-@dataclasses.dataclass(frozen=True)
-class Boundary:
-    """What fills the rows beyond the global edges, at the low end and at the high end.
-
-    Kinds (global row ``i`` outside ``[0, H)``):
-
-    * ``"none"``: no rows may be asked for beyond the edge (an error if a halo reaches there).
-    * ``"zeros"``: zeros (``F.pad`` constant 0, a convolution's zero padding).
-    * ``"replicate"``: the edge row repeated (``F.pad`` replicate).
-    * ``"reflect"``: mirror without repeating the edge row: row -k is row k (``F.pad`` reflect).
-    * ``"symmetric"``: mirror repeating the edge row: row -k is row k - 1 (numpy symmetric).
-    * ``"circular"``: periodic, row -k is row H - k (``F.pad`` circular); both ends.
-    * ``"polar"``: across the pole of a global latitude-longitude grid whose **poles lie on the
-      first and last rows** (e.g. 721 rows, 90 to -90 degrees): row -k is row k rolled by half
-      the circle along ``roll_dim`` (``reflect`` plus the roll).
-    * ``"polar_half"``: the same for grids whose **poles lie half a row beyond the first and last
-      rows** (cell centres, e.g. 720 rows, 89.875 to -89.875, and Gaussian grids): row -k is row
-      k - 1 rolled by half the circle (``symmetric`` plus the roll).
-
-    The polar kinds need an even extent along ``roll_dim`` (the longitude), unsharded on the
-    group of the exchange. Build one with :meth:`of`: a kind, a ``(low, high)`` pair of kinds,
-    None (``"none"``) or a Boundary.
-    """
-
-    low: str
-    high: str
-    roll_dim: int = -1
-
-    def __post_init__(self) -> None:
-        for kind in (self.low, self.high):
-            if kind not in _REACH:
-                raise ConfigError(
-                    f"unknown halo boundary {kind!r}; use one of {', '.join(BOUNDARY_KINDS)}"
-                )
-        if (self.low == "circular") != (self.high == "circular"):
-            raise ConfigError(
-                f"boundary ({self.low!r}, {self.high!r}): circular must be used at both ends"
-            )
-
-    @classmethod
-    def of(cls, boundary: Any, roll_dim: int = -1) -> Boundary:
-        """Parse what users pass as ``boundary=`` (see the class docstring)."""
-        if isinstance(boundary, Boundary):
-            return boundary
-        if boundary is None or isinstance(boundary, str):
-            kind = "none" if boundary is None else boundary
-            return cls(kind, kind, roll_dim)
-        if isinstance(boundary, Sequence) and len(boundary) == 2:
-            low, high = ("none" if b is None else b for b in boundary)
-            return cls(str(low), str(high), roll_dim)
-        raise ConfigError(
-            f"boundary {boundary!r}: pass a kind ({', '.join(BOUNDARY_KINDS)}), a (low, high) "
-            f"pair of kinds, or a mpidp.Boundary"
-        )
-
-    @property
-    def polar(self) -> bool:
-        return self.low.startswith("polar") or self.high.startswith("polar")
-
-    def __repr__(self) -> str:
-        kinds = repr(self.low) if self.low == self.high else f"{self.low!r}, {self.high!r}"
-        return f"Boundary({kinds}" + (f", roll_dim={self.roll_dim})" if self.polar else ")")
-
-
-# -- the plan: which rows go where (pure, the same on every rank) -----------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """Rows ``[lo, hi)`` of ``owner``'s band placed at output row ``at`` of the receiver,
-    flipped along dim and/or rolled along roll_dim, a single row possibly ``repeat``-ed."""
-
-    owner: int
-    lo: int
-    hi: int
-    at: int
-    flip: bool = False
-    roll: bool = False
-    repeat: int = 0  # 0: hi - lo rows as they are
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def span(self) -> int:
-        return self.repeat or self.rows
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """One rank's part of a halo exchange.
-
-    Rows a peer must send are merged into one message where pieces overlap or touch (a thin
-    shard's row that is both a neighbour row and a mirrored row travels once).
-    """
-
-    length: int  # rows of the extended band
-    local: tuple[_Piece, ...]  # from this rank's own rows
-    recv: tuple[tuple[int, int, int], ...]  # (peer, lo, hi) of the peer's rows, message order
-    remote: tuple[tuple[int, _Piece], ...]  # (message index, piece) from other ranks
-    send: tuple[tuple[int, int, int], ...]  # (peer, lo, hi) of own rows, message order
-    zeros: tuple[tuple[int, int], ...]  # (at, rows) filled with zeros
-
-
-def _messages(pieces: list[_Piece]) -> list[tuple[int, int, int]]:
-    """``(owner, lo, hi)`` messages covering the remote pieces: overlapping or touching row
-    ranges of one owner merged, sorted by owner then rows (the same on sender and receiver)."""
-    out: list[tuple[int, int, int]] = []
-    for owner, lo, hi in sorted((p.owner, p.lo, p.hi) for p in pieces):
-        if out and out[-1][0] == owner and lo <= out[-1][2]:
-            out[-1] = (owner, out[-1][1], max(hi, out[-1][2]))
-        else:
-            out.append((owner, lo, hi))
-    return out
-
-
-def _owners(spec: ShardSpec, lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """``(rank, lo, hi)`` of the non-empty shards covering global rows ``[lo, hi)``."""
-    ends = list(itertools.accumulate(spec.sizes))
-    out = []
-    rank = bisect.bisect_right(ends, lo)
-    while lo < hi:
-        stop = min(hi, ends[rank])
-        if stop > lo:
-            out.append((rank, lo, stop))
-        lo = max(lo, stop)
-        rank += 1
-    return out
-
-
-def _edge_source(kind: str, a: int, b: int, h: int, low: bool) -> tuple[int, int, bool] | None:
-    """Global source rows ``[lo, hi)`` and whether they are mirrored, for output rows ``[a, b)``
-    beyond one edge; None for zeros. ``replicate`` is handled by the caller."""
-    if kind == "zeros":
-        return None
-    if kind == "circular":
-        shift = h if low else -h
-        return a + shift, b + shift, False
-    if kind in ("reflect", "polar"):
-        return (1 - b, 1 - a, True) if low else (2 * h - 1 - b, 2 * h - 1 - a, True)
-    return (-b, -a, True) if low else (2 * h - b, 2 * h - a, True)  # symmetric, polar_half
-
-
-def _pieces(
-    spec: ShardSpec, lo_g: int, hi_g: int, boundary: Boundary
-) -> tuple[list[_Piece], list[tuple[int, int]]]:
-    """Pieces and zero runs that make up global rows ``[lo_g, hi_g)`` (rows may lie outside)."""
-    h, offs = spec.total, spec.offsets
-    pieces: list[_Piece] = []
-    zeros: list[tuple[int, int]] = []
-
-    def emit(src_lo: int, src_hi: int, a: int, flip: bool, roll: bool) -> None:
-        for q, glo, ghi in _owners(spec, src_lo, src_hi):
-            first = a + (src_hi - ghi if flip else glo - src_lo)
-            pieces.append(_Piece(q, glo - offs[q], ghi - offs[q], first - lo_g, flip, roll))
-
-    regions = (
-        (lo_g, min(hi_g, 0), boundary.low, True),
-        (max(lo_g, 0), min(hi_g, h), None, False),
-        (max(lo_g, h), hi_g, boundary.high, False),
-    )
-    for a, b, kind, low in regions:
-        if a >= b:
-            continue
-        if kind is None:
-            emit(a, b, a, False, False)
-        elif kind == "replicate":
-            ((q, glo, _),) = _owners(spec, 0, 1) if low else _owners(spec, h - 1, h)
-            local = glo - offs[q]
-            pieces.append(_Piece(q, local, local + 1, a - lo_g, repeat=b - a))
-        else:
-            source = _edge_source(kind, a, b, h, low)
-            if source is None:
-                zeros.append((a - lo_g, b - a))
-            else:
-                src_lo, src_hi, flip = source
-                emit(src_lo, src_hi, a, flip, kind.startswith("polar"))
-    return pieces, zeros
-
-
-def _check_widths(spec: ShardSpec, before: tuple[int, ...], after: tuple[int, ...], b: Boundary):
-    """Raise the same ConfigError on every rank when the widths cannot be served."""
-    h = spec.total
-    for r, (s, n) in enumerate(zip(spec.offsets, spec.sizes, strict=True)):
-        lo, hi = s - before[r], s + n + after[r]
-        if max(before[r], after[r]) > h:
-            raise ConfigError(
-                f"rank {r}: halo widths (before={before[r]}, after={after[r]}) are wider than the "
-                f"global size {h} along the sharded dim; use widths of at most {h}"
-            )
-        if hi < lo:
-            raise ConfigError(
-                f"rank {r}: widths (before={before[r]}, after={after[r]}) trim more than its "
-                f"{n} rows (would return rows [{lo}, {hi})); trim at most {n} rows in total"
-            )
-        for kind, beyond, edge in ((b.low, -lo, "low"), (b.high, hi - h, "high")):
-            limit = _REACH[kind](h)
-            if beyond > 0 and limit is not None and beyond > limit:
-                fix = (
-                    "pass a boundary (zeros, replicate, reflect, circular, polar) or widths "
-                    "that stay inside the field"
-                    if kind == "none"
-                    else f"use widths that reach at most {limit} rows beyond the edge"
-                )
-                raise ConfigError(
-                    f"rank {r}: halo (before={before[r]}, after={after[r]}) reaches {beyond} "
-                    f"rows beyond the {edge} edge of {h} rows but boundary {kind!r} supplies "
-                    f"{limit}; {fix}"
-                )
-
-
-@functools.lru_cache(maxsize=512)
-def _plan(
-    sizes: tuple[int, ...],
-    before: tuple[int, ...],
-    after: tuple[int, ...],
-    boundary: Boundary,
-    rank: int,
-) -> _Plan:
-    """This rank's plan. Cached on global facts only, so every rank hits or misses alike."""
-    spec = ShardSpec(sizes)
-    _check_widths(spec, before, after, boundary)
-
-    def needs(r: int) -> tuple[list[_Piece], list[tuple[int, int]]]:
-        s = spec.offsets[r]
-        return _pieces(spec, s - before[r], s + sizes[r] + after[r], boundary)
-
-    mine, zeros = needs(rank)
-    remote = [p for p in mine if p.owner != rank]
-    recv = _messages(remote)
-    send = []
-    for r in range(len(sizes)):
-        if r != rank:
-            send += [(r, lo, hi) for q, lo, hi in _messages(needs(r)[0]) if q == rank]
-
-    def message_of(p: _Piece) -> int:
-        return next(i for i, (q, lo, hi) in enumerate(recv) if q == p.owner and lo <= p.lo < hi)
-
-    return _Plan(
-        length=sizes[rank] + before[rank] + after[rank],
-        local=tuple(p for p in mine if p.owner == rank),
-        recv=tuple(recv),
-        remote=tuple((message_of(p), p) for p in remote),
-        send=tuple(send),
-        zeros=tuple(zeros),
-    )
-
-
-# -- where the rows land: the whole band, or only the strips beyond it -----------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """The pieces of a plan assigned to output tensors, one per window ``(start, rows)`` of the
-    extended band; pieces outside every window (the band itself, for strips) are not copied."""
-
-    rows: tuple[int, ...]  # rows of every output
-    zeros: tuple[tuple[int, int, int], ...]  # (output, at, rows)
-    local: tuple[tuple[int, _Piece], ...]  # (output, piece placed in that output)
-    remote: tuple[tuple[int, int, _Piece], ...]  # (message, output, piece), every one
-    direct: tuple[tuple[int, int] | None, ...]  # per message: (output, at) received in place
-    arrive: tuple[tuple[int, int, _Piece], ...]  # the remote pieces placed on arrival
-
-
-@functools.lru_cache(maxsize=512)
-def _layout(plan: _Plan, windows: tuple[tuple[int, int], ...]) -> _Layout:
-    def where(at: int, span: int) -> tuple[int, int] | None:
-        for i, (start, rows) in enumerate(windows):
-            if start <= at and at + span <= start + rows:
-                return i, at - start
-        return None
-
-    def moved(p: _Piece) -> tuple[int, _Piece] | None:
-        found = where(p.at, p.span)
-        return None if found is None else (found[0], dataclasses.replace(p, at=found[1]))
-
-    zeros = [(w[0], w[1], n) for at, n in plan.zeros if (w := where(at, n)) is not None]
-    local = [m for p in plan.local if (m := moved(p)) is not None]
-    remote = [(i, *m) for i, p in plan.remote if (m := moved(p)) is not None]
-    # A message that is one plain piece lands straight in its output rows (no copy on arrival).
-    direct: list[tuple[int, int] | None] = []
-    for i, (_, lo, hi) in enumerate(plan.recv):
-        mine = [(w, p) for m, w, p in remote if m == i]
-        plain = len(mine) == 1 and mine[0][1].rows == hi - lo
-        plain = plain and not (mine[0][1].flip or mine[0][1].roll or mine[0][1].repeat)
-        direct.append((mine[0][0], mine[0][1].at) if plain else None)
-    return _Layout(
-        rows=tuple(r for _, r in windows),
-        zeros=tuple(zeros),
-        local=tuple(local),
-        remote=tuple(remote),
-        direct=tuple(direct),
-        arrive=tuple((i, w, p) for i, w, p in remote if direct[i] is None),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,8 +56,8 @@ class _Op:
     """A resolved exchange: transport, plan, output layout, dims."""
 
     t: Transport
-    plan: _Plan
-    layout: _Layout
+    plan: Plan
+    layout: Layout
     dim: int
     roll_dim: int
     half: int  # roll by this many entries along roll_dim (polar)
@@ -374,7 +65,7 @@ class _Op:
     def rows(self, shape: torch.Size, n: int) -> tuple[int, ...]:
         return tuple(n if i == self.dim else s for i, s in enumerate(shape))
 
-    def place(self, out: torch.Tensor, src: torch.Tensor, p: _Piece) -> None:
+    def place(self, out: torch.Tensor, src: torch.Tensor, p: Piece) -> None:
         v = src.flip(self.dim) if p.flip else src
         dst = out.narrow(self.dim, p.at, p.span)
         if p.roll:  # the roll as two copies into place (torch.roll would copy once more)
@@ -384,7 +75,7 @@ class _Op:
             return
         dst.copy_(v.expand(self.rows(v.shape, p.repeat)) if p.repeat else v)
 
-    def unplace(self, g: torch.Tensor, p: _Piece) -> torch.Tensor:
+    def unplace(self, g: torch.Tensor, p: Piece) -> torch.Tensor:
         """Adjoint of :meth:`place`: the gradient of the piece's source rows."""
         v = g.narrow(self.dim, p.at, p.span)
         if p.repeat:
@@ -585,7 +276,7 @@ def _resolve(
     others = tuple(s for i, s in enumerate(x.shape) if i != d)
     facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
     sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
-    plan = _plan(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
+    plan = plan_for(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
     if not strips:
         windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
     elif min(bw + aw) < 0:
@@ -596,7 +287,7 @@ def _resolve(
     else:
         me = t.rank
         windows = ((0, bw[me]), (plan.length - aw[me], aw[me]))
-    layout = _layout(plan, windows)
+    layout = layout_for(plan, windows)
     return _Op(t, plan, layout, d, rd, x.size(rd) // 2 if b.polar else 0)
 
 

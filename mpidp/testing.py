@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mpidp.comm import Transport
-from mpidp.halo import Boundary
+from mpidp.halo_plan import Boundary
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import offsets
 
