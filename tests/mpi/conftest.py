@@ -12,10 +12,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+
+import mpidp
+from mpidp.comm import TorchTransport, Transport
+from mpidp.comm.mpi import MPITransport
 
 _WORLD = MPI.COMM_WORLD
 _VERDICTS = _WORLD.Dup()
@@ -74,3 +79,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         rep.longrepr = f"skipped on some ranks only: outcomes by rank {codes.tolist()}"
     elif failed and rank == 0 and failed != [0]:
         rep.longrepr = f"{rep.longreprtext}\n(also failed on ranks {failed})"
+
+
+# -- fixtures shared by the collective and halo tests -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[mpidp.DistributedManager]:
+    """One domain group over the whole world, per test module."""
+    with mpidp.DistributedManager(domain_parallel_size=_WORLD.Get_size()) as m:
+        yield m
+
+
+@pytest.fixture(params=["mpi", "torch"])
+def t(request: pytest.FixtureRequest, manager: mpidp.DistributedManager) -> Transport:
+    """The domain group through each transport: MPI, and torch.distributed (gloo)."""
+    if request.param == "mpi":
+        return MPITransport(manager.domain_comm)
+    return TorchTransport(manager.domain_group)

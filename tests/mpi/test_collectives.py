@@ -13,8 +13,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp.comm import TorchTransport, Transport
-from mpidp.comm.mpi import MPITransport
+from mpidp.comm import Transport
 from mpidp.partition import ShardSpec, offsets
 
 pytestmark = pytest.mark.mpi
@@ -22,19 +21,6 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD.Get_size()
 RANK = MPI.COMM_WORLD.Get_rank()
 DIMS = [0, 1, -1, -2]
-
-
-@pytest.fixture(scope="module")
-def manager():
-    with mpidp.DistributedManager(domain_parallel_size=WORLD) as m:
-        yield m
-
-
-@pytest.fixture(params=["mpi", "torch"])
-def t(request, manager) -> Transport:
-    if request.param == "mpi":
-        return MPITransport(manager.domain_comm)
-    return TorchTransport(manager.domain_group)
 
 
 def rand(shape, seed, dtype=torch.float64):
