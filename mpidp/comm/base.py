@@ -310,8 +310,9 @@ class Transport(abc.ABC):
     def scratch(
         self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> torch.Tensor:
-        """An uninitialised contiguous tensor for a message that lives only during one call
-        (the MPI transport reuses large ones instead of faulting in fresh pages). Local."""
+        """An uninitialised contiguous tensor from the transport's allocator: the MPI transport
+        hands out large CPU buffers from its cache (reused only once nothing references them)
+        instead of faulting in fresh pages on every call. Local."""
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     @property
