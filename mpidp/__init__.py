@@ -23,6 +23,14 @@ from mpidp.halo import (
     halo_strips,
     start_halo_exchange,
 )
+from mpidp.layers import (
+    DomainParallelConv1d,
+    DomainParallelConv2d,
+    DomainParallelConv3d,
+    DomainParallelConvTranspose1d,
+    DomainParallelConvTranspose2d,
+    DomainParallelConvTranspose3d,
+)
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
@@ -36,6 +44,12 @@ __all__ = [
     "CommError",
     "ConfigError",
     "DistributedManager",
+    "DomainParallelConv1d",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose1d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
     "HaloExchange",
     "HaloSpec",
     "LaunchError",

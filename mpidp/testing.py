@@ -90,8 +90,10 @@ def assert_matches_serial(
         Full tensors, identical on every rank (domain rank 0's are broadcast to make sure).
         Every input is cut along ``dim`` by ``sizes`` (default: the manager's partition policy).
     modules:
-        ``(serial_module, distributed_module)``; every parameter gradient of the distributed one,
-        summed over the domain group, must equal the serial one (matched by name).
+        ``(serial_module, distributed_module)``. Both first get domain rank 0's serial
+        state_dict (the same keys: a conversion keeps them), so weights agree everywhere.
+        Every parameter gradient of the distributed one, summed over the domain group, must
+        equal the serial one (matched by name).
     rtol, atol:
         Override :func:`default_tolerance`.
 
@@ -106,6 +108,10 @@ def assert_matches_serial(
         tuple(sizes) if sizes is not None else manager.spec(t.size(dim)).sizes for t in full
     ]
 
+    if modules is not None:  # the same weights everywhere: domain rank 0's serial module's
+        state = {k: comm.broadcast(v.detach().cpu(), 0) for k, v in modules[0].state_dict().items()}
+        for module in modules:
+            module.load_state_dict(state)
     xs = [t.clone().requires_grad_(t.is_floating_point()) for t in full]
     out_s = serial(*xs)
     gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,26 @@
+"""Domain-parallel layers: torch modules that compute, on a band, the band of the serial output.
+
+Each wrapper subclasses the torch module it replaces, so parameters, buffers and state_dict
+keys are the serial ones (a checkpoint moves between P = 1 and P = 4 unchanged). The sharded
+dimension is a spatial dim (H: dim -2 of 4-D and 5-D inputs; the length of Conv1d). The output
+of a layer is partitioned by the manager's partition policy applied to the output length, so
+every activation of a network is cut by the same rule.
+"""
+
+from mpidp.layers.conv import (
+    DomainParallelConv1d,
+    DomainParallelConv2d,
+    DomainParallelConv3d,
+    DomainParallelConvTranspose1d,
+    DomainParallelConvTranspose2d,
+    DomainParallelConvTranspose3d,
+)
+
+__all__ = [
+    "DomainParallelConv1d",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose1d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+]

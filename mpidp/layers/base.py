@@ -1,0 +1,57 @@
+"""What every domain-parallel layer shares: its manager, its sharded dim, the input partition."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpidp.comm import Transport
+from mpidp.errors import ConfigError
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import ShardSpec
+
+__all__ = ["DomainParallel", "learn_spec"]
+
+
+def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
+    """The partition of ``x`` along ``dim``: every rank's local extent, in one all-gather of
+    one integer. Nothing is cached on the local shape (two global sizes can give a rank the
+    same local size). Collective over the transport's group."""
+    return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
+
+
+class DomainParallel:
+    """Mixin for layers sharded along one spatial dim over a manager's domain group.
+
+    ``shard_dim`` counts from the end of the input (-2: H of (B, C, H, W) and (B, C, T, H, W));
+    ``dp_manager`` None means the default manager, looked up at each call.
+    """
+
+    shard_dim: int = -2
+    dp_manager: DistributedManager | None = None
+
+    def _dp_setup(self, manager: DistributedManager | None, shard_dim: int) -> None:
+        if shard_dim >= 0:
+            raise ConfigError(
+                f"shard_dim={shard_dim}: count it from the end of the input (e.g. -2 for H of "
+                f"(B, C, H, W)), so that it means the same with and without a batch dim"
+            )
+        self.dp_manager = manager
+        self.shard_dim = shard_dim
+
+    def _manager(self) -> DistributedManager:
+        return self.dp_manager if self.dp_manager is not None else get_manager()
+
+    def _transport(self, x: torch.Tensor) -> Transport:
+        return self._manager().transport(None, x.device)
+
+    @classmethod
+    def from_module(
+        cls, module: Any, manager: DistributedManager | None = None, shard_dim: int = -2
+    ) -> Any:
+        """This wrapper around ``module``'s own parameters and buffers (shared, not copied)."""
+        new = cls.__new__(cls)
+        new.__dict__.update(module.__dict__)
+        new._dp_setup(manager, shard_dim)
+        return new

@@ -1,0 +1,222 @@
+"""Convolutions and transposed convolutions on a band.
+
+A convolution's output row reads input rows the neighbours own. The layer learns the input
+partition (one small all-gather), takes the output partition from the manager's policy
+applied to the output length, asks :func:`mpidp.input_ranges` which input rows its output rows
+need, fetches them with :func:`mpidp.halo_exchange` (the padding beyond the field filled by
+the halo boundary that matches ``padding_mode``) and runs the torch convolution without padding
+along the sharded dim. The other spatial dims are padded locally exactly as torch pads them.
+
+A transposed convolution scatters input rows into output rows: the layer fetches the input rows
+whose scatter reaches its output rows, runs the torch layer without padding along the sharded
+dim and cuts its own output rows out of the result (rows nothing reaches hold the bias alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpidp.errors import ConfigError
+from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
+from mpidp.halo import halo_exchange
+from mpidp.layers.base import DomainParallel, learn_spec
+
+__all__ = [
+    "DomainParallelConv1d",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose1d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+]
+
+# padding_mode of a torch conv -> the halo boundary that fills the rows beyond the field
+_BOUNDARY = {
+    "zeros": "zeros",
+    "reflect": "reflect",
+    "replicate": "replicate",
+    "circular": "circular",
+}
+# ... and F.pad's name for the same padding of the dims that are not sharded
+_FPAD = {
+    "zeros": "constant",
+    "reflect": "reflect",
+    "replicate": "replicate",
+    "circular": "circular",
+}
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _spatial(layer: nn.Module, x: torch.Tensor, n: int, shard_dim: int) -> tuple[int, int]:
+    """(tensor dim, spatial index) of the sharded dim for an ``n``-d layer."""
+    if x.dim() not in (n + 1, n + 2):
+        raise ConfigError(
+            f"{type(layer).__name__} expects a {n + 1}-d or {n + 2}-d input, got shape "
+            f"{tuple(x.shape)}"
+        )
+    if not -n <= shard_dim < 0:
+        raise ConfigError(
+            f"{type(layer).__name__}: shard_dim {shard_dim} is not one of its {n} spatial dims "
+            f"(-{n} .. -1)"
+        )
+    return x.dim() + shard_dim, n + shard_dim
+
+
+def _pads(padding: str | Sequence[int], kernel: Sequence[int], dilation: Sequence[int]):
+    """Per spatial dim (low, high) padding, torch's rule for 'same' (extra row at the end)."""
+    if isinstance(padding, str):
+        return [padding_pair(padding, k, 1, d) for k, d in zip(kernel, dilation, strict=True)]
+    return [(p, p) for p in padding]
+
+
+class _Conv(DomainParallel):
+    """The forward shared by Conv1d/2d/3d (``self`` is also the torch conv)."""
+
+    _n: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        d, k = _spatial(conv, x, self._n, self.shard_dim)
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
+        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+        n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
+        out_spec = self._manager().spec(n_out)
+        halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
+        ext = halo_exchange(
+            x,
+            halo.before,
+            halo.after,
+            dim=d,
+            spec=spec,
+            boundary=_BOUNDARY[conv.padding_mode],
+            group=t,
+        )
+        pads[k] = (0, 0)
+        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
+            padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
+        else:
+            flat = [p for lo_hi in reversed(pads) for p in lo_hi]
+            if any(flat):
+                ext = F.pad(ext, flat, mode=_FPAD[conv.padding_mode])
+            padding = (0,) * self._n
+        return _CONV[self._n](
+            ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
+        )
+
+
+class DomainParallelConv1d(_Conv, nn.Conv1d):
+    """:class:`torch.nn.Conv1d` sharded along its length (``shard_dim=-1``)."""
+
+    _n = 1
+    shard_dim = -1
+
+
+class DomainParallelConv2d(_Conv, nn.Conv2d):
+    """:class:`torch.nn.Conv2d` sharded along H. Collective over the domain group."""
+
+    _n = 2
+
+
+class DomainParallelConv3d(_Conv, nn.Conv3d):
+    """:class:`torch.nn.Conv3d` sharded along H of (B, C, T, H, W). Collective."""
+
+    _n = 3
+
+
+class _ConvTranspose(DomainParallel):
+    """The forward shared by ConvTranspose1d/2d/3d (``self`` is also the torch layer)."""
+
+    _n: int
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        conv: nn.modules.conv._ConvTransposeNd = self  # type: ignore[assignment]
+        if output_size is not None:
+            raise ConfigError(
+                f"{type(self).__name__}: output_size= is not supported on bands; set "
+                f"output_padding on the layer instead"
+            )
+        d, k = _spatial(conv, x, self._n, self.shard_dim)
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+        pad, out_pad = conv.padding[k], conv.output_padding[k]
+        assert isinstance(pad, int)
+        geometry = dict(transposed=True, output_padding=out_pad)
+        n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+        out_spec = self._manager().spec(n_out)
+        ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+        halo = HaloSpec.from_ranges(spec, ranges)
+        ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
+        lo = ranges[t.rank][0]
+        if ext.size(d) == 0:  # no input reaches this rank's rows: run on one zero row
+            shape = list(ext.shape)
+            shape[d] = 1
+            ext = ext.new_zeros(shape)
+        padding = [int(p) for p in conv.padding]  # ints for transposed layers
+        padding[k] = 0
+        output_padding = list(conv.output_padding)
+        output_padding[k] = 0
+        y = _CONV_T[self._n](
+            ext,
+            conv.weight,
+            None,
+            conv.stride,
+            tuple(padding),
+            tuple(output_padding),
+            conv.groups,
+            conv.dilation,
+        )
+        # Output row o of the serial layer is row o + pad - lo * stride of y.
+        first = out_spec.start(t.rank) + pad - lo * stride
+        y = _rows(y, d, first, out_spec.sizes[t.rank])
+        if conv.bias is not None:
+            y = y + conv.bias.view(-1, *([1] * self._n))
+        return y
+
+
+def _rows(y: torch.Tensor, dim: int, first: int, count: int) -> torch.Tensor:
+    """Rows ``[first, first + count)`` of ``y`` along ``dim``, zeros where ``y`` has none."""
+    n = y.size(dim)
+    lo = min(max(first, 0), n)
+    hi = max(min(first + count, n), lo)
+    before = max(0, min(count, -first))
+    after = count - before - (hi - lo)
+    part = y.narrow(dim, lo, hi - lo)
+    if before == 0 and after == 0:
+        return part
+    shape = list(y.shape)
+    pieces = []
+    for rows, piece in ((before, None), (0, part), (after, None)):
+        if piece is not None:
+            pieces.append(piece)
+        elif rows:
+            shape[dim] = rows
+            pieces.append(y.new_zeros(shape))
+    return torch.cat(pieces, dim)
+
+
+class DomainParallelConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
+    """:class:`torch.nn.ConvTranspose1d` sharded along its length (``shard_dim=-1``)."""
+
+    _n = 1
+    shard_dim = -1
+
+
+class DomainParallelConvTranspose2d(_ConvTranspose, nn.ConvTranspose2d):
+    """:class:`torch.nn.ConvTranspose2d` sharded along H. Collective over the domain group."""
+
+    _n = 2
+
+
+class DomainParallelConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
+    """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W). Collective."""
+
+    _n = 3
