@@ -43,6 +43,17 @@ class DomainParallel:
     def _manager(self) -> DistributedManager:
         return self.dp_manager if self.dp_manager is not None else get_manager()
 
+    def _out_spec(self, n: int) -> ShardSpec:
+        """The partition of this layer's output (``n`` rows) by the manager's policy."""
+        manager = self._manager()
+        try:
+            return manager.partition.spec(n, manager.domain_world_size)
+        except ConfigError as err:
+            raise ConfigError(
+                f"rank {manager.rank}: {type(self).__name__} {self!r} gives {n} output rows "
+                f"along the sharded dim: {err}"
+            ) from None
+
     def _transport(self, x: torch.Tensor) -> Transport:
         return self._manager().transport(None, x.device)
 

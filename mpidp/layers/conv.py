@@ -88,7 +88,7 @@ class _Conv(DomainParallel):
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
         kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
         n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
-        out_spec = self._manager().spec(n_out)
+        out_spec = self._out_spec(n_out)
         halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
         ext = halo_exchange(
             x,
@@ -151,7 +151,7 @@ class _ConvTranspose(DomainParallel):
         assert isinstance(pad, int)
         geometry = dict(transposed=True, output_padding=out_pad)
         n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
-        out_spec = self._manager().spec(n_out)
+        out_spec = self._out_spec(n_out)
         ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
         halo = HaloSpec.from_ranges(spec, ranges)
         ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)

@@ -57,6 +57,11 @@ CONV2D = [
 def test_conv2d(manager, geometry, h):
     k, s, p, d, mode, g, bias = geometry
     conv = nn.Conv2d(4, 6, k, s, p, d, groups=g, bias=bias, padding_mode=mode)
+    n_out = conv(torch.zeros(1, 4, h, 10)).size(-2)
+    if n_out < WORLD:  # fewer output rows than ranks: a clear error, on every rank
+        with pytest.raises(mpidp.ConfigError, match=f"gives {n_out} output rows"):
+            check(manager, conv, mpidp.DomainParallelConv2d, (2, 4, h, 10))
+        return
     check(manager, conv, mpidp.DomainParallelConv2d, (2, 4, h, 10))
 
 
