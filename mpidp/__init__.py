@@ -24,12 +24,17 @@ from mpidp.halo import (
     start_halo_exchange,
 )
 from mpidp.layers import (
+    DomainParallelBatchNorm2d,
+    DomainParallelBatchNorm3d,
     DomainParallelConv1d,
     DomainParallelConv2d,
     DomainParallelConv3d,
     DomainParallelConvTranspose1d,
     DomainParallelConvTranspose2d,
     DomainParallelConvTranspose3d,
+    DomainParallelGroupNorm,
+    DomainParallelInstanceNorm2d,
+    DomainParallelInstanceNorm3d,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
@@ -44,12 +49,17 @@ __all__ = [
     "CommError",
     "ConfigError",
     "DistributedManager",
+    "DomainParallelBatchNorm2d",
+    "DomainParallelBatchNorm3d",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
     "DomainParallelConv3d",
     "DomainParallelConvTranspose1d",
     "DomainParallelConvTranspose2d",
     "DomainParallelConvTranspose3d",
+    "DomainParallelGroupNorm",
+    "DomainParallelInstanceNorm2d",
+    "DomainParallelInstanceNorm3d",
     "HaloExchange",
     "HaloSpec",
     "LaunchError",

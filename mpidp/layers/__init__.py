@@ -15,8 +15,22 @@ from mpidp.layers.conv import (
     DomainParallelConvTranspose2d,
     DomainParallelConvTranspose3d,
 )
+from mpidp.layers.norm import (
+    DomainParallelBatchNorm2d,
+    DomainParallelBatchNorm3d,
+    DomainParallelGroupNorm,
+    DomainParallelInstanceNorm2d,
+    DomainParallelInstanceNorm3d,
+    global_moments,
+)
 
 __all__ = [
+    "DomainParallelBatchNorm2d",
+    "DomainParallelBatchNorm3d",
+    "DomainParallelGroupNorm",
+    "DomainParallelInstanceNorm2d",
+    "DomainParallelInstanceNorm3d",
+    "global_moments",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
     "DomainParallelConv3d",

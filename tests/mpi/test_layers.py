@@ -136,3 +136,92 @@ def test_state_dict_keys_unchanged(manager):
     dist = mpidp.DomainParallelConvTranspose2d.from_module(copy.deepcopy(conv), manager)
     assert list(dist.state_dict()) == list(conv.state_dict())
     assert isinstance(dist, nn.ConvTranspose2d)
+
+
+# -- normalisations: statistics over the whole field ------------------------------------------
+
+
+def check_buffers(manager, serial, dist):
+    """Running statistics after the step equal the serial ones on every rank."""
+    t = manager.transport()
+    bad = [
+        name
+        for name, buf in dist.named_buffers()
+        if not torch.allclose(
+            buf.double(), dict(serial.named_buffers())[name].double(), 1e-12, 1e-13
+        )
+    ]
+    everyone = t.all_gather_object(bad)
+    assert not any(everyone), f"buffers differ: {everyone}"
+
+
+def check_norm(manager, serial, wrapper, shape, h_dim=-2, seed=0, train=True):
+    serial = serial.to(F64).train(train)
+    dist = wrapper.from_module(copy.deepcopy(serial), manager, h_dim)
+    assert_matches_serial(
+        serial, dist, [rand(shape, seed)], manager=manager, dim=h_dim, modules=(serial, dist)
+    )
+    check_buffers(manager, serial, dist)
+
+
+@pytest.mark.parametrize(("groups", "affine"), [(1, True), (2, True), (6, False), (3, True)])
+@pytest.mark.parametrize("h", [13, 37])
+def test_group_norm(manager, groups, affine, h):
+    norm = nn.GroupNorm(groups, 6, affine=affine)
+    if affine:  # not the identity initialisation: the affine gradients must show
+        with torch.no_grad():
+            norm.weight.copy_(rand((6,), 1))
+            norm.bias.copy_(rand((6,), 2))
+    check_norm(manager, norm, mpidp.DomainParallelGroupNorm, (2, 6, h, 5), seed=h)
+
+
+def test_group_norm_5d_and_large_mean(manager):
+    """5-D input, and a field far from zero: sum-of-squares statistics would lose 4 digits
+    there (the offset is small enough that the input itself keeps 1e-14)."""
+    norm = nn.GroupNorm(2, 4)
+    serial = norm.to(F64)
+    dist = mpidp.DomainParallelGroupNorm.from_module(copy.deepcopy(serial), manager)
+    x = rand((2, 4, 3, 2 * WORLD + 1, 4), 3) + 1e2
+    assert_matches_serial(serial, dist, [x], manager=manager, modules=(serial, dist))
+
+
+@pytest.mark.parametrize(
+    ("affine", "track", "train"),
+    [(True, False, True), (False, True, True), (True, True, False)],
+)
+def test_instance_norm(manager, affine, track, train):
+    norm = nn.InstanceNorm2d(3, affine=affine, track_running_stats=track)
+    if track:
+        with torch.no_grad():
+            norm.running_mean.copy_(rand((3,), 4))
+            norm.running_var.copy_(rand((3,), 5).abs())
+    check_norm(manager, norm, mpidp.DomainParallelInstanceNorm2d, (2, 3, 19, 6), train=train)
+
+
+def test_instance_norm3d(manager):
+    norm = nn.InstanceNorm3d(2, affine=True)
+    check_norm(manager, norm, mpidp.DomainParallelInstanceNorm3d, (2, 2, 3, 17, 4))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm(manager, momentum, train):
+    norm = nn.BatchNorm2d(3, momentum=momentum)
+    with torch.no_grad():
+        norm.weight.copy_(rand((3,), 6))
+        norm.running_var.copy_(rand((3,), 7).abs())
+    check_norm(manager, norm, mpidp.DomainParallelBatchNorm2d, (3, 3, 23, 5), train=train)
+
+
+def test_batch_norm3d_without_running_stats(manager):
+    norm = nn.BatchNorm3d(2, track_running_stats=False)
+    check_norm(manager, norm, mpidp.DomainParallelBatchNorm3d, (2, 2, 3, 13, 4), train=False)
+
+
+def test_thin_and_empty_shards_norm(manager):
+    """Statistics weighted by counts: 1-row shards and a partition with an empty shard."""
+    norm = nn.GroupNorm(2, 4).to(F64)
+    dist = mpidp.DomainParallelGroupNorm.from_module(copy.deepcopy(norm), manager)
+    for sizes in ([1] * WORLD, [0] + [2] * (WORLD - 1) if WORLD > 1 else [3]):
+        x = rand((2, 4, sum(sizes), 3), 8)
+        assert_matches_serial(norm, dist, [x], manager=manager, sizes=sizes, modules=(norm, dist))
