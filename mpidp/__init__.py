@@ -39,6 +39,15 @@ from mpidp.layers import (
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
+from mpidp.training import (
+    broadcast_parameters,
+    global_acc,
+    global_mean,
+    global_rmse,
+    global_sum,
+    latitude_weights,
+    sync_gradients,
+)
 
 __version__ = "0.1.0"
 
@@ -75,22 +84,29 @@ __all__ = [
     "all_gather_v_replicated",
     "all_reduce",
     "all_to_all_v",
+    "broadcast_parameters",
     "conv_output_size",
     "copy_to",
     "detect_launch",
     "gather_tensor",
     "gather_v",
     "get_manager",
+    "global_acc",
+    "global_mean",
+    "global_rmse",
+    "global_sum",
     "halo_exchange",
     "halo_strips",
     "indexed_all_to_all_v",
     "init",
     "input_ranges",
     "is_initialized",
+    "latitude_weights",
     "reduce_from",
     "reduce_scatter_v",
     "scatter_v",
     "shard_batch",
     "shard_tensor",
     "start_halo_exchange",
+    "sync_gradients",
 ]

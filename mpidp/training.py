@@ -1,0 +1,213 @@
+"""Exact training math on bands: global reductions, metrics, latitude weights, gradient sync.
+
+The loss of a domain-parallel model is the serial loss: sums and counts (or weights) are reduced
+over the domain group first and divided after, so uneven shards weigh exactly what their rows
+weigh. Gradients are summed over domain ranks (each holds part of every parameter's gradient)
+and averaged over data-parallel ranks (each saw different samples): one all-reduce over the
+world divided by the data-parallel size does both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpidp.collectives import reduce_from
+from mpidp.errors import ConfigError
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import ShardSpec
+
+__all__ = [
+    "broadcast_parameters",
+    "global_acc",
+    "global_mean",
+    "global_rmse",
+    "global_sum",
+    "latitude_weights",
+    "sync_gradients",
+]
+
+_LOW = (torch.float16, torch.bfloat16)
+_BUCKET_BYTES = 32 << 20
+
+
+def _group(manager: DistributedManager | None, group: Any) -> Any:
+    return group if group is not None else (manager if manager is not None else None)
+
+
+def _dims(x: torch.Tensor, dims: int | Sequence[int] | None) -> list[int]:
+    if dims is None:
+        return list(range(x.dim()))
+    return [d % x.dim() for d in ([dims] if isinstance(dims, int) else dims)]
+
+
+def _sums(
+    x: torch.Tensor, weights: torch.Tensor | None, dims: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local weighted sum and total weight over ``dims`` (float32 or better)."""
+    work = x.float() if x.dtype in _LOW else x
+    if weights is None:
+        count = math.prod(x.size(d) for d in dims)
+        total = work.sum(dims)
+        return total, torch.full_like(total, float(count))
+    w = torch.broadcast_to(weights.to(work.dtype), work.shape)
+    return (work * w).sum(dims), w.sum(dims)
+
+
+def global_sum(
+    x: torch.Tensor,
+    dims: int | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """Sum of ``x`` over ``dims`` (default: all) of every rank's band; the same value on every
+    rank of the group (default: the domain group). Differentiable: each rank's backward covers
+    its own band. Collective."""
+    local = x.float() if x.dtype in _LOW else x
+    return reduce_from(local.sum(_dims(x, dims)), _group(manager, group))
+
+
+def global_mean(
+    x: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    dims: int | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """The serial (weighted) mean of the whole field: ``sum(w * x) / sum(w)`` over ``dims``
+    (default: all) of every rank's band, numerator and denominator reduced together in one
+    all-reduce, then divided. ``weights`` broadcast against ``x`` (latitude weights of this
+    band: shape (rows, 1)). Exact for uneven shards; differentiable. Collective."""
+    total, weight = _sums(x, weights, _dims(x, dims))
+    both = reduce_from(torch.stack([total, weight]), _group(manager, group))
+    return both[0] / both[1]
+
+
+def global_rmse(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    dims: int | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """Root of the global (weighted) mean squared error over ``dims``: per variable with
+    ``dims=(0, 2, 3)`` on (B, C, H, W). Collective."""
+    return global_mean((pred - target).square(), weights, dims, manager, group=group).sqrt()
+
+
+def global_acc(
+    pred_anomaly: torch.Tensor,
+    target_anomaly: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    dims: int | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """Anomaly correlation ``sum(w a b) / sqrt(sum(w a^2) sum(w b^2))`` over the whole field
+    (anomalies: fields minus climatology). One all-reduce of the three sums. Collective."""
+    d = _dims(pred_anomaly, dims)
+    ab, _ = _sums(pred_anomaly * target_anomaly, weights, d)
+    aa, _ = _sums(pred_anomaly.square(), weights, d)
+    bb, _ = _sums(target_anomaly.square(), weights, d)
+    s = reduce_from(torch.stack([ab, aa, bb]), _group(manager, group))
+    return s[0] / (s[1] * s[2]).sqrt()
+
+
+def latitude_weights(
+    lat: int | Sequence[float] | torch.Tensor,
+    spec: ShardSpec | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    poles: str = "rows",
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``cos(latitude)`` of this rank's rows, normalised so that the global mean is 1; shape
+    (rows, 1), to broadcast over (..., H, W) bands.
+
+    ``lat`` is the global latitude in degrees (any order), or a row count for an equiangular
+    grid from 90 to -90 with the poles on the first and last rows (``poles="rows"``, e.g. 721)
+    or half a row beyond them (``poles="half"``, e.g. 720). ``spec``: the partition of the rows
+    (default: the manager's policy). Local: no communication.
+    """
+    if isinstance(lat, int):
+        n = lat
+        if poles == "rows":
+            lat_t = torch.linspace(90.0, -90.0, n, dtype=torch.float64)
+        elif poles == "half":
+            lat_t = 90.0 - 180.0 * (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        else:
+            raise ConfigError(f"poles={poles!r}: use 'rows' or 'half'")
+    else:
+        lat_t = torch.as_tensor(lat, dtype=torch.float64).flatten()
+    w = torch.cos(torch.deg2rad(lat_t)).clamp(min=0.0)
+    w = w / w.mean()
+    if spec is None:
+        m = manager or get_manager()
+        spec = m.spec(w.numel())
+        rank = m.domain_rank
+    else:
+        spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_sizes(spec)
+        rank = (manager or get_manager()).domain_rank
+    if spec.total != w.numel():
+        raise ConfigError(
+            f"latitude_weights: {w.numel()} latitudes but the partition covers {spec.total} rows"
+        )
+    return w[spec.slice(rank)].to(dtype).unsqueeze(-1)
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
+    """Gradients in groups of one dtype and device, about 32 MB each, in a fixed order."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        if bucket and (
+            g.dtype != bucket[0].dtype
+            or g.device != bucket[0].device
+            or size + g.numel() * g.element_size() > _BUCKET_BYTES
+        ):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    if bucket:
+        yield bucket
+
+
+def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) -> None:
+    """Sum every parameter gradient over the domain ranks and average it over the
+    data-parallel ranks: one all-reduce over the world per bucket, divided by the
+    data-parallel size. Parameters without a gradient are skipped (the same ones on every
+    rank: the graph is the same everywhere). Collective over the world."""
+    m = manager or get_manager()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for bucket in _buckets(grads):
+        t = m.transport("world", bucket[0].device)
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat = t.all_reduce(flat, "sum")
+        if m.dp_world_size > 1:
+            flat.div_(m.dp_world_size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def broadcast_parameters(
+    model: nn.Module, manager: DistributedManager | None = None, src: int = 0
+) -> None:
+    """Every parameter and buffer set to world rank ``src``'s, so all ranks start identical.
+    Collective over the world."""
+    m = manager or get_manager()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            t = m.transport("world", tensor.device)
+            tensor.copy_(t.broadcast(tensor.detach(), src))

@@ -1,0 +1,117 @@
+"""Training math: global reductions and metrics equal the serial ones on uneven bands, and
+gradient sync gives the serial gradients on a dp x domain mesh."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD.Get_size()
+DOMAIN = 2 if WORLD % 2 == 0 else WORLD  # 2 x 2 at four ranks
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def manager():
+    with mpidp.DistributedManager(domain_parallel_size=DOMAIN) as m:
+        yield m
+
+
+def rand(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=F64)
+
+
+def band(manager, full, dim=-2):
+    spec = manager.spec(full.size(dim))
+    return full.narrow(dim, spec.start(manager.domain_rank), spec.sizes[manager.domain_rank])
+
+
+def gathered(manager, x, dim=-2):
+    return mpidp.gather_tensor(x, dim, manager=manager)
+
+
+@pytest.mark.parametrize("h", [13, 37, 721])
+def test_global_mean_sum_rmse_acc_match_serial(manager, h):
+    full, other = rand((2, 3, h, 8), 1), rand((2, 3, h, 8), 2)
+    w_full = torch.cos(torch.deg2rad(torch.linspace(90, -90, h, dtype=F64))).unsqueeze(-1)
+    w_full = w_full / w_full.mean()
+    w = mpidp.latitude_weights(h, manager=manager)
+    assert torch.allclose(gathered(manager, w, 0), w_full, rtol=1e-15, atol=1e-15)
+    x, y = band(manager, full), band(manager, other)
+    torch.testing.assert_close(
+        mpidp.global_sum(x, manager=manager), full.sum(), rtol=1e-14, atol=1e-12
+    )
+    torch.testing.assert_close(
+        mpidp.global_mean(x, manager=manager), full.mean(), rtol=1e-13, atol=1e-15
+    )
+    want = (full * w_full).sum() / w_full.expand_as(full).sum()
+    torch.testing.assert_close(
+        mpidp.global_mean(x, w, manager=manager), want, rtol=1e-13, atol=1e-15
+    )
+    per_var = ((full - other).square() * w_full).sum((0, 2, 3)) / w_full.expand_as(full).sum(
+        (0, 2, 3)
+    )
+    torch.testing.assert_close(
+        mpidp.global_rmse(x, y, w, (0, 2, 3), manager), per_var.sqrt(), rtol=1e-13, atol=1e-15
+    )
+    acc = (full * other).sum() / ((full * full).sum() * (other * other).sum()).sqrt()
+    torch.testing.assert_close(mpidp.global_acc(x, y, manager=manager), acc, rtol=1e-13, atol=1e-15)
+
+
+def test_global_mean_gradient_is_the_serial_one(manager):
+    """Every rank backpropagates the same (replicated) loss; each band gets its own part."""
+    h = 19
+    full = rand((2, 2, h, 4), 3)
+    w_full = torch.cos(torch.deg2rad(torch.linspace(90, -90, h, dtype=F64))).unsqueeze(-1)
+    w_full = w_full / w_full.mean()
+    ref = full.clone().requires_grad_()
+    ((ref.square() * w_full).sum() / w_full.expand_as(full).sum()).backward()
+    x = band(manager, full).clone().requires_grad_()
+    mpidp.global_mean(
+        x.square(), mpidp.latitude_weights(h, manager=manager), manager=manager
+    ).backward()
+    torch.testing.assert_close(gathered(manager, x.grad), ref.grad, rtol=1e-13, atol=1e-15)
+
+
+def test_sync_gradients_gives_serial_gradients(manager):
+    """dp x domain: each dp replica takes its part of the global batch, each domain rank its
+    band; after sync every rank holds the serial gradient of the global-batch mean loss."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Conv2d(3, 1, 1)
+    ).to(F64)
+    batch = rand((2 * manager.dp_world_size, 2, 2 * DOMAIN + 3, 6), 4)
+    mpidp.broadcast_parameters(serial, manager)
+    dist = copy.deepcopy(serial)
+    dist[0] = mpidp.DomainParallelConv2d.from_module(dist[0], manager)
+    dist[1] = mpidp.DomainParallelGroupNorm.from_module(dist[1], manager)
+    serial(batch).square().mean().backward()
+    mine = batch.narrow(0, 2 * manager.dp_rank, 2)
+    out = dist(band(manager, mine))
+    mpidp.global_mean(out.square(), manager=manager).backward()
+    mpidp.sync_gradients(dist, manager)
+    worst = max(
+        float((p_d.grad - p_s.grad).abs().max())
+        for p_d, p_s in zip(dist.parameters(), serial.parameters(), strict=True)
+    )
+    everyone = manager.transport("world").all_gather_object(worst)
+    assert max(everyone) < 1e-12, everyone
+
+
+def test_broadcast_parameters(manager):
+    torch.manual_seed(manager.rank)  # different on every rank on purpose
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)).to(F64)
+    model[1].running_mean.add_(manager.rank)
+    mpidp.broadcast_parameters(model, manager)
+    flat = torch.cat([t.flatten() for t in [*model.parameters(), *model.buffers()]]).double()
+    everyone = manager.transport("world").all_gather_object(flat)
+    assert all(torch.equal(f, everyone[0]) for f in everyone)
