@@ -35,6 +35,7 @@ from mpidp.layers import (
     DomainParallelGroupNorm,
     DomainParallelInstanceNorm2d,
     DomainParallelInstanceNorm3d,
+    DomainParallelInterpolate,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
@@ -69,6 +70,7 @@ __all__ = [
     "DomainParallelGroupNorm",
     "DomainParallelInstanceNorm2d",
     "DomainParallelInstanceNorm3d",
+    "DomainParallelInterpolate",
     "HaloExchange",
     "HaloSpec",
     "LaunchError",

@@ -15,6 +15,7 @@ from mpidp.layers.conv import (
     DomainParallelConvTranspose2d,
     DomainParallelConvTranspose3d,
 )
+from mpidp.layers.interpolate import DomainParallelInterpolate, interpolate
 from mpidp.layers.norm import (
     DomainParallelBatchNorm2d,
     DomainParallelBatchNorm3d,
@@ -30,7 +31,9 @@ __all__ = [
     "DomainParallelGroupNorm",
     "DomainParallelInstanceNorm2d",
     "DomainParallelInstanceNorm3d",
+    "DomainParallelInterpolate",
     "global_moments",
+    "interpolate",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
     "DomainParallelConv3d",

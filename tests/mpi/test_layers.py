@@ -225,3 +225,27 @@ def test_thin_and_empty_shards_norm(manager):
     for sizes in ([1] * WORLD, [0] + [2] * (WORLD - 1) if WORLD > 1 else [3]):
         x = rand((2, 4, sum(sizes), 3), 8)
         assert_matches_serial(norm, dist, [x], manager=manager, sizes=sizes, modules=(norm, dist))
+
+
+# -- interpolation ------------------------------------------------------------------------------
+
+INTERP = [
+    ("nearest", None, None, 2),
+    ("nearest", None, (23, 9), None),
+    ("nearest", None, None, (1.7, 0.6)),
+    ("bilinear", False, None, 2),
+    ("bilinear", True, None, 2),
+    ("bilinear", False, (29, 11), None),
+    ("bilinear", True, (7, 5), None),
+    ("bilinear", False, None, (0.5, 1.5)),
+    ("bicubic", False, None, 2),
+    ("bicubic", True, (31, 7), None),
+    ("bicubic", False, None, (2.5, 0.75)),
+]
+
+
+@pytest.mark.parametrize(("mode", "align", "size", "scale"), INTERP, ids=str)
+@pytest.mark.parametrize("h", [13, 19])
+def test_interpolate(manager, mode, align, size, scale, h):
+    up = nn.Upsample(size=size, scale_factor=scale, mode=mode, align_corners=align)
+    check(manager, up, mpidp.DomainParallelInterpolate, (2, 3, h, 6))

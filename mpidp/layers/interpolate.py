@@ -1,0 +1,158 @@
+"""Interpolation (nn.Upsample, F.interpolate) on a band, with torch's own weights.
+
+``nearest``, ``bilinear`` and ``bicubic`` are separable: along each spatial dim an output row is
+a weighted sum of at most 4 input rows. The weights are taken from torch itself, by
+interpolating one-hot rows (an identity) with the user's arguments, so coordinates, clamping at
+the edges, ``align_corners`` and ``size=`` / ``scale_factor=`` semantics are torch's exactly.
+Along the sharded dim a rank fetches the input rows its output rows read (never beyond the
+field: clamping is folded into the weights) and applies its rows of the weights; the other
+dims are interpolated the same way, locally.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpidp.errors import ConfigError
+from mpidp.halo import halo_exchange
+from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.partition import ShardSpec
+
+__all__ = ["DomainParallelInterpolate", "interpolate"]
+
+_MODES = ("nearest", "bilinear", "bicubic")
+
+
+@functools.lru_cache(maxsize=256)
+def _taps(
+    n_in: int,
+    size: int | None,
+    scale: float | None,
+    mode: str,
+    align_corners: bool | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weight), each (n_out, 4): the input rows and weights of every output row along
+    one dim, read off torch's interpolation of an identity (so they are torch's own)."""
+    eye = torch.eye(n_in, dtype=dtype).view(1, n_in, n_in, 1)  # channel c = one-hot row c
+    kw: dict[str, object] = {"mode": mode}
+    if mode != "nearest":
+        kw["align_corners"] = align_corners
+    if size is not None:
+        out = F.interpolate(eye, size=(size, 1), **kw)  # type: ignore[arg-type]
+    else:
+        out = F.interpolate(eye, scale_factor=(scale, 1.0), **kw)  # type: ignore[arg-type]
+    matrix = out[0, :, :, 0].t()  # (n_out, n_in)
+    weight, index = (
+        torch.zeros(matrix.size(0), 4, dtype=dtype),
+        torch.zeros(matrix.size(0), 4, dtype=torch.long),
+    )
+    for o in range(matrix.size(0)):
+        cols = matrix[o].nonzero().flatten()
+        index[o, : cols.numel()] = cols
+        index[o, cols.numel() :] = cols[0] if cols.numel() else 0
+        weight[o, : cols.numel()] = matrix[o, cols]
+    return index, weight
+
+
+def _apply(x: torch.Tensor, dim: int, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows ``sum_k weight[:, k] * x[index[:, k]]`` along ``dim``."""
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    out = None
+    for k in range(index.size(1)):
+        w = weight[:, k]
+        if not bool(w.any()):
+            continue
+        term = x.index_select(dim, index[:, k]) * w.to(x.dtype).view(shape)
+        out = term if out is None else out + term
+    assert out is not None
+    return out
+
+
+def _reads(
+    index: torch.Tensor, weight: torch.Tensor, out_spec: ShardSpec, rank: int, anchor: int
+) -> tuple[int, int]:
+    """Input rows ``[lo, hi)`` that ``rank``'s output rows read (empty at ``anchor`` if none)."""
+    rows = out_spec.slice(rank)
+    used = index[rows][weight[rows] != 0]
+    if used.numel() == 0:
+        return anchor, anchor
+    return int(used.min()), int(used.max()) + 1
+
+
+def _per_dim(value: object, n: int, what: str) -> list:
+    if value is None:
+        return [None] * n
+    if isinstance(value, Sequence):
+        if len(value) != n:
+            raise ConfigError(f"interpolate: {what}={value!r} needs {n} entries")
+        return list(value)
+    return [value] * n
+
+
+def interpolate(
+    x: torch.Tensor,
+    size: int | Sequence[int] | None = None,
+    scale_factor: float | Sequence[float] | None = None,
+    mode: str = "nearest",
+    align_corners: bool | None = None,
+    *,
+    shard_dim: int = -2,
+    layer: DomainParallel | None = None,
+) -> torch.Tensor:
+    """:func:`torch.nn.functional.interpolate` of a band (4-D input sharded along
+    ``shard_dim``); ``size`` is the global output size. Collective over the domain group."""
+    if mode not in _MODES:
+        raise ConfigError(f"interpolate: mode {mode!r} on bands; supported: {', '.join(_MODES)}")
+    if x.dim() != 4:
+        raise ConfigError(f"interpolate: expects (B, C, H, W) bands, got shape {tuple(x.shape)}")
+    if (size is None) == (scale_factor is None):
+        raise ConfigError("interpolate: pass exactly one of size and scale_factor")
+    if mode == "nearest" and align_corners:
+        raise ConfigError("interpolate: align_corners only with bilinear and bicubic (as torch)")
+    owner = layer if layer is not None else DomainParallel()
+    d = x.dim() + shard_dim
+    t = owner._transport(x)
+    spec = learn_spec(x, d, t)
+    sizes = _per_dim(size, 2, "size")
+    scales = _per_dim(scale_factor, 2, "scale_factor")
+    y = x
+    for axis, dim in enumerate((2, 3)):
+        n_in = spec.total if dim == d else x.size(dim)
+        index, weight = _taps(n_in, sizes[axis], scales[axis], mode, align_corners, x.dtype)
+        if dim != d:
+            y = _apply(y, dim, index.to(x.device), weight.to(x.device))
+            continue
+        out_spec: ShardSpec = owner._out_spec(index.size(0))
+        # every rank's input rows, from the same taps everywhere: no negotiation
+        ranges = [_reads(index, weight, out_spec, r, spec.start(r)) for r in range(t.size)]
+        before = [spec.start(r) - lo for r, (lo, _) in enumerate(ranges)]
+        after = [hi - spec.stop(r) for r, (_, hi) in enumerate(ranges)]
+        lo = ranges[t.rank][0]
+        rows = out_spec.slice(t.rank)
+        index, weight = index[rows], weight[rows]
+        ext = halo_exchange(y, before, after, dim=dim, spec=spec, boundary="none", group=t)
+        y = _apply(ext, dim, (index - lo).clamp(min=0).to(x.device), weight.to(x.device))
+    return y
+
+
+class DomainParallelInterpolate(DomainParallel, nn.Upsample):
+    """:class:`torch.nn.Upsample` on bands (nearest, bilinear, bicubic; ``size`` is the global
+    output size). Collective over the domain group."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return interpolate(
+            x,
+            self.size,
+            self.scale_factor,
+            self.mode,
+            self.align_corners,
+            shard_dim=self.shard_dim,
+            layer=self,
+        )
