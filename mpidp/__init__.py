@@ -24,6 +24,8 @@ from mpidp.halo import (
     start_halo_exchange,
 )
 from mpidp.layers import (
+    DomainParallelAdaptiveAvgPool2d,
+    DomainParallelAvgPool2d,
     DomainParallelBatchNorm2d,
     DomainParallelBatchNorm3d,
     DomainParallelConv1d,
@@ -36,6 +38,7 @@ from mpidp.layers import (
     DomainParallelInstanceNorm2d,
     DomainParallelInstanceNorm3d,
     DomainParallelInterpolate,
+    DomainParallelMaxPool2d,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
@@ -59,6 +62,9 @@ __all__ = [
     "CommError",
     "ConfigError",
     "DistributedManager",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelMaxPool2d",
     "DomainParallelBatchNorm2d",
     "DomainParallelBatchNorm3d",
     "DomainParallelConv1d",

@@ -24,8 +24,16 @@ from mpidp.layers.norm import (
     DomainParallelInstanceNorm3d,
     global_moments,
 )
+from mpidp.layers.pool import (
+    DomainParallelAdaptiveAvgPool2d,
+    DomainParallelAvgPool2d,
+    DomainParallelMaxPool2d,
+)
 
 __all__ = [
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelMaxPool2d",
     "DomainParallelBatchNorm2d",
     "DomainParallelBatchNorm3d",
     "DomainParallelGroupNorm",

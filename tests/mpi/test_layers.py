@@ -249,3 +249,35 @@ INTERP = [
 def test_interpolate(manager, mode, align, size, scale, h):
     up = nn.Upsample(size=size, scale_factor=scale, mode=mode, align_corners=align)
     check(manager, up, mpidp.DomainParallelInterpolate, (2, 3, h, 6))
+
+
+# -- pooling ------------------------------------------------------------------------------------
+
+POOLS = [
+    (nn.MaxPool2d, dict(kernel_size=2)),
+    (nn.MaxPool2d, dict(kernel_size=3, stride=2, padding=1)),
+    (nn.MaxPool2d, dict(kernel_size=(3, 2), stride=(1, 2), padding=(1, 0), dilation=(2, 1))),
+    (nn.MaxPool2d, dict(kernel_size=5, stride=3, padding=2)),
+    (nn.AvgPool2d, dict(kernel_size=2)),
+    (nn.AvgPool2d, dict(kernel_size=3, stride=2, padding=1)),
+    (nn.AvgPool2d, dict(kernel_size=3, stride=1, padding=1, count_include_pad=False)),
+    (nn.AvgPool2d, dict(kernel_size=(5, 3), stride=(2, 1), padding=(2, 1), divisor_override=4)),
+]
+WRAP = {nn.MaxPool2d: mpidp.DomainParallelMaxPool2d, nn.AvgPool2d: mpidp.DomainParallelAvgPool2d}
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), POOLS, ids=str)
+@pytest.mark.parametrize("h", [13, 37])
+def test_pool(manager, cls, kwargs, h):
+    check(manager, cls(**kwargs), WRAP[cls], (2, 3, h, 8))
+
+
+@pytest.mark.parametrize("size", [(7, 3), (5, None), (37, 4), 4])
+def test_adaptive_avg_pool(manager, size):
+    check(manager, nn.AdaptiveAvgPool2d(size), mpidp.DomainParallelAdaptiveAvgPool2d, (2, 3, 37, 9))
+
+
+def test_pool_refuses_ceil_mode(manager):
+    pool = mpidp.DomainParallelMaxPool2d.from_module(nn.MaxPool2d(2, ceil_mode=True), manager)
+    with pytest.raises(mpidp.ConfigError, match="ceil_mode"):
+        pool(rand((1, 1, 4 * WORLD, 4), 0))
