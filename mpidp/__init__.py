@@ -39,6 +39,8 @@ from mpidp.layers import (
     DomainParallelInstanceNorm3d,
     DomainParallelInterpolate,
     DomainParallelMaxPool2d,
+    DomainParallelPeriodicConv2d,
+    PeriodicConv2d,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
@@ -65,6 +67,7 @@ __all__ = [
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAvgPool2d",
     "DomainParallelMaxPool2d",
+    "DomainParallelPeriodicConv2d",
     "DomainParallelBatchNorm2d",
     "DomainParallelBatchNorm3d",
     "DomainParallelConv1d",
@@ -84,6 +87,7 @@ __all__ = [
     "MpidpError",
     "Neighbors",
     "PartitionPolicy",
+    "PeriodicConv2d",
     "PendingHalo",
     "ShardSpec",
     "Weighted",

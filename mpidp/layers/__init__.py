@@ -24,6 +24,7 @@ from mpidp.layers.norm import (
     DomainParallelInstanceNorm3d,
     global_moments,
 )
+from mpidp.layers.periodic import DomainParallelPeriodicConv2d, PeriodicConv2d
 from mpidp.layers.pool import (
     DomainParallelAdaptiveAvgPool2d,
     DomainParallelAvgPool2d,
@@ -34,6 +35,8 @@ __all__ = [
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAvgPool2d",
     "DomainParallelMaxPool2d",
+    "DomainParallelPeriodicConv2d",
+    "PeriodicConv2d",
     "DomainParallelBatchNorm2d",
     "DomainParallelBatchNorm3d",
     "DomainParallelGroupNorm",

@@ -281,3 +281,25 @@ def test_pool_refuses_ceil_mode(manager):
     pool = mpidp.DomainParallelMaxPool2d.from_module(nn.MaxPool2d(2, ceil_mode=True), manager)
     with pytest.raises(mpidp.ConfigError, match="ceil_mode"):
         pool(rand((1, 1, 4 * WORLD, 4), 0))
+
+
+# -- periodic convolution on the sphere --------------------------------------------------------
+
+
+@pytest.mark.parametrize("pole", ["reflect", "polar", "polar_half"])
+@pytest.mark.parametrize(("k", "s", "d"), [(3, 1, 1), (5, 2, 1), (3, 1, 2)])
+def test_periodic_conv(manager, pole, k, s, d):
+    conv = mpidp.PeriodicConv2d(3, 4, k, s, dilation=d, pole=pole)
+    check(manager, conv, mpidp.DomainParallelPeriodicConv2d, (2, 3, 2 * WORLD + 9, 8))
+
+
+def test_periodic_conv_serial_is_what_it_says():
+    """The serial module itself: circular in W, and across the pole the rolled mirror row."""
+    conv = mpidp.PeriodicConv2d(1, 1, 3, pole="polar", bias=False).to(F64)
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.weight[0, 0, 0, 1] = 1.0  # output row i, column j = input row i - 1, column j
+    x = rand((1, 1, 5, 8), 9)
+    y = conv(x)
+    assert torch.equal(y[0, 0, 1:], x[0, 0, :-1])
+    assert torch.equal(y[0, 0, 0], x[0, 0, 1].roll(4, 0))  # row -1 is row 1, half way round

@@ -1,0 +1,115 @@
+"""Convolution on a global latitude-longitude grid: periodic in longitude, reflected (or
+continued across the pole) in latitude.
+
+:class:`PeriodicConv2d` is the serial module (the padding a global weather model wants, which
+torch's ``padding_mode`` cannot express per dim); :class:`DomainParallelPeriodicConv2d` computes
+the same on latitude bands: the latitude padding comes from the halo exchange with the matching
+boundary, the longitude padding is local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpidp.errors import ConfigError
+from mpidp.geometry import HaloSpec, conv_output_size
+from mpidp.halo import halo_exchange
+from mpidp.layers.base import DomainParallel, learn_spec
+
+__all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
+
+_POLES = ("reflect", "polar", "polar_half")
+
+
+def _pole_rows(x: torch.Tensor, rows: int, pole: str, low: bool) -> torch.Tensor:
+    """The ``rows`` latitudes beyond one pole of ``x`` (B, C, H, W), serially."""
+    h = x.size(2)
+    skip = 0 if pole == "polar_half" else 1  # poles on rows: the pole row is not repeated
+    src = x.narrow(2, skip, rows) if low else x.narrow(2, h - skip - rows, rows)
+    src = src.flip(2)
+    return src if pole == "reflect" else src.roll(x.size(3) // 2, 3)
+
+
+class PeriodicConv2d(nn.Conv2d):
+    """Conv2d padded circularly along W (longitude) and, along H (latitude), by ``pole``:
+    ``"reflect"``, ``"polar"`` (poles on the first and last rows: mirrored latitude rolled by
+    half the circle) or ``"polar_half"`` (poles half a row beyond them). ``padding`` defaults to
+    "same" for odd kernels. The serial reference of :class:`DomainParallelPeriodicConv2d`."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | None = None,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        pole: str = "reflect",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            0,
+            dilation,
+            groups,
+            bias,
+            device=device,
+            dtype=dtype,
+        )
+        if pole not in _POLES:
+            raise ConfigError(f"PeriodicConv2d: pole={pole!r}; use one of {', '.join(_POLES)}")
+        if padding is None:
+            kh, kw = self.kernel_size
+            dh, dw = self.dilation
+            padding = (dh * (kh - 1) // 2, dw * (kw - 1) // 2)
+        elif isinstance(padding, int):
+            padding = (padding, padding)
+        self.periodic_padding: tuple[int, int] = (int(padding[0]), int(padding[1]))
+        self.pole = pole
+
+    def _pad_w(self, x: torch.Tensor) -> torch.Tensor:
+        pw = self.periodic_padding[1]
+        return F.pad(x, (pw, pw, 0, 0), mode="circular") if pw else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ph = self.periodic_padding[0]
+        if ph:  # latitude first: the polar roll is half of the unpadded longitude circle
+            x = torch.cat(
+                [_pole_rows(x, ph, self.pole, True), x, _pole_rows(x, ph, self.pole, False)], 2
+            )
+        return F.conv2d(
+            self._pad_w(x), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            super().extra_repr() + f", periodic_padding={self.periodic_padding}, pole={self.pole!r}"
+        )
+
+
+class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
+    """:class:`PeriodicConv2d` on latitude bands. Collective over the domain group."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
+        t = self._transport(x)
+        spec = learn_spec(x, 2, t)
+        ph = self.periodic_padding[0]
+        kernel, stride, dil = self.kernel_size[0], self.stride[0], self.dilation[0]
+        out_spec = self._out_spec(conv_output_size(spec.total, kernel, stride, ph, dil))
+        halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, ph, dil)
+        ext = halo_exchange(
+            x, halo.before, halo.after, dim=2, spec=spec, boundary=self.pole, group=t, roll_dim=3
+        )
+        return F.conv2d(
+            self._pad_w(ext), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
+        )
