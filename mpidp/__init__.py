@@ -13,6 +13,7 @@ from mpidp.collectives import (
     reduce_scatter_v,
     scatter_v,
 )
+from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import BackendError, CommError, ConfigError, LaunchError, MpidpError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
 from mpidp.halo import (
@@ -98,6 +99,7 @@ __all__ = [
     "all_to_all_v",
     "broadcast_parameters",
     "conv_output_size",
+    "convert_to_domain_parallel",
     "copy_to",
     "detect_launch",
     "gather_tensor",

@@ -1,0 +1,123 @@
+"""Whole models converted with convert_to_domain_parallel: output and every gradient equal the
+serial model's; state_dicts move between the serial and the converted model; what cannot be
+converted is refused with its path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+from mpidp.models import PatchEmbedRecover, PeriodicResBlock, WeatherUNet
+from mpidp.testing import assert_matches_serial
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD.Get_size()
+F64 = torch.float64
+
+
+def rand(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=F64)
+
+
+def converted(serial, manager):
+    return mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+
+
+def randomise(model, seed):
+    """Non-trivial weights everywhere (GroupNorm's identity init would hide affine errors)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("h", [37, 45])
+def test_unet(manager, h):
+    serial = randomise(WeatherUNet(3, 2, (h, 12), width=4).to(F64), 1)
+    dist = converted(serial, manager)
+    assert isinstance(dist.down1[0], mpidp.DomainParallelConv2d)
+    assert isinstance(dist.up1[0], mpidp.DomainParallelInterpolate)
+    assert type(dist.head) is nn.Conv2d  # 1x1: left alone
+    assert_matches_serial(
+        serial, dist, [rand((2, 3, h, 12), h)], manager=manager, modules=(serial, dist)
+    )
+
+
+@pytest.mark.parametrize("pole", ["polar", "polar_half", "reflect"])
+def test_periodic_block(manager, pole):
+    serial = randomise(PeriodicResBlock(4, pole=pole).to(F64), 2)
+    dist = converted(serial, manager)
+    assert isinstance(dist.conv1, mpidp.DomainParallelPeriodicConv2d)
+    assert_matches_serial(
+        serial, dist, [rand((2, 4, 2 * WORLD + 11, 8), 3)], manager=manager, modules=(serial, dist)
+    )
+
+
+@pytest.mark.parametrize("h", [37, 45])
+def test_patch_embedding_and_recovery(manager, h):
+    serial = randomise(PatchEmbedRecover(3, 8, (h, 16), patch=4).to(F64), 4)
+    dist = converted(serial, manager)
+    assert_matches_serial(
+        serial, dist, [rand((2, 3, h, 16), 5)], manager=manager, modules=(serial, dist)
+    )
+
+
+def test_state_dict_moves_between_serial_and_converted(manager):
+    serial = randomise(WeatherUNet(2, 2, (37, 8), width=4).to(F64), 6)
+    dist = converted(serial, manager)
+    assert list(dist.state_dict()) == list(serial.state_dict())
+    fresh = WeatherUNet(2, 2, (37, 8), width=4).to(F64)
+    fresh.load_state_dict(dist.state_dict())  # a converted checkpoint into the serial model
+    back = converted(WeatherUNet(2, 2, (37, 8), width=4).to(F64), manager)
+    back.load_state_dict(serial.state_dict())  # and the reverse
+    for a, b in zip(fresh.state_dict().values(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 1)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+
+class Odd(nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft2(x).real
+
+
+def test_unsupported_modules_listed_with_paths(manager):
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Attention(), nn.Flatten(), Odd())
+    before = copy.deepcopy(model)
+    with pytest.raises(mpidp.ConfigError) as err:
+        mpidp.convert_to_domain_parallel(model, manager)
+    text = str(err.value)
+    for path in ("1.attn (MultiheadAttention)", "2 (Flatten)", "3 (Odd)"):
+        assert path in text, text
+    assert "custom_converters" in text
+    assert type(model[0]) is nn.Conv2d  # nothing changed on refusal
+    assert list(model.state_dict()) == list(before.state_dict())
+
+
+def test_custom_converter_and_safe(manager):
+    seen = []
+
+    def convert_attention(module, m):
+        seen.append((type(module).__name__, m))
+        return module
+
+    model = nn.Sequential(Attention(), Odd(), nn.Conv2d(2, 2, 3, padding=1))
+    mpidp.convert_to_domain_parallel(
+        model, manager, custom_converters={Attention: convert_attention}, safe=["1"]
+    )
+    assert seen == [("Attention", manager)]
+    assert type(model[0].conv) is nn.Conv2d  # children of a converted module are not visited
+    assert isinstance(model[2], mpidp.DomainParallelConv2d)
