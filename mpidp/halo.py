@@ -131,13 +131,25 @@ def _accumulate(op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size) -> tor
         [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
         [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
     )
-    out = g0.new_zeros(op.rows(g0.shape, x_shape[op.dim]))
-    for i, p in lay.local:
+    n = x_shape[op.dim]
+    local = list(lay.local)
+    band = next((k for k, (_, p) in enumerate(local) if _is_band(p, n)), None)
+    if band is not None:  # the band's own gradient, copied once instead of zeros + add
+        i, p = local.pop(band)
+        out = op.unplace(gs[i], p).clone(memory_format=torch.contiguous_format)
+    else:
+        out = g0.new_zeros(op.rows(g0.shape, n))
+    for i, p in local:
         out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
     pending.wait()
     for (_, lo, hi), buf in zip(plan.send, bufs, strict=True):
         out.narrow(op.dim, lo, hi - lo).add_(buf)
     return out
+
+
+def _is_band(p: Piece, n: int) -> bool:
+    """A piece that is this rank's whole band, as it is."""
+    return p.lo == 0 and p.hi == n and not (p.flip or p.roll or p.repeat)
 
 
 def _one_or_tuple(outs: list[torch.Tensor]) -> Any:

@@ -43,6 +43,11 @@ class DomainParallel:
     def _manager(self) -> DistributedManager:
         return self.dp_manager if self.dp_manager is not None else get_manager()
 
+    def _alone(self) -> bool:
+        """Whether the domain group has one rank: the layer then is its torch module (the
+        same function, computed by torch's own kernels; no halo, no statistics to merge)."""
+        return self._manager().domain_world_size == 1
+
     def _out_spec(self, n: int) -> ShardSpec:
         """The partition of this layer's output (``n`` rows) by the manager's policy."""
         manager = self._manager()

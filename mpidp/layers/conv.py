@@ -81,6 +81,8 @@ class _Conv(DomainParallel):
     _n: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
         d, k = _spatial(conv, x, self._n, self.shard_dim)
         t = self._transport(x)
@@ -143,6 +145,8 @@ class _ConvTranspose(DomainParallel):
                 f"{type(self).__name__}: output_size= is not supported on bands; set "
                 f"output_padding on the layer instead"
             )
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
         d, k = _spatial(conv, x, self._n, self.shard_dim)
         t = self._transport(x)
         spec = learn_spec(x, d, t)

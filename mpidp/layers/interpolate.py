@@ -86,6 +86,29 @@ def _reads(
     return int(used.min()), int(used.max()) + 1
 
 
+def _native_along(
+    y: torch.Tensor,
+    dim: int,
+    size: int | None,
+    scale: float | None,
+    mode: str,
+    align_corners: bool | None,
+) -> torch.Tensor:
+    """torch's interpolation along ``dim`` of (B, C, H, W) alone: the other spatial dim keeps
+    its size, which every mode maps onto itself exactly (source = destination)."""
+    other = 5 - dim  # the other spatial dim of a 4-d tensor
+    kw: dict[str, object] = {"mode": mode}
+    if mode != "nearest":
+        kw["align_corners"] = align_corners
+    if size is not None:
+        out = [0, 0]
+        out[dim - 2], out[other - 2] = size, y.size(other)
+        return F.interpolate(y, size=tuple(out), **kw)  # type: ignore[arg-type]
+    factors = [1.0, 1.0]
+    factors[dim - 2] = float(scale)  # type: ignore[arg-type]
+    return F.interpolate(y, scale_factor=tuple(factors), **kw)  # type: ignore[arg-type]
+
+
 def _per_dim(value: object, n: int, what: str) -> list:
     if value is None:
         return [None] * n
@@ -125,10 +148,10 @@ def interpolate(
     y = x
     for axis, dim in enumerate((2, 3)):
         n_in = spec.total if dim == d else x.size(dim)
-        index, weight = _taps(n_in, sizes[axis], scales[axis], mode, align_corners, x.dtype)
-        if dim != d:
-            y = _apply(y, dim, index.to(x.device), weight.to(x.device))
+        if dim != d:  # not sharded: torch's own kernel, the sharded dim left as it is
+            y = _native_along(y, dim, sizes[axis], scales[axis], mode, align_corners)
             continue
+        index, weight = _taps(n_in, sizes[axis], scales[axis], mode, align_corners, x.dtype)
         out_spec: ShardSpec = owner._out_spec(index.size(0))
         # every rank's input rows, from the same taps everywhere: no negotiation
         ranges = [_reads(index, weight, out_spec, r, spec.start(r)) for r in range(t.size)]
@@ -147,6 +170,8 @@ class DomainParallelInterpolate(DomainParallel, nn.Upsample):
     output size). Collective over the domain group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
         return interpolate(
             x,
             self.size,

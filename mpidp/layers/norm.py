@@ -29,17 +29,26 @@ __all__ = [
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def global_moments(x: torch.Tensor, t: Transport) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Mean and biased variance over the last dim of ``x`` (its local elements) and over every
-    rank of ``t``, and the global element count. ``x`` is (..., n_local); the statistics are
-    (...). Differentiable; one all-gather. Collective over the transport's group."""
+def global_moments(
+    x: torch.Tensor, t: Transport, dims: int | tuple[int, ...] = -1
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Mean and biased variance of ``x`` over ``dims`` (its local elements) and over every
+    rank of ``t``, and the global element count per statistic. Differentiable; one
+    all-gather. Collective over the transport's group."""
     work = x.float() if x.dtype in _LOW else x
-    n = work.size(-1)
-    mean = work.sum(-1) / max(n, 1)
-    m2 = (work - mean.unsqueeze(-1)).square().sum(-1)
+    reduced = (dims,) if isinstance(dims, int) else dims
+    n = 1
+    for d in reduced:
+        n *= work.size(d)
+    if n:
+        var, mean = torch.var_mean(work, reduced, correction=0)  # one native pass
+    else:  # an empty band contributes nothing, but stays in the graph: every rank must take
+        # part in the all-gather's backward (a rank without grad_fn would skip it and hang)
+        mean = work.sum(reduced)
+        var = mean * 0
     count = torch.full_like(mean, float(n))
     # merged in float64: exact counts past 2**24 elements, and the merge costs nothing
-    stats = torch.stack([count, mean, m2]).unsqueeze(0).double()  # (1, 3, ...)
+    stats = torch.stack([count, mean, var * n]).unsqueeze(0).double()  # (1, 3, ...)
     if t.size > 1:
         stats = all_gather_v(stats, [1] * t.size, 0, group=t)
     counts, means, m2s = stats[:, 0].detach(), stats[:, 1], stats[:, 2]
@@ -51,33 +60,49 @@ def global_moments(x: torch.Tensor, t: Transport) -> tuple[torch.Tensor, torch.T
     return global_mean.to(work.dtype), var.to(work.dtype), int(total.flatten()[0].item())
 
 
-def _affine(
-    y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+def _normalise(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    shape = (1, -1) + (1,) * (y.dim() - 2)
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` as one multiply-add over the field:
+    per (sample, channel) scale and shift, broadcast over the spatial dims. ``mean`` and
+    ``var`` are (B, C) or (C,)."""
+    scale = (var + eps).rsqrt()
     if weight is not None:
-        y = y * weight.view(shape)
+        scale = scale * weight
+    shift = -mean * scale
     if bias is not None:
-        y = y + bias.view(shape)
-    return y
+        shift = shift + bias
+    shape = (*scale.shape, *([1] * (x.dim() - scale.dim())))
+    if scale.dim() == 1:  # per channel: (C,) -> (1, C, 1, ...)
+        shape = (1, -1, *([1] * (x.dim() - 2)))
+    return torch.addcmul(shift.view(shape).to(x.dtype), x, scale.view(shape).to(x.dtype))
 
 
 class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` with statistics over the whole field. Collective."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.size(0)
-        grouped = x.reshape(b, self.num_groups, -1)
-        mean, var, _ = global_moments(grouped, self._transport(x))
-        rstd = (var + self.eps).rsqrt()
-        y = (grouped - mean.unsqueeze(-1).to(x.dtype)) * rstd.unsqueeze(-1).to(x.dtype)
-        return _affine(y.view_as(x), self.weight, self.bias)
+        if self._alone():
+            return super().forward(x)
+        b, c = x.size(0), x.size(1)
+        mean, var, _ = global_moments(x.reshape(b, self.num_groups, -1), self._transport(x))
+        per_channel = c // self.num_groups  # group statistics, repeated for its channels
+        mean = mean.repeat_interleave(per_channel, 1)
+        var = var.repeat_interleave(per_channel, 1)
+        return _normalise(x, mean, var, self.eps, self.weight, self.bias)
 
 
 class _InstanceNorm(DomainParallel):
     """InstanceNorm2d/3d: per (sample, channel) statistics over the whole field."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
         norm: nn.modules.instancenorm._InstanceNorm = self  # type: ignore[assignment]
         b, c = x.size(0), x.size(1)
         flat = x.reshape(b, c, -1)
@@ -96,9 +121,7 @@ class _InstanceNorm(DomainParallel):
             assert norm.running_mean is not None and norm.running_var is not None
             mean = norm.running_mean.expand(b, c)
             var = norm.running_var.expand(b, c)
-        rstd = (var + norm.eps).rsqrt()
-        y = (flat - mean.unsqueeze(-1).to(x.dtype)) * rstd.unsqueeze(-1).to(x.dtype)
-        return _affine(y.view_as(x), norm.weight, norm.bias)
+        return _normalise(x, mean, var, norm.eps, norm.weight, norm.bias)
 
 
 class DomainParallelInstanceNorm2d(_InstanceNorm, nn.InstanceNorm2d):
@@ -128,21 +151,19 @@ class _BatchNorm(DomainParallel):
     group; data-parallel replicas keep their own, as torch's BatchNorm under DDP)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
         norm: nn.modules.batchnorm._BatchNorm = self  # type: ignore[assignment]
-        c = x.size(1)
         use_batch = norm.training or norm.running_mean is None
         if not use_batch:  # eval with running statistics: purely local
             return nn.functional.batch_norm(
                 x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps
             )
-        flat = x.transpose(0, 1).reshape(c, -1)
-        mean, var, total = global_moments(flat, self._transport(x))
+        dims = (0, *range(2, x.dim()))
+        mean, var, total = global_moments(x, self._transport(x), dims)
         if norm.training and norm.track_running_stats:
             _update(norm, mean, var * total / max(total - 1, 1))
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        rstd = (var + norm.eps).rsqrt()
-        y = (x - mean.view(shape).to(x.dtype)) * rstd.view(shape).to(x.dtype)
-        return _affine(y, norm.weight, norm.bias)
+        return _normalise(x, mean, var, norm.eps, norm.weight, norm.bias)
 
 
 class DomainParallelBatchNorm2d(_BatchNorm, nn.BatchNorm2d):

@@ -99,6 +99,8 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
     """:class:`PeriodicConv2d` on latitude bands. Collective over the domain group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
         t = self._transport(x)

@@ -76,6 +76,8 @@ class DomainParallelMaxPool2d(_Pool, nn.MaxPool2d):
     ``ceil_mode`` or ``return_indices``). Collective over the domain group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
         if self.return_indices:
             raise ConfigError("DomainParallelMaxPool2d: return_indices is not supported on bands")
         dh, dw = _pair(self.dilation)
@@ -90,6 +92,8 @@ class DomainParallelAvgPool2d(_Pool, nn.AvgPool2d):
     divisor_override; not ``ceil_mode``). Collective over the domain group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
         ext, lo, hi, k, s, pw = self._geometry(x)
         padded = F.pad(ext, (0, 0, lo, hi)) if lo or hi else ext
         sums = F.avg_pool2d(padded, k, s, (0, pw), False, True, 1)
@@ -107,6 +111,8 @@ class DomainParallelAdaptiveAvgPool2d(DomainParallel, nn.AdaptiveAvgPool2d):
     policy, so at least one output row per rank). Collective over the domain group."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
         spec = learn_spec(x, 2, self._transport(x))

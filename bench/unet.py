@@ -1,0 +1,133 @@
+"""U-Net training step benchmark: time per step and peak memory per rank at P = 1, 2, 4.
+
+    python bench/unet.py --json docs/bench/unet.json            # launches the three runs
+
+One forward + backward (+ gradient sync) of mpidp.models.WeatherUNet on a latitude-weighted
+loss, float32, one thread per rank (OMP_NUM_THREADS=1: P ranks use P cores). The driver starts
+``mpiexec -n P`` for P = 1, 2, 4 in turn and prints one table. At P = 1 it also times the plain
+torch model (mpidp's own overhead); at P = 2 and 4, the plain model on each rank's rows alone
+with no exchange ("band": the compute floor of that many ranks on this machine). Peak memory
+is the rise of each rank's peak resident set over its resident set before the first step
+(activations, gradients, buffers), the largest over ranks. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRID = (721, 1440)
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from mpi4py import MPI
+
+    import mpidp
+    from mpidp.models import WeatherUNet
+
+    torch.manual_seed(0)
+    world = MPI.COMM_WORLD
+    m = mpidp.init(domain_parallel_size=world.Get_size())
+    h, w = args.grid
+    spec = m.spec(h)
+    rows = spec.sizes[m.domain_rank]
+    # "band": the plain model on this rank's rows alone, no exchange (the compute floor)
+    grid = (rows, w) if args.mode == "band" else (h, w)
+    model = WeatherUNet(args.channels, args.channels, grid, width=args.width)
+    mpidp.broadcast_parameters(model, m)
+    if args.mode == "mpidp":
+        model = mpidp.convert_to_domain_parallel(model, m)
+    x = torch.randn(1, args.channels, rows, w)
+    y = torch.randn_like(x)
+    lat = mpidp.latitude_weights(h, manager=m).float()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        if args.mode == "mpidp":
+            loss = mpidp.global_mean((out - y).square(), lat, manager=m)
+            loss.backward()
+            mpidp.sync_gradients(model, m)
+        else:
+            ((out - y).square() * lat).mean().backward()
+
+    base = _rss_kb()
+    step()  # warm-up (and the first allocation of everything)
+    times = []
+    for _ in range(args.steps):
+        world.Barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    med = world.allreduce(statistics.median(times), op=MPI.MAX)
+    peak = world.allreduce(peak_mb, op=MPI.MAX)
+    if world.Get_rank() == 0:
+        print(json.dumps({"ranks": world.Get_size(), "mode": args.mode, "s": med, "peak_mb": peak}))
+    m.shutdown()
+
+
+def driver(args: argparse.Namespace) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    here = Path(__file__).resolve()
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    common = ["--grid", *map(str, args.grid), "--channels", str(args.channels)]
+    common += ["--width", str(args.width), "--steps", str(args.steps)]
+    runs = [(1, "torch"), (1, "mpidp"), (2, "mpidp"), (2, "band"), (4, "mpidp"), (4, "band")]
+    rows = []
+    for ranks, mode in runs:
+        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(here)]
+        cmd += ["--worker", "--mode", mode, *common]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    torch_1 = rows[0]
+    mpidp_1 = rows[1]
+    print(
+        f"U-Net step, grid {tuple(args.grid)}, {args.channels} channels, width {args.width}, "
+        f"float32, 1 thread per rank, median of {args.steps} steps"
+    )
+    print(
+        f"{'P':>3} {'model':<8}{'s/step':>9}{'speed-up':>10}{'peak MB/rank':>14}{'mem ratio':>11}"
+    )
+    for r in rows:
+        r["speedup_vs_p1"] = mpidp_1["s"] / r["s"]
+        r["memory_ratio_vs_p1"] = r["peak_mb"] / mpidp_1["peak_mb"]
+        print(
+            f"{r['ranks']:>3} {r['mode']:<8}{r['s']:>9.3f}{r['speedup_vs_p1']:>10.2f}"
+            f"{r['peak_mb']:>14.0f}{r['memory_ratio_vs_p1']:>11.2f}"
+        )
+    print(f"mpidp overhead at P = 1: {100 * (mpidp_1['s'] / torch_1['s'] - 1):+.1f}% time")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--grid", type=int, nargs=2, default=list(GRID))
+    parser.add_argument("--channels", type=int, default=4)
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--mode", choices=["torch", "mpidp", "band"], default="mpidp")
+    args = parser.parse_args()
+    worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    main()
