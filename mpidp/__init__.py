@@ -55,6 +55,7 @@ from mpidp.training import (
     latitude_weights,
     sync_gradients,
 )
+from mpidp.validate import ShardingReport, validate_sharding_constraints
 
 __version__ = "0.1.0"
 
@@ -91,6 +92,7 @@ __all__ = [
     "PeriodicConv2d",
     "PendingHalo",
     "ShardSpec",
+    "ShardingReport",
     "Weighted",
     "__version__",
     "all_gather_v",
@@ -123,4 +125,5 @@ __all__ = [
     "shard_tensor",
     "start_halo_exchange",
     "sync_gradients",
+    "validate_sharding_constraints",
 ]

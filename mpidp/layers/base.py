@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -11,7 +14,20 @@ from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 
-__all__ = ["DomainParallel", "learn_spec"]
+__all__ = ["DomainParallel", "learn_spec", "torch_path"]
+
+_TORCH_PATH = contextvars.ContextVar("mpidp_torch_path", default=False)
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Inside this block every domain-parallel layer runs its torch module's forward (no
+    communication): for dry runs on meta tensors of the global shape."""
+    token = _TORCH_PATH.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_PATH.reset(token)
 
 
 def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
@@ -46,7 +62,7 @@ class DomainParallel:
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the
         same function, computed by torch's own kernels; no halo, no statistics to merge)."""
-        return self._manager().domain_world_size == 1
+        return _TORCH_PATH.get() or self._manager().domain_world_size == 1
 
     def _out_spec(self, n: int) -> ShardSpec:
         """The partition of this layer's output (``n`` rows) by the manager's policy."""

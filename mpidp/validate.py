@@ -1,0 +1,177 @@
+"""A dry run of a model's sharding by shape arithmetic, before any data moves.
+
+The model runs once on a meta tensor of the global shape (no memory, no communication: every
+domain-parallel layer takes its torch path), with hooks that record each spatial layer's input
+and output extent along the sharded dim. From those, per layer: the rows every rank owns in and
+out, the halo rows each rank fetches, and the problems that would stop (or silently distort) a
+run at this domain size.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mpidp.convert import convert_to_domain_parallel
+from mpidp.errors import ConfigError
+from mpidp.geometry import HaloSpec, padding_pair
+from mpidp.layers import base
+from mpidp.layers.periodic import PeriodicConv2d
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import PartitionPolicy
+
+__all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
+
+_SPATIAL = (
+    nn.modules.conv._ConvNd,
+    nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.batchnorm._BatchNorm,
+    nn.Upsample,
+    nn.MaxPool2d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool2d,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSharding:
+    """One spatial layer: its path and type, rows in and out per rank, halo widths per rank."""
+
+    path: str
+    kind: str
+    rows_in: tuple[int, ...]
+    rows_out: tuple[int, ...]
+    halo_before: tuple[int, ...]
+    halo_after: tuple[int, ...]
+
+    @property
+    def halo_rows(self) -> int:
+        """Rows fetched from other ranks or the boundary, summed over ranks."""
+        return sum(
+            max(0, b) + max(0, a) for b, a in zip(self.halo_before, self.halo_after, strict=True)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingReport:
+    """What :func:`validate_sharding_constraints` found; ``ok`` when there are no problems."""
+
+    parts: int
+    layers: tuple[LayerSharding, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':<28}{'kind':<22}{'rows in':<22}{'rows out':<22}halo (before/after)"]
+        for layer in self.layers:
+            halo = ",".join(
+                f"{b}/{a}" for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
+            )
+            lines.append(
+                f"{layer.path:<28}{layer.kind:<22}{_rows(layer.rows_in):<22}"
+                f"{_rows(layer.rows_out):<22}{halo}"
+            )
+        lines += [f"problem: {p}" for p in self.problems] or ["no problems"]
+        return "\n".join(lines)
+
+
+def _rows(sizes: Sequence[int]) -> str:
+    return ",".join(map(str, sizes))
+
+
+def _geometry(module: nn.Module, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+    """(kernel, stride, padding pair, dilation) along spatial axis ``k``, for window layers."""
+    if isinstance(module, PeriodicConv2d):
+        p = module.periodic_padding[0]
+        return module.kernel_size[0], module.stride[0], (p, p), module.dilation[0]
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        ks, dil = module.kernel_size[k], module.dilation[k]
+        pad = module.padding
+        pair = padding_pair(pad, ks, 1, dil) if isinstance(pad, str) else (pad[k], pad[k])
+        return ks, module.stride[k], pair, dil
+    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+
+        def at(v: object) -> int:
+            return v if isinstance(v, int) else v[k]  # type: ignore[index]
+
+        dil = at(getattr(module, "dilation", 1))
+        p = at(module.padding)
+        return at(module.kernel_size), at(module.stride or module.kernel_size), (p, p), dil
+    return None
+
+
+def validate_sharding_constraints(
+    model: nn.Module,
+    global_shape: Sequence[int],
+    manager: DistributedManager | None = None,
+    *,
+    parts: int | None = None,
+    partition: PartitionPolicy | None = None,
+    shard_dim: int = -2,
+) -> ShardingReport:
+    """Check, by shape arithmetic, how ``model`` (serial or converted) shards an input of
+    ``global_shape`` over ``parts`` domain ranks (default: the manager's domain size) cut by
+    ``partition`` (default: the manager's policy). Local: no communication, no data."""
+    if parts is None or partition is None:
+        m = manager or get_manager()
+        parts = parts if parts is not None else m.domain_world_size
+        partition = partition if partition is not None else m.partition
+    seen: list[tuple[str, nn.Module, torch.Size, torch.Size]] = []
+    meta = copy.deepcopy(model).to("meta")
+    hooks = []
+    for path, module in meta.named_modules():
+        if isinstance(module, _SPATIAL):
+
+            def record(mod: nn.Module, args: tuple, out: torch.Tensor, path: str = path) -> None:
+                seen.append((path, mod, args[0].shape, out.shape))
+
+            hooks.append(module.register_forward_hook(record))
+    problems: list[str] = []
+    try:  # what conversion would refuse (pure: nothing moves)
+        convert_to_domain_parallel(copy.deepcopy(model), shard_dim=shard_dim)
+    except ConfigError as err:
+        problems.append(str(err))
+    with base.torch_path():
+        try:
+            meta(torch.empty(tuple(global_shape), device="meta"))
+        except Exception as err:  # the serial model itself rejects the shape
+            problems.append(f"the model does not run on {tuple(global_shape)}: {err}")
+        finally:
+            for hook in hooks:
+                hook.remove()
+    layers = []
+    for path, module, shape_in, shape_out in seen:
+        d = len(shape_in) + shard_dim
+        h_in, h_out = shape_in[d], shape_out[d]
+        kind = type(module).__name__
+        try:
+            spec_in, spec_out = partition.spec(h_in, parts), partition.spec(h_out, parts)
+        except Exception as err:
+            problems.append(f"{path} ({kind}): {err}")
+            continue
+        k = d - 2
+        geo = _geometry(module, k) if k >= 0 else None
+        if geo is not None:
+            halo = HaloSpec.for_layer(spec_in, spec_out, geo[0], geo[1], geo[2], geo[3])
+            before, after = halo.before, halo.after
+            mode = getattr(module, "padding_mode", getattr(module, "pole", "zeros"))
+            if mode in ("reflect", "polar") and max(geo[2]) >= h_in:
+                problems.append(f"{path} ({kind}): reflect padding {max(geo[2])} >= {h_in} rows")
+            if getattr(module, "pole", "").startswith("polar") and shape_in[-1] % 2:
+                problems.append(
+                    f"{path} ({kind}): polar padding needs an even W, got {shape_in[-1]}"
+                )
+            if getattr(module, "ceil_mode", False):
+                problems.append(f"{path} ({kind}): ceil_mode is not supported on bands")
+        else:
+            before = after = (0,) * parts
+        layers.append(LayerSharding(path, kind, spec_in.sizes, spec_out.sizes, before, after))
+    return ShardingReport(parts, tuple(layers), tuple(problems))
