@@ -85,6 +85,7 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (nn.ConvTranspose2d, L.DomainParallelConvTranspose2d),
     (nn.ConvTranspose3d, L.DomainParallelConvTranspose3d),
     (nn.GroupNorm, L.DomainParallelGroupNorm),
+    (nn.LayerNorm, L.DomainParallelLayerNorm),
     (nn.InstanceNorm2d, L.DomainParallelInstanceNorm2d),
     (nn.InstanceNorm3d, L.DomainParallelInstanceNorm3d),
     (nn.BatchNorm2d, L.DomainParallelBatchNorm2d),
@@ -167,12 +168,10 @@ def convert_to_domain_parallel(
             return child
         if isinstance(child, DomainParallel):
             return child
-        if isinstance(child, _UNSAFE) or (
-            isinstance(child, nn.LayerNorm) and not _layer_norm_is_local(child, shard_dim)
-        ):
+        if isinstance(child, _UNSAFE):
             problems.append(f"{where} ({type(child).__name__}): {_why(child)}")
             return child
-        if isinstance(child, SAFE_MODULES) or isinstance(child, nn.LayerNorm):
+        if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
             return child
         for kind, wrapper in _WRAPPERS:
             if isinstance(child, kind):
@@ -224,8 +223,6 @@ def _why(module: nn.Module) -> str:
         module, nn.modules.pooling._AdaptiveAvgPoolNd | nn.modules.pooling._AdaptiveMaxPoolNd
     ):
         return "adaptive pooling other than AdaptiveAvgPool2d to a global size"
-    if isinstance(module, nn.LayerNorm):
-        return "LayerNorm over the sharded dim (its weight spans H)"
     if isinstance(module, nn.Upsample):
         return "interpolation mode not supported on bands"
     return "no domain-parallel form is known for this module type"

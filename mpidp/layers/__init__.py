@@ -22,6 +22,7 @@ from mpidp.layers.norm import (
     DomainParallelGroupNorm,
     DomainParallelInstanceNorm2d,
     DomainParallelInstanceNorm3d,
+    DomainParallelLayerNorm,
     global_moments,
 )
 from mpidp.layers.periodic import DomainParallelPeriodicConv2d, PeriodicConv2d
@@ -43,6 +44,7 @@ __all__ = [
     "DomainParallelInstanceNorm2d",
     "DomainParallelInstanceNorm3d",
     "DomainParallelInterpolate",
+    "DomainParallelLayerNorm",
     "global_moments",
     "interpolate",
     "DomainParallelConv1d",

@@ -22,7 +22,7 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.halo import halo_exchange, halo_strips
+from mpidp.halo import halo_exchange, start_halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec
 from mpidp.partition import ShardSpec
 
@@ -109,7 +109,9 @@ class _Conv(DomainParallel):
         # (no copy of it kept for the backward), and only the edge rows from the halo strips.
         before = [max(b, 0) for b in halo.before]
         after = [max(a, 0) for a in halo.after]
-        low, high = halo_strips(x, before, after, dim=d, spec=spec, boundary=boundary, group=t)
+        pending = start_halo_exchange(
+            x, before, after, dim=d, spec=spec, boundary=boundary, group=t, strips=True
+        )
         me, start, n = t.rank, spec.start(t.rank), spec.sizes[t.rank]
         first, stop = interiors[me]
         os, oe = out_spec.start(me), out_spec.stop(me)
@@ -118,6 +120,9 @@ class _Conv(DomainParallel):
         def reads(a: int, b: int) -> tuple[int, int]:  # input rows of output rows [a, b)
             return a * stride - low_pad, (b - 1) * stride - low_pad + span + 1
 
+        lo, hi = reads(first, stop)
+        interior = run(x.narrow(d, lo - start, hi - lo))  # while the strips travel
+        low, high = pending.wait()
         parts = []
         if first > os:
             lo, hi = reads(os, first)
@@ -129,8 +134,7 @@ class _Conv(DomainParallel):
                     else own
                 )
             )
-        lo, hi = reads(first, stop)
-        parts.append(run(x.narrow(d, lo - start, hi - lo)))
+        parts.append(interior)
         if oe > stop:
             lo, hi = reads(stop, oe)
             own = x.narrow(d, lo - start, min(hi, start + n) - lo)

@@ -15,7 +15,8 @@ from torch import nn
 
 from mpidp.collectives import all_gather_v
 from mpidp.comm import Transport
-from mpidp.layers.base import DomainParallel
+from mpidp.errors import ConfigError
+from mpidp.layers.base import DomainParallel, learn_spec
 
 __all__ = [
     "DomainParallelBatchNorm2d",
@@ -23,6 +24,7 @@ __all__ = [
     "DomainParallelGroupNorm",
     "DomainParallelInstanceNorm2d",
     "DomainParallelInstanceNorm3d",
+    "DomainParallelLayerNorm",
     "global_moments",
 ]
 
@@ -172,3 +174,35 @@ class DomainParallelBatchNorm2d(_BatchNorm, nn.BatchNorm2d):
 
 class DomainParallelBatchNorm3d(_BatchNorm, nn.BatchNorm3d):
     """:class:`torch.nn.BatchNorm3d` with statistics over the whole field. Collective."""
+
+
+class DomainParallelLayerNorm(DomainParallel, nn.LayerNorm):
+    """:class:`torch.nn.LayerNorm` whose normalised dims include the sharded one: statistics
+    over the whole field; each rank applies its rows of the (replicated) weight and bias, so
+    their gradients are partial until :func:`mpidp.sync_gradients` sums them. Collective."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = len(self.normalized_shape)
+        d = x.dim() + self.shard_dim
+        if self._alone() or d < x.dim() - k:  # not normalising over the sharded dim: local
+            return super().forward(x)
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        j = d - (x.dim() - k)  # the sharded dim within normalized_shape
+        if spec.total != self.normalized_shape[j]:
+            raise ConfigError(
+                f"rank {t.rank}: {type(self).__name__}{tuple(self.normalized_shape)} normalises "
+                f"{self.normalized_shape[j]} rows along the sharded dim but the field has "
+                f"{spec.total}"
+            )
+        dims = tuple(range(x.dim() - k, x.dim()))
+        mean, var, _ = global_moments(x, t, dims)
+        shape = (*mean.shape, *([1] * k))
+        rstd = (var + self.eps).rsqrt()
+        y = torch.addcmul((-mean * rstd).view(shape).to(x.dtype), x, rstd.view(shape).to(x.dtype))
+        rows = slice(spec.start(t.rank), spec.stop(t.rank))
+        if self.weight is not None:
+            y = y * self.weight.narrow(j, rows.start, rows.stop - rows.start)
+        if self.bias is not None:
+            y = y + self.bias.narrow(j, rows.start, rows.stop - rows.start)
+        return y

@@ -304,3 +304,22 @@ def test_periodic_conv_serial_is_what_it_says():
     y = conv(x)
     assert torch.equal(y[0, 0, 1:], x[0, 0, :-1])
     assert torch.equal(y[0, 0, 0], x[0, 0, 1].roll(4, 0))  # row -1 is row 1, half way round
+
+
+@pytest.mark.parametrize(
+    ("shape", "affine", "bias"),
+    [((13, 6), True, True), ((3, 13, 6), True, False), ((13, 6), False, False)],
+)
+def test_layer_norm_over_the_sharded_dim(manager, shape, affine, bias):
+    norm = nn.LayerNorm(shape, elementwise_affine=affine, bias=bias)
+    if affine:
+        with torch.no_grad():
+            norm.weight.copy_(rand(shape, 10))
+            if bias:
+                norm.bias.copy_(rand(shape, 11))
+    check(manager, norm, mpidp.DomainParallelLayerNorm, (2, 3, 13, 6))
+
+
+def test_layer_norm_over_the_last_dim_is_left_alone(manager):
+    model = mpidp.convert_to_domain_parallel(nn.Sequential(nn.LayerNorm(6)), manager)
+    assert type(model[0]) is nn.LayerNorm
