@@ -285,6 +285,7 @@ class DistributedManager:
             kwargs["store"] = dist.TCPStore(
                 addr, port, self.world_size, self.rank == 0, timeout=self.timeout
             )
+        self._store = kwargs.get("store")  # kept for an ordered teardown (shutdown)
         dist.init_process_group(**kwargs)
 
     def _mpi_rendezvous(self, env: dict[str, str]) -> dist.Store:
@@ -477,9 +478,21 @@ class DistributedManager:
             # Every rank arrives before any tears down: a rank that destroys the group (rank 0
             # takes the rendezvous store with it) while a peer still uses it can abort the peer
             # ("terminate called without an active exception", seen with gloo under SLURM).
+            store = getattr(self, "_store", None)
             if sync and self.world_size > 1:
                 dist.barrier()
-            dist.destroy_process_group()
+            if sync and self.world_size > 1 and isinstance(store, dist.TCPStore):
+                # Rank 0 serves the rendezvous store: it tears down last, once every peer
+                # has torn its group down and said so through the store.
+                done = [f"mpidp/closed/{r}" for r in range(1, self.world_size)]
+                if self.rank == 0:
+                    store.wait(done, self.timeout)
+                    dist.destroy_process_group()
+                else:
+                    dist.destroy_process_group()
+                    store.set(f"mpidp/closed/{self.rank}", "1")
+            else:
+                dist.destroy_process_group()
         if _default is self:
             _default = None
 
