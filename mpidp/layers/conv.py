@@ -14,7 +14,7 @@ dim and cuts its own output rows out of the result (rows nothing reaches hold th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,8 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.halo import halo_exchange, start_halo_exchange
+from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec
-from mpidp.partition import ShardSpec
 
 __all__ = [
     "DomainParallelConv1d",
@@ -93,97 +92,26 @@ class _Conv(DomainParallel):
         n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
         out_spec = self._out_spec(n_out)
         halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
-        boundary = _BOUNDARY[conv.padding_mode]
-        low_pad = pads[k][0]
+        ext = halo_exchange(
+            x,
+            halo.before,
+            halo.after,
+            dim=d,
+            spec=spec,
+            boundary=_BOUNDARY[conv.padding_mode],
+            group=t,
+        )
         pads[k] = (0, 0)
-        run = self._runner(pads)
-        interiors = [
-            _interior(spec, out_spec, r, kernel, stride, low_pad, dil) for r in range(t.size)
-        ]
-        if not all(hi > lo for lo, hi in interiors):  # a thin shard somewhere: the whole band
-            ext = halo_exchange(
-                x, halo.before, halo.after, dim=d, spec=spec, boundary=boundary, group=t
-            )
-            return run(ext)
-        # Interior output rows read this rank's rows only: convolve them from the band itself
-        # (no copy of it kept for the backward), and only the edge rows from the halo strips.
-        before = [max(b, 0) for b in halo.before]
-        after = [max(a, 0) for a in halo.after]
-        pending = start_halo_exchange(
-            x, before, after, dim=d, spec=spec, boundary=boundary, group=t, strips=True
+        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
+            padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
+        else:
+            flat = [p for lo_hi in reversed(pads) for p in lo_hi]
+            if any(flat):
+                ext = F.pad(ext, flat, mode=_FPAD[conv.padding_mode])
+            padding = (0,) * self._n
+        return _CONV[self._n](
+            ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
         )
-        me, start, n = t.rank, spec.start(t.rank), spec.sizes[t.rank]
-        first, stop = interiors[me]
-        os, oe = out_spec.start(me), out_spec.stop(me)
-        span = dil * (kernel - 1)
-
-        def reads(a: int, b: int) -> tuple[int, int]:  # input rows of output rows [a, b)
-            return a * stride - low_pad, (b - 1) * stride - low_pad + span + 1
-
-        lo, hi = reads(first, stop)
-        interior = run(x.narrow(d, lo - start, hi - lo))  # while the strips travel
-        low, high = pending.wait()
-        parts = []
-        if first > os:
-            lo, hi = reads(os, first)
-            own = x.narrow(d, max(lo, start) - start, hi - max(lo, start))
-            parts.append(
-                run(
-                    torch.cat([low.narrow(d, low.size(d) - (start - lo), start - lo), own], d)
-                    if lo < start
-                    else own
-                )
-            )
-        parts.append(interior)
-        if oe > stop:
-            lo, hi = reads(stop, oe)
-            own = x.narrow(d, lo - start, min(hi, start + n) - lo)
-            extra = hi - (start + n)
-            parts.append(run(torch.cat([own, high.narrow(d, 0, extra)], d) if extra > 0 else own))
-        if first == os and stop == oe:
-            # This rank reads neither strip, but its peers send gradients back through them:
-            # an empty, zero-weighted tie keeps the strips in its graph, so that their backward
-            # (which receives those gradients) runs here too instead of leaving peers waiting.
-            shape = list(parts[0].shape)
-            shape[d] = 0
-            parts.append(((low.sum() + high.sum()) * 0).expand(shape))
-        return torch.cat(parts, d) if len(parts) > 1 else parts[0]
-
-    def _runner(self, pads: list[tuple[int, int]]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The torch convolution with no padding along the sharded dim and torch's padding
-        along the others (as a conv argument for zeros, or F.pad for the other modes)."""
-        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
-        flat = [p for lo_hi in reversed(pads) for p in lo_hi]
-        symmetric = all(lo == hi for lo, hi in pads)
-        padding = (
-            tuple(lo for lo, _ in pads) if conv.padding_mode == "zeros" and symmetric else None
-        )
-
-        def run(band: torch.Tensor) -> torch.Tensor:
-            if padding is None and any(flat):
-                band = F.pad(band, flat, mode=_FPAD[conv.padding_mode])
-            return _CONV[self._n](
-                band,
-                conv.weight,
-                conv.bias,
-                conv.stride,
-                padding if padding is not None else (0,) * self._n,
-                conv.dilation,
-                conv.groups,
-            )
-
-        return run
-
-
-def _interior(
-    spec: ShardSpec, out_spec: ShardSpec, rank: int, kernel: int, stride: int, pad: int, dil: int
-) -> tuple[int, int]:
-    """Output rows ``[first, stop)`` of ``rank`` whose windows lie inside its own input rows."""
-    start, stop_in = spec.start(rank), spec.stop(rank)
-    span = dil * (kernel - 1)
-    first = max(out_spec.start(rank), -(-(start + pad) // stride))
-    stop = min(out_spec.stop(rank), (stop_in - 1 - span + pad) // stride + 1)
-    return first, max(stop, first)
 
 
 class DomainParallelConv1d(_Conv, nn.Conv1d):
