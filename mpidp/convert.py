@@ -223,6 +223,4 @@ def _why(module: nn.Module) -> str:
         module, nn.modules.pooling._AdaptiveAvgPoolNd | nn.modules.pooling._AdaptiveMaxPoolNd
     ):
         return "adaptive pooling other than AdaptiveAvgPool2d to a global size"
-    if isinstance(module, nn.Upsample):
-        return "interpolation mode not supported on bands"
     return "no domain-parallel form is known for this module type"

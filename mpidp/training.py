@@ -36,7 +36,7 @@ _BUCKET_BYTES = 32 << 20
 
 
 def _group(manager: DistributedManager | None, group: Any) -> Any:
-    return group if group is not None else (manager if manager is not None else None)
+    return group if group is not None else manager
 
 
 def _dims(x: torch.Tensor, dims: int | Sequence[int] | None) -> list[int]:

@@ -196,15 +196,13 @@ def _rows(y: torch.Tensor, dim: int, first: int, count: int) -> torch.Tensor:
     part = y.narrow(dim, lo, hi - lo)
     if before == 0 and after == 0:
         return part
-    shape = list(y.shape)
-    pieces = []
-    for rows, piece in ((before, None), (0, part), (after, None)):
-        if piece is not None:
-            pieces.append(piece)
-        elif rows:
-            shape[dim] = rows
-            pieces.append(y.new_zeros(shape))
-    return torch.cat(pieces, dim)
+
+    def zeros(rows: int) -> torch.Tensor:
+        shape = list(y.shape)
+        shape[dim] = rows
+        return y.new_zeros(shape)
+
+    return torch.cat([zeros(before), part, zeros(after)], dim)
 
 
 class DomainParallelConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
