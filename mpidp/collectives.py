@@ -82,16 +82,7 @@ def _check_agreement(t: Transport, op: str, same: dict[str, Any], problems: list
     ``problems``; raise one message on every rank when anything is off. Collective."""
     if t.size == 1:
         return
-    everyone = t.all_gather_object((same, problems))
-    first = everyone[0][0]
-    lines = []
-    for rank, (facts, probs) in enumerate(everyone):
-        lines += [
-            f"rank {rank}: {key}={value!r} but rank 0 passed {first.get(key)!r}"
-            for key, value in facts.items()
-            if value != first.get(key)
-        ]
-        lines += [f"rank {rank}: {msg}" for msg in probs]
+    _, lines = t.agree(problems, same)
     if lines:
         raise CommError(
             f"rank {t.rank}: {op} called with inconsistent arguments over a group of {t.size} "

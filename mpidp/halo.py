@@ -20,9 +20,7 @@ Nothing here names an axis: ``dim`` is the sharded dimension and, for the polar 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -235,28 +233,15 @@ def _local_problems(
     return problems, (d if d is not None else 0), (rd if rd is not None else 0)
 
 
-@functools.lru_cache(maxsize=1024)
-def _fingerprint(facts: tuple[Any, ...]) -> tuple[str, int]:
-    """Readable form and checksum of the arguments every rank must share (local, pure)."""
-    names = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
-    text = ", ".join(f"{k}={v!r}" for k, v in zip(names, facts, strict=True))
-    return text, zlib.crc32(text.encode())
+_FACTS = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
 
 
 def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) -> list[int]:
     """Every rank's local size; raises one CommError on every rank when any rank found a
     problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
-    text, key = _fingerprint(facts)
-    table = t.all_gather_ints([n, len(problems), key])
-    if all(row[1] == 0 and row[2] == table[0][2] for row in table):
+    table, lines = t.agree(problems, dict(zip(_FACTS, facts, strict=True)), [n])
+    if not lines:
         return [row[0] for row in table]
-    everyone = t.all_gather_object((problems, text))
-    lines = [f"rank {r}: {msg}" for r, (probs, _) in enumerate(everyone) for msg in probs]
-    lines += [
-        f"rank {r} passed {f} but rank 0 passed {everyone[0][1]}"
-        for r, (_, f) in enumerate(everyone)
-        if f != everyone[0][1]
-    ]
     raise CommError(
         f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
         + "\n  ".join(lines)

@@ -12,7 +12,8 @@ Every method is collective over the transport's group unless its docstring says 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -306,6 +307,36 @@ class Transport(abc.ABC):
         if self.size == 1:
             return mine.tolist()
         return self._all_gather_v(mine, [1] * self.size).cpu().tolist()
+
+    def agree(
+        self,
+        problems: Sequence[str],
+        facts: Mapping[str, Any] | None = None,
+        values: Sequence[int] = (),
+    ) -> tuple[list[list[int]], list[str]]:
+        """The checked-operation handshake: every rank's ``values`` (ints, the same count
+        everywhere) and the lines describing what is wrong anywhere -- each rank's local
+        ``problems`` and every fact that differs from rank 0's -- empty when all is well.
+
+        One all-gather of ``len(values) + 2`` int64 per rank (a count of problems and a
+        checksum of ``facts``); the texts travel only when something is wrong, so every rank
+        returns the same lines and can raise the same error. Collective."""
+        facts = dict(facts or {})
+        key = zlib.crc32(repr(sorted(facts.items(), key=lambda kv: kv[0])).encode())
+        table = self.all_gather_ints([*values, len(problems), key])
+        k = len(values)
+        if all(row[k] == 0 and row[k + 1] == table[0][k + 1] for row in table):
+            return [row[:k] for row in table], []
+        everyone = self.all_gather_object((list(problems), facts))
+        first = everyone[0][1]
+        lines = [f"rank {r}: {msg}" for r, (probs, _) in enumerate(everyone) for msg in probs]
+        for r, (_, mine) in enumerate(everyone):
+            lines += [
+                f"rank {r}: {name}={value!r} but rank 0 passed {first.get(name)!r}"
+                for name, value in mine.items()
+                if value != first.get(name)
+            ]
+        return [row[:k] for row in table], lines
 
     def scratch(
         self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
