@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "BackendError",
     "CommError",
+    "DataError",
 ]
 
 
@@ -32,3 +33,8 @@ class BackendError(MpidpError):
 
 class CommError(MpidpError, ValueError):
     """Arguments of a collective that cannot be satisfied (sizes, shapes, dtypes)."""
+
+
+class DataError(MpidpError, ValueError):
+    """A data file that cannot be read or written as asked: missing, corrupt, of the wrong
+    layout, or different between ranks."""

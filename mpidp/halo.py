@@ -49,6 +49,26 @@ __all__ = [
 Widths = int | Sequence[int]
 
 
+def place_piece(
+    out: torch.Tensor, src: torch.Tensor, p: Piece, dim: int, roll_dim: int, half: int
+) -> None:
+    """Copy ``src`` (the piece's source rows) to rows ``[p.at, p.at + p.span)`` of ``out``
+    along ``dim``: flipped, rolled by ``half`` along ``roll_dim``, or one row repeated, as the
+    piece says. Local."""
+    v = src.flip(dim) if p.flip else src
+    dst = out.narrow(dim, p.at, p.span)
+    if p.roll:  # the roll as two copies into place (torch.roll would copy once more)
+        w = v.size(roll_dim)
+        dst.narrow(roll_dim, half, w - half).copy_(v.narrow(roll_dim, 0, w - half))
+        dst.narrow(roll_dim, 0, half).copy_(v.narrow(roll_dim, w - half, half))
+        return
+    dst.copy_(
+        v.expand(tuple(p.repeat if i == dim % v.dim() else s for i, s in enumerate(v.shape)))
+        if p.repeat
+        else v
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Op:
     """A resolved exchange: transport, plan, output layout, dims."""
@@ -64,14 +84,7 @@ class _Op:
         return tuple(n if i == self.dim else s for i, s in enumerate(shape))
 
     def place(self, out: torch.Tensor, src: torch.Tensor, p: Piece) -> None:
-        v = src.flip(self.dim) if p.flip else src
-        dst = out.narrow(self.dim, p.at, p.span)
-        if p.roll:  # the roll as two copies into place (torch.roll would copy once more)
-            w, h = v.size(self.roll_dim), self.half
-            dst.narrow(self.roll_dim, h, w - h).copy_(v.narrow(self.roll_dim, 0, w - h))
-            dst.narrow(self.roll_dim, 0, h).copy_(v.narrow(self.roll_dim, w - h, h))
-            return
-        dst.copy_(v.expand(self.rows(v.shape, p.repeat)) if p.repeat else v)
+        place_piece(out, src, p, self.dim, self.roll_dim, self.half)
 
     def unplace(self, g: torch.Tensor, p: Piece) -> torch.Tensor:
         """Adjoint of :meth:`place`: the gradient of the piece's source rows."""

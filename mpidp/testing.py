@@ -10,8 +10,11 @@ group: every rank raises the same AssertionError, or none does.
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import h5py
 import torch
 
 from mpidp.comm import Transport
@@ -19,7 +22,14 @@ from mpidp.halo_plan import Boundary
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import offsets
 
-__all__ = ["SerialComparison", "assert_matches_serial", "default_tolerance", "serial_halo"]
+__all__ = [
+    "CountingFile",
+    "SerialComparison",
+    "counting_opener",
+    "assert_matches_serial",
+    "default_tolerance",
+    "serial_halo",
+]
 
 
 def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -216,3 +226,52 @@ def serial_halo(
         parts.append(_edge_rows(full, m_high, b.high, False, dim, b.roll_dim))
     ext = torch.cat(parts, dim) if len(parts) > 1 else full
     return ext.narrow(dim, lo + m_low, hi - lo)
+
+
+class CountingFile(io.RawIOBase):
+    """A read-only file object that records every read (offset, bytes): pass it to
+    ``h5py.File`` (or use :func:`counting_opener`) to see exactly what HDF5 reads. Close the
+    h5py file before this object goes away."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._f = open(path, "rb")
+        self.reads: list[tuple[int, int]] = []
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        at = self._f.tell()
+        n = self._f.readinto(buffer)
+        self.reads.append((at, n))
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(n for _, n in self.reads)
+
+
+def counting_opener(log: list[CountingFile]) -> Callable[[str], h5py.File]:
+    """An ``opener`` for :class:`mpidp.io.ShardedH5Dataset` that appends each file object it
+    opens to ``log``."""
+
+    def opener(path: str) -> h5py.File:
+        counted = CountingFile(path)
+        log.append(counted)
+        return h5py.File(counted, "r")
+
+    return opener

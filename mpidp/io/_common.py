@@ -1,0 +1,133 @@
+"""Plumbing shared by the readers and writers: the collective check, temporary names and the
+commit by rename, netCDF-style dimensions that xarray recognises."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from mpidp.comm import Transport
+from mpidp.errors import DataError
+from mpidp.manager import DistributedManager, get_manager, is_initialized
+
+#: The attribute netCDF-4 puts on a dimension that has no coordinate variable.
+PURE_DIM = "This is a netCDF dimension but not a netCDF variable."
+
+
+def io_transport(manager: DistributedManager | None, group: Any) -> Transport | None:
+    """The CPU transport of ``group`` (a name, a process group or a Transport); None when
+    mpidp is not initialised and no manager is given (a single process)."""
+    if isinstance(group, Transport):
+        return group
+    if manager is None and not is_initialized():
+        return None
+    m = manager if manager is not None else get_manager()
+    return m.transport(group, "cpu")
+
+
+def check_everywhere(
+    t: Transport | None,
+    problems: Sequence[str],
+    facts: Mapping[str, Any],
+    what: str,
+    fix: str,
+    values: Sequence[int] = (),
+) -> list[list[int]]:
+    """Every rank's ``values``; or the same :class:`~mpidp.DataError` on every rank when any
+    rank found a problem or the ranks' ``facts`` differ. Collective over ``t``."""
+    if t is None:
+        table, lines = [list(values)], [f"rank 0: {p}" for p in problems]
+    else:
+        table, lines = t.agree(problems, facts, values)
+    if lines:
+        rank = 0 if t is None else t.rank
+        raise DataError(f"rank {rank}: {what}:\n  " + "\n  ".join(lines) + f"\nfix: {fix}")
+    return table
+
+
+def shared_token(t: Transport | None) -> int:
+    """A random number drawn by rank 0 and known to every rank (names temporary files)."""
+    mine = secrets.randbits(48)
+    return mine if t is None else t.all_gather_ints([mine])[0][0]
+
+
+def temporary_name(path: Path, token: int) -> Path:
+    """A hidden name beside ``path`` (same file system, so the rename is atomic)."""
+    return path.with_name(f".{path.name}.tmp-{token:x}")
+
+
+def commit(
+    t: Transport | None, tmp: Path, path: Path, error: BaseException | None, what: str
+) -> None:
+    """Agree whether every rank succeeded; then rank 0 renames ``tmp`` to ``path`` (or removes
+    it: the previous ``path`` stays untouched) and every rank returns or raises. Collective."""
+    problem = [] if error is None else [f"{type(error).__name__}: {error}"]
+    try:
+        check_everywhere(
+            t, problem, {}, f"{what} failed; {path} was left as it was", "see the rank's error"
+        )
+    except DataError:
+        if t is None or t.rank == 0:
+            tmp.unlink(missing_ok=True)
+        raise
+    if t is None or t.rank == 0:
+        os.replace(tmp, path)
+    if t is not None:
+        t.barrier()  # the file is in place on return, on every rank
+
+
+def describe_error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def declare_dims(
+    f: h5py.File,
+    dims: Sequence[str],
+    shape: Sequence[int],
+    coords: Mapping[str, Any],
+    unlimited: Sequence[str] = (),
+) -> list[h5py.Dataset]:
+    """The dimension-scale datasets for ``dims`` (created when missing): coordinate values
+    where ``coords`` has them, otherwise a netCDF pure dimension. Existing ones must match the
+    length. Returns them in ``dims`` order (attach them with :func:`attach_dims`)."""
+    scales = []
+    for d, n in zip(dims, shape, strict=True):
+        if d in f:
+            ds = f[d]
+            if ds.shape[0] != n and d not in unlimited:
+                raise DataError(
+                    f"dimension {d!r} already has {ds.shape[0]} entries in {f.filename}, "
+                    f"the new variable has {n}; use another dimension name or a new file"
+                )
+            scales.append(ds)
+            continue
+        maxshape = (None,) if d in unlimited else (n,)
+        chunks = (max(1, min(n, 1024)),) if d in unlimited else None
+        if d in coords:
+            values = np.asarray(coords[d])
+            ds = f.create_dataset(d, data=values, maxshape=maxshape, chunks=chunks)
+            ds.make_scale(d)
+        else:
+            ds = f.create_dataset(d, shape=(n,), dtype="f4", maxshape=maxshape, chunks=chunks)
+            ds.make_scale(f"{PURE_DIM}{n:10d}")
+        scales.append(ds)
+    return scales
+
+
+def attach_dims(ds: h5py.Dataset, scales: Sequence[h5py.Dataset]) -> None:
+    for i, scale in enumerate(scales):
+        ds.dims[i].attach_scale(scale)
+
+
+def default_dims(ndim: int) -> tuple[str, ...]:
+    """Dimension names when the caller gives none: (..., latitude, longitude)."""
+    named = ("time", "channel", "latitude", "longitude")
+    if ndim <= 4:
+        return named[4 - ndim :]
+    return tuple(f"dim{i}" for i in range(ndim - 4)) + named

@@ -1,0 +1,195 @@
+"""Checkpoints of a domain-parallel run that load at any domain and data-parallel size.
+
+Domain parallelism keeps every parameter whole and the serial model's ``state_dict`` keys
+(DESIGN decision 6), and gradients are synchronised, so model and optimizer state are
+replicated on every rank: one rank (world rank 0) writes them, with the layout that produced
+them recorded beside. Loading reads the file on every rank; the serial model loads it too
+(``torch.load(path)["model"]``).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpidp.io._common import (
+    check_everywhere,
+    commit,
+    describe_error,
+    io_transport,
+    shared_token,
+    temporary_name,
+)
+from mpidp.manager import DistributedManager, get_manager, is_initialized
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+FORMAT = "mpidp-checkpoint-1"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP/compile wrappers (their state_dict keys gain prefixes)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested state (dicts, lists), with a readable path, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, Mapping):
+        out = []
+        for k in sorted(obj, key=str):
+            out += _tensors(obj[k], f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = []
+        for i, v in enumerate(obj):
+            out += _tensors(v, f"{prefix}[{i}]")
+        return out
+    return []
+
+
+def _checksums(state: Mapping[str, Any]) -> list[tuple[str, int]]:
+    out = []
+    for name, t in _tensors(state):
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        out.append((name, zlib.crc32(data.tobytes())))
+    return out
+
+
+def _layout(manager: DistributedManager | None) -> dict[str, int]:
+    if manager is None:
+        return {"world": 1, "dp": 1, "domain": 1}
+    return {
+        "world": manager.world_size,
+        "dp": manager.dp_world_size,
+        "domain": manager.domain_world_size,
+    }
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int = 0,
+    manager: DistributedManager | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    verify: bool = True,
+) -> Path:
+    """Save model, optimizer and step to ``path`` (atomically); returns the path.
+
+    The file holds ``{"model", "optimizer", "step", "extra", "layout", "format"}``: the
+    serial model's state_dict keys, whatever wrapper ``model`` is in. World rank 0 writes;
+    ``verify`` first checks that the parameters and optimizer state really are the same on
+    every rank (one all-gather of a checksum; the differing names are reported if not), since
+    a checkpoint of one rank's diverged copy would silently drop the others'. Collective over
+    the world.
+    """
+    if manager is None and is_initialized():
+        manager = get_manager()
+    t = io_transport(manager, "world")
+    path = Path(path)
+    state = {
+        "format": FORMAT,
+        "model": _unwrap(model).state_dict(),
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "step": int(step),
+        "extra": dict(extra or {}),
+        "layout": _layout(manager),
+    }
+    problems = [] if path.parent.is_dir() else [f"the folder {path.parent} does not exist"]
+    if verify and t is not None:
+        params = {"model": dict(_unwrap(model).named_parameters()), "optimizer": state["optimizer"]}
+        sums = _checksums(params)
+        total = zlib.crc32(repr(sums).encode())
+        table = t.all_gather_ints([total])
+        if any(row[0] != table[0][0] for row in table):
+            everyone = t.all_gather_object(sums)
+            differ = sorted(
+                {
+                    n
+                    for theirs in everyone
+                    for (n, c), (_, c0) in zip(theirs, everyone[0], strict=False)
+                    if c != c0
+                }
+            )
+            problems.append(
+                f"parameters or optimizer state differ between ranks: {differ[:8]}"
+                + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
+                + " (gradients not synchronised? use mpidp.sync_gradients or DDP, and "
+                "mpidp.broadcast_parameters at the start)"
+            )
+    check_everywhere(
+        t,
+        problems,
+        {"path": os.path.realpath(path), "step": int(step)},
+        f"save_checkpoint({str(path)!r}) cannot save",
+        "call it on every rank with the same path and step, after the gradients "
+        "were synchronised (or pass verify=False to save rank 0's copy)",
+    )
+    tmp = temporary_name(path, shared_token(t))
+    error = None
+    if t is None or t.rank == 0:
+        try:
+            torch.save(state, tmp)
+        except Exception as err:
+            error = err
+    commit(t, tmp, path, error, f"save_checkpoint({str(path)!r})")
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    map_location: str | torch.device | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` at any domain/data-parallel size
+    (or a plain ``{"model": state_dict}`` file) into ``model`` and ``optimizer``; returns the
+    whole dictionary (``step``, ``extra``, ``layout`` of the run that saved it). Every rank
+    reads the file; a missing or unreadable file raises the same
+    :class:`~mpidp.DataError` on every rank. Collective over the world."""
+    if manager is None and is_initialized():
+        manager = get_manager()
+    t = io_transport(manager, "world")
+    if map_location is None:
+        map_location = "cpu" if manager is None else manager.device
+    problems: list[str] = []
+    state: dict[str, Any] = {}
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+        if not isinstance(state, dict) or "model" not in state:
+            problems.append(f"{path} is not an mpidp checkpoint (no 'model' entry)")
+    except FileNotFoundError:
+        problems.append(f"{path}: no such file")
+    except Exception as err:
+        problems.append(f"{path}: unreadable ({describe_error(err)})")
+    if not problems and model is not None:
+        try:
+            _unwrap(model).load_state_dict(state["model"], strict=strict)
+            if optimizer is not None and state.get("optimizer") is not None:
+                optimizer.load_state_dict(state["optimizer"])
+        except Exception as err:
+            problems.append(f"{path} does not fit the model ({describe_error(err)})")
+    check_everywhere(
+        t,
+        problems,
+        {"path": os.path.realpath(path)},
+        f"load_checkpoint({str(path)!r}) failed",
+        "check the path (visible from every rank) and that the model is the one that was saved",
+    )
+    return state

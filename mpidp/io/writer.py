@@ -1,0 +1,409 @@
+"""Writing a field cut into latitude bands to one HDF5 file that xarray opens, with no rank
+holding the full field.
+
+Two write paths:
+
+* ``"mpio"``: HDF5's MPI-IO driver, every rank writing its rows in one collective write. Needs
+  an h5py built against MPI (``scripts/setup-phdf5.sh``); chosen by ``method="auto"`` when
+  that h5py is present and MPI runs the job.
+* ``"ordered"``: ranks take turns (a token passed by a barrier): rank 0 creates the file and
+  its metadata and writes its rows, then rank 1 opens it and writes its rows, and so on. Works
+  with any h5py; the default without parallel HDF5 (see docs/io.md for the measurements).
+
+Both write to a temporary name beside the target and rename it when every rank succeeded; a
+failure on any rank removes the temporary file and leaves the previous file untouched.
+Outputs carry netCDF-4 dimension scales and coordinate variables (``latitude``,
+``longitude``, ``time``, ...): ``xarray.open_dataset(path, engine="h5netcdf")`` opens them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from mpidp.comm import Transport
+from mpidp.errors import DataError
+from mpidp.io._common import (
+    attach_dims,
+    check_everywhere,
+    commit,
+    declare_dims,
+    default_dims,
+    describe_error,
+    io_transport,
+    shared_token,
+    temporary_name,
+)
+from mpidp.manager import DistributedManager
+from mpidp.partition import ShardSpec
+
+__all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
+
+METHODS = ("auto", "mpio", "ordered")
+
+
+def parallel_hdf5_available() -> bool:
+    """Whether this h5py was built with MPI (the ``mpio`` driver)."""
+    return bool(h5py.get_config().mpi)
+
+
+def _mpi_comm(t: Transport | None) -> Any:
+    return getattr(t, "comm", None)
+
+
+def _method(method: str, t: Transport | None, problems: list[str]) -> str:
+    if method not in METHODS:
+        problems.append(f"method={method!r} is not one of {', '.join(METHODS)}")
+        return "ordered"
+    mpio_ok = parallel_hdf5_available() and _mpi_comm(t) is not None
+    if method == "mpio" and not mpio_ok:
+        problems.append(
+            "method='mpio' needs an h5py built with MPI (scripts/setup-phdf5.sh) and a job "
+            "launched by MPI; use method='ordered'"
+        )
+    if method == "auto":
+        return "mpio" if mpio_ok else "ordered"
+    return method
+
+
+def _rows_slab(ndim: int, dim: int, lo: int, hi: int) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) if i == dim else slice(None) for i in range(ndim))
+
+
+def _as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return np.ascontiguousarray(x.numpy())
+    return np.ascontiguousarray(x)
+
+
+def _in_turns(
+    t: Transport | None,
+    method: str,
+    tmp: Path,
+    create: Callable[[h5py.File], None],
+    write: Callable[[h5py.File], None],
+) -> BaseException | None:
+    """Run ``create`` (metadata, collective in mpio, rank 0 alone otherwise) then ``write``
+    (this rank's rows) on the temporary file; return this rank's error instead of raising, so
+    that every rank reaches the agreement that follows."""
+    if method == "mpio":
+        try:
+            with h5py.File(tmp, "a", driver="mpio", comm=_mpi_comm(t)) as f:
+                create(f)
+                write(f)
+        except Exception as err:
+            return err
+        return None
+    error: BaseException | None = None
+    size, me = (1, 0) if t is None else (t.size, t.rank)
+    for turn in range(size):
+        if turn == me:
+            try:
+                with h5py.File(tmp, "a") as f:
+                    if me == 0:
+                        create(f)
+                    write(f)
+            except Exception as err:
+                error = err
+        if t is not None:
+            t.barrier()  # the token: the next rank opens the file once this one closed it
+    return error
+
+
+def write_sharded(
+    path: str | os.PathLike[str],
+    name: str,
+    x_local: torch.Tensor | np.ndarray,
+    dim: int = -2,
+    spec: ShardSpec | Sequence[int] | None = None,
+    manager: DistributedManager | None = None,
+    *,
+    dims: Sequence[str] | None = None,
+    coords: Mapping[str, Any] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+    mode: str = "w",
+    method: str = "auto",
+    group: Any = None,
+) -> Path:
+    """Write the field whose band along ``dim`` this rank holds (``x_local``) as variable
+    ``name`` of the HDF5/netCDF-4 file ``path``; returns the path.
+
+    ``dims`` names the dimensions (default ``(..., "latitude", "longitude")``); ``coords``
+    maps dimension names to global coordinate values (each becomes a coordinate variable);
+    ``attrs`` become the variable's attributes. ``mode="w"`` replaces the file; ``mode="a"``
+    adds (or replaces) a variable in an existing file, keeping its other contents. The
+    partition is learned from the ranks' local sizes unless ``spec`` is given. ``method``:
+    ``"auto"``, ``"mpio"`` or ``"ordered"`` (module docstring).
+
+    Collective over ``group`` (default: the domain group); atomic (a temporary file renamed on
+    success). Bad arguments on any rank raise the same :class:`~mpidp.DataError` everywhere.
+    """
+    t = io_transport(manager, group)
+    path = Path(path)
+    x = _as_numpy(x_local)
+    problems: list[str] = []
+    d = dim % x.ndim if x.ndim and -x.ndim <= dim < x.ndim else 0
+    if not x.ndim or not -x.ndim <= dim < x.ndim:
+        problems.append(f"dim {dim} is not a dimension of a tensor of shape {x.shape}")
+    names = tuple(dims) if dims is not None else default_dims(x.ndim)
+    if len(names) != x.ndim:
+        problems.append(f"dims {list(names)} name {len(names)} dimensions, the tensor has {x.ndim}")
+    if mode not in ("w", "a"):
+        problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
+    if mode == "a" and not path.exists():
+        problems.append(f"mode='a' but {path} does not exist")
+    if not path.parent.is_dir():
+        problems.append(f"the folder {path.parent} does not exist")
+    how = _method(method, t, problems)
+    coords = dict(coords or {})
+    facts = {
+        "path": os.path.realpath(path),
+        "name": name,
+        "dim": d,
+        "shape without dim": tuple(s for i, s in enumerate(x.shape) if i != d),
+        "dtype": str(x.dtype),
+        "dims": names,
+        "coords": {
+            k: np.asarray(v).tobytes().hex()[:64] + f"..{np.asarray(v).size}"
+            for k, v in coords.items()
+        },
+        "attrs": repr(sorted((attrs or {}).items())),
+        "mode": mode,
+        "method": how,
+    }
+    table = check_everywhere(
+        t,
+        problems,
+        facts,
+        f"write_sharded({str(path)!r}, {name!r}) got bad or inconsistent arguments",
+        "every rank passes the same path, name, dims, coords and mode, and its own band along dim",
+        [x.shape[d] if x.ndim else 0, 0],
+    )
+    sizes = [row[0] for row in table]
+    if spec is not None and list(spec) != sizes:
+        raise DataError(
+            f"rank {0 if t is None else t.rank}: the ranks hold {sizes} rows along dim {d} but "
+            f"spec is {list(spec)}; pass each rank's own band"
+        )
+    shape = tuple(sum(sizes) if i == d else s for i, s in enumerate(x.shape))
+    for k, v in coords.items():
+        if k in names and np.asarray(v).shape != (shape[names.index(k)],):
+            raise DataError(
+                f"rank {0 if t is None else t.rank}: coordinate {k!r} has shape "
+                f"{np.asarray(v).shape}, its dimension has {shape[names.index(k)]} entries; "
+                f"pass one value per entry"
+            )
+    me = 0 if t is None else t.rank
+    lo = sum(sizes[:me])
+    tmp = temporary_name(path, shared_token(t))
+    if me == 0 and mode == "a":
+        shutil.copy2(path, tmp)
+    if t is not None:
+        t.barrier()
+
+    def create(f: h5py.File) -> None:
+        scales = declare_dims(f, names, shape, coords)
+        if name in f:
+            del f[name]
+        ds = f.create_dataset(name, shape=shape, dtype=x.dtype)
+        attach_dims(ds, scales)
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
+
+    def write(f: h5py.File) -> None:
+        ds = f[name]
+        slab = _rows_slab(x.ndim, d, lo, lo + x.shape[d])
+        if how == "mpio":
+            with ds.collective:
+                ds[slab] = x
+        elif x.shape[d]:
+            ds[slab] = x
+
+    error = _in_turns(t, how, tmp, create, write)
+    commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
+    return path
+
+
+class RolloutWriter:
+    """A forecast written step by step: one variable per channel, shaped ``(time, latitude,
+    longitude)``, grown by one time step per :meth:`write`; the file appears at ``path`` when
+    the writer is closed (atomically), and is discarded if the rollout fails.
+
+    ``channels`` are the variable names (e.g. the dataset's ``target_channels``);
+    ``latitudes``/``longitudes`` the global coordinates; ``time_units`` the netCDF units of the
+    times passed to :meth:`write` (default step numbers). Use as a context manager::
+
+        with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon) as out:
+            for step in range(n):
+                x = model(x)
+                out.write(x[0], time=6 * (step + 1))
+
+    Collective over ``group`` (default: the domain group): every rank calls every method.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        channels: Sequence[str],
+        latitudes: Any = None,
+        longitudes: Any = None,
+        manager: DistributedManager | None = None,
+        *,
+        time_units: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        dtype: Any = np.float32,
+        method: str = "auto",
+        group: Any = None,
+    ) -> None:
+        self.t = io_transport(manager, group)
+        self.path = Path(path)
+        self.channels = list(channels)
+        problems: list[str] = []
+        if not self.path.parent.is_dir():
+            problems.append(f"the folder {self.path.parent} does not exist")
+        if len(set(self.channels)) != len(self.channels) or "time" in self.channels:
+            problems.append(f"channel names {self.channels} must be distinct and not 'time'")
+        self.method = _method(method, self.t, problems)
+        facts = {
+            "path": os.path.realpath(self.path),
+            "channels": self.channels,
+            "method": self.method,
+            "time_units": time_units,
+        }
+        check_everywhere(
+            self.t,
+            problems,
+            facts,
+            f"RolloutWriter({str(self.path)!r}) got bad or inconsistent arguments",
+            "pass the same arguments on every rank",
+        )
+        self.coords = {
+            k: np.asarray(v)
+            for k, v in (("latitude", latitudes), ("longitude", longitudes))
+            if v is not None
+        }
+        self.time_units, self.attrs, self.dtype = time_units, dict(attrs or {}), np.dtype(dtype)
+        self.tmp = temporary_name(self.path, shared_token(self.t))
+        self.steps = 0
+        self.sizes: list[int] | None = None
+        self._closed = False
+
+    def write(self, x_local: torch.Tensor | np.ndarray, time: float | None = None) -> None:
+        """Append one time step: ``x_local`` is this rank's band, ``(channels, rows, lon)``
+        (a leading batch dimension of 1 is accepted). Collective."""
+        x = _as_numpy(x_local)
+        if x.ndim == 4 and x.shape[0] == 1:
+            x = x[0]
+        problems = []
+        if self._closed:
+            problems.append("the writer is closed")
+        if x.ndim != 3 or x.shape[0] != len(self.channels):
+            problems.append(
+                f"a step of shape {x.shape}; expected ({len(self.channels)} channels, rows, lon)"
+            )
+        facts = {
+            "shape without rows": (x.shape[0], x.shape[-1]) if x.ndim == 3 else x.shape,
+            "time": time,
+            "step": self.steps,
+        }
+        table = check_everywhere(
+            self.t,
+            problems,
+            facts,
+            f"RolloutWriter({str(self.path)!r}).write, step {self.steps}",
+            "every rank writes its own band of every channel at each step",
+            [x.shape[1] if x.ndim == 3 else 0],
+        )
+        sizes = [row[0] for row in table]
+        if self.sizes is None:
+            self.sizes = sizes
+        elif sizes != self.sizes:
+            raise DataError(
+                f"rank {0 if self.t is None else self.t.rank}: step {self.steps} has bands of "
+                f"{sizes} rows, earlier steps {self.sizes}; keep the partition fixed"
+            )
+        h, w = sum(sizes), x.shape[-1]
+        step = self.steps
+        me = 0 if self.t is None else self.t.rank
+        lo = sum(sizes[:me])
+
+        def create(f: h5py.File) -> None:
+            if step == 0:
+                coords = {**self.coords, "time": np.zeros(0)}
+                scales = declare_dims(
+                    f, ("time", "latitude", "longitude"), (0, h, w), coords, unlimited=("time",)
+                )
+                if self.time_units:
+                    f["time"].attrs["units"] = self.time_units
+                for c in self.channels:
+                    ds = f.create_dataset(
+                        c,
+                        shape=(0, h, w),
+                        maxshape=(None, h, w),
+                        chunks=(1, max(1, max(sizes)), w),  # about one band per chunk
+                        dtype=self.dtype,
+                    )
+                    attach_dims(ds, scales)
+                    for k, v in self.attrs.items():
+                        ds.attrs[k] = v
+            f["time"].resize((step + 1,))
+            f["time"][step] = step if time is None else time
+            for c in self.channels:
+                f[c].resize((step + 1, h, w))
+
+        def write(f: h5py.File) -> None:
+            for i, c in enumerate(self.channels):
+                if self.method == "mpio":
+                    with f[c].collective:
+                        f[c][step, lo : lo + x.shape[1]] = x[i]
+                elif x.shape[1]:
+                    f[c][step, lo : lo + x.shape[1]] = x[i]
+
+        error = _in_turns(self.t, self.method, self.tmp, create, write)
+        problem = [] if error is None else [describe_error(error)]
+        try:
+            check_everywhere(
+                self.t,
+                problem,
+                {},
+                f"writing step {step} of {self.path} failed",
+                "see the rank's error; the previous file is untouched",
+            )
+        except DataError:
+            self.abort()
+            raise
+        self.steps += 1
+
+    def close(self) -> Path:
+        """Publish the file (rename the temporary file to ``path``). Collective."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        error = None if self.steps else DataError("no step was written")
+        commit(self.t, self.tmp, self.path, error, f"RolloutWriter({str(self.path)!r})")
+        return self.path
+
+    def abort(self) -> None:
+        """Discard the temporary file; ``path`` keeps what it had. Local (no communication)."""
+        self._closed = True
+        if self.t is None or self.t.rank == 0:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> RolloutWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
