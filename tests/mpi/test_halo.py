@@ -477,7 +477,7 @@ def test_size_not_matching_spec_fails_everywhere(t):
 def test_inconsistent_widths_fail_everywhere(t):
     spec = ShardSpec.balanced(4 * t.size, t.size)
     x = rand((2, spec.sizes[t.rank], 6), 15)
-    with pytest.raises(CommError, match="rank 1: before=.* but rank 0 passed"):
+    with pytest.raises(CommError, match=r"rank 1: before=.* but rank 0 passed"):
         mpidp.halo_exchange(x, 1 if t.rank == 0 else 2, 1, 1, spec, group=t)
-    with pytest.raises(CommError, match="rank 1: boundary=.* but rank 0 passed"):
+    with pytest.raises(CommError, match=r"rank 1: boundary=.* but rank 0 passed"):
         mpidp.halo_exchange(x, 1, 1, 1, spec, boundary="zeros" if t.rank else "reflect", group=t)
