@@ -1,4 +1,4 @@
-"""Command line: ``mpidp info`` (also ``python -m mpidp info``).
+"""Command line: ``mpidp info`` and ``mpidp sample-data PATH`` (also ``python -m mpidp ...``).
 
 Run it under the launcher of the job to check, e.g. ``mpiexec -n 4 mpidp info -d 2``: rank 0
 prints one table (or, with ``--json``, one JSON document) describing every rank.
@@ -87,8 +87,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--transport", default="auto", choices=("auto", "mpi", "torch"))
     info.add_argument("--timeout", type=float, default=120.0, help="rendezvous timeout, seconds")
     info.add_argument("--json", action="store_true", help="print one JSON document")
+    sample = sub.add_parser(
+        "sample-data", help="write the built-in synthetic ERA5-like data set to PATH"
+    )
+    sample.add_argument("path", help="the HDF5/netCDF-4 file to write (replaced atomically)")
+    sample.add_argument("--lat", type=int, default=91, help="latitude rows, poles included")
+    sample.add_argument("--lon", type=int, default=180, help="longitude columns")
+    sample.add_argument("--time", type=int, default=64, help="time steps, 6 hours apart")
+    sample.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.command == "sample-data":
+        return _sample_data(args)
     return _info(args)
+
+
+def _sample_data(args: argparse.Namespace) -> int:
+    from mpidp.io import make_sample_data
+
+    path = make_sample_data(
+        args.path, n_lat=args.lat, n_lon=args.lon, n_time=args.time, seed=args.seed
+    )
+    print(f"mpidp: wrote {path} ({args.time} x {args.lat} x {args.lon}, 4 variables, 6 channels)")
+    return 0
 
 
 if __name__ == "__main__":

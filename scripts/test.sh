@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, type check, unit tests, MPI tests at 1-4 ranks, launch tests.
+# The whole test suite: lint, type check, unit tests, MPI tests at 1-4 ranks, launch tests
+# (and, with MPIDP_TEST_PHDF5=1, the I/O tests again with parallel HDF5).
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
 set -euo pipefail
@@ -22,6 +23,10 @@ for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
     || { echo "MPI tests FAILED at $n ranks"; fail=1; }
 done
 step "launch tests"; timeout "$per_run" "$py" -m pytest -q tests/launch || fail=1
+if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
+  step "parallel HDF5 (mpio) I/O tests"
+  { bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh; } || fail=1
+fi
 echo
 if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi
 echo "test suite: all steps passed"

@@ -91,20 +91,29 @@ def _in_turns(
     method: str,
     tmp: Path,
     create: Callable[[h5py.File], None],
-    write: Callable[[h5py.File], None],
+    prepare: Callable[[h5py.File], Callable[[], None]],
 ) -> BaseException | None:
-    """Run ``create`` (metadata, collective in mpio, rank 0 alone otherwise) then ``write``
-    (this rank's rows) on the temporary file; return this rank's error instead of raising, so
-    that every rank reaches the agreement that follows."""
+    """Run ``create`` (metadata: collective in mpio, rank 0 alone otherwise), then
+    ``prepare`` (this rank's local part, which may fail) and the write it returns, on the
+    temporary file. Returns this rank's error instead of raising, so that every rank reaches
+    the agreement that follows. In mpio the ranks agree that every one prepared before any
+    enters the collective write: a rank that failed alone would leave the others waiting."""
     if method == "mpio":
+        error: BaseException | None = None
         try:
             with h5py.File(tmp, "a", driver="mpio", comm=_mpi_comm(t)) as f:
                 create(f)
-                write(f)
+                try:
+                    run = prepare(f)
+                except Exception as err:
+                    error, run = err, None
+                ready = t is None or all(row[0] for row in t.all_gather_ints([error is None]))
+                if ready and run is not None:
+                    run()
         except Exception as err:
-            return err
-        return None
-    error: BaseException | None = None
+            error = error or err
+        return error
+    error = None
     size, me = (1, 0) if t is None else (t.size, t.rank)
     for turn in range(size):
         if turn == me:
@@ -112,7 +121,7 @@ def _in_turns(
                 with h5py.File(tmp, "a") as f:
                     if me == 0:
                         create(f)
-                    write(f)
+                    prepare(f)()
             except Exception as err:
                 error = err
         if t is not None:
@@ -220,16 +229,20 @@ def write_sharded(
         for k, v in (attrs or {}).items():
             ds.attrs[k] = v
 
-    def write(f: h5py.File) -> None:
+    def prepare(f: h5py.File) -> Callable[[], None]:
         ds = f[name]
         slab = _rows_slab(x.ndim, d, lo, lo + x.shape[d])
-        if how == "mpio":
-            with ds.collective:
-                ds[slab] = x
-        elif x.shape[d]:
-            ds[slab] = x
 
-    error = _in_turns(t, how, tmp, create, write)
+        def run() -> None:
+            if how == "mpio":
+                with ds.collective:
+                    ds[slab] = x
+            elif x.shape[d]:
+                ds[slab] = x
+
+        return run
+
+    error = _in_turns(t, how, tmp, create, prepare)
     commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
     return path
 
@@ -361,15 +374,20 @@ class RolloutWriter:
             for c in self.channels:
                 f[c].resize((step + 1, h, w))
 
-        def write(f: h5py.File) -> None:
-            for i, c in enumerate(self.channels):
-                if self.method == "mpio":
-                    with f[c].collective:
-                        f[c][step, lo : lo + x.shape[1]] = x[i]
-                elif x.shape[1]:
-                    f[c][step, lo : lo + x.shape[1]] = x[i]
+        def prepare(f: h5py.File) -> Callable[[], None]:
+            targets = [f[c] for c in self.channels]
 
-        error = _in_turns(self.t, self.method, self.tmp, create, write)
+            def run() -> None:
+                for i, ds in enumerate(targets):
+                    if self.method == "mpio":
+                        with ds.collective:
+                            ds[step, lo : lo + x.shape[1]] = x[i]
+                    elif x.shape[1]:
+                        ds[step, lo : lo + x.shape[1]] = x[i]
+
+            return run
+
+        error = _in_turns(self.t, self.method, self.tmp, create, prepare)
         problem = [] if error is None else [describe_error(error)]
         try:
             check_everywhere(
