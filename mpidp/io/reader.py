@@ -583,9 +583,7 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self._normalised(self._read_rows(time, self._sources_in, lo, hi), self.channels)
             for lo, hi in runs
         ]
-        if len(pieces) == 1 and not pl.zeros and pieces[0][1] == Piece(
-            self.rank, 0, pl.length, 0
-        ):
+        if len(pieces) == 1 and not pl.zeros and pieces[0][1] == Piece(self.rank, 0, pl.length, 0):
             return data[0]  # the band alone: no placement copy
         c, w = len(self.channels), self.grid[1]
         out = torch.empty((c, pl.length, w), dtype=self.dtype)
