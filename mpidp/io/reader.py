@@ -31,7 +31,7 @@ from mpidp.geometry import HaloSpec
 from mpidp.halo import place_piece
 from mpidp.halo_plan import Boundary, Piece
 from mpidp.halo_plan import plan as plan_for
-from mpidp.io._common import check_everywhere, describe_error
+from mpidp.io._common import check_everywhere, describe_error, digest
 from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.partition import ShardSpec
 
@@ -109,17 +109,9 @@ class _FileInfo:
             self.dtypes,
             f.id.get_filesize(),
             None if stat is None else stat.st_mtime_ns,
-            _digest(self.lat),
-            _digest(self.time),
+            digest(self.lat),
+            digest(self.time),
         )
-
-
-def _digest(a: Any) -> int | None:
-    if a is None:
-        return None
-    import zlib
-
-    return zlib.crc32(np.ascontiguousarray(a).tobytes())
 
 
 def _parse_variables(variables: Variables) -> list[tuple[str, tuple[int, ...] | None]]:

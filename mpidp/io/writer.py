@@ -37,6 +37,7 @@ from mpidp.io._common import (
     declare_dims,
     default_dims,
     describe_error,
+    digest,
     io_transport,
     shared_token,
     temporary_name,
@@ -182,10 +183,7 @@ def write_sharded(
         "shape without dim": tuple(s for i, s in enumerate(x.shape) if i != d),
         "dtype": str(x.dtype),
         "dims": names,
-        "coords": {
-            k: np.asarray(v).tobytes().hex()[:64] + f"..{np.asarray(v).size}"
-            for k, v in coords.items()
-        },
+        "coords": {k: (np.shape(v), digest(v)) for k, v in coords.items()},
         "attrs": repr(sorted((attrs or {}).items())),
         "mode": mode,
         "method": how,
