@@ -176,6 +176,19 @@ class DistributedManager:
                 )
             finally:
                 local.Free()
+        if (
+            info.world_size > 1
+            and info.launcher == "slurm"
+            and comm is not None
+            and self.transport_policy != "torch"
+        ):
+            raise LaunchError(
+                f"rank {info.rank}: srun started {info.world_size} tasks (SLURM_NTASKS="
+                f"{info.world_size}) but MPI in this process sees a world of 1: srun --mpi=none "
+                f"(or MpiDefault=none) starts every task as an MPI singleton; launch with "
+                f"srun --mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI), or pass transport='torch' "
+                f"(mpidp info --transport torch) to run without MPI"
+            )
         if info.world_size > 1 and info.launcher in _MPI_LAUNCHERS:
             library = _mpi_library() if comm is not None else "no MPI library could be loaded"
             raise LaunchError(

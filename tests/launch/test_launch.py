@@ -23,7 +23,7 @@ TIMEOUT = 240
 # A tiny job: initialise, check an all-reduce through the default transport, print a verdict.
 JOB = """
 import sys, torch, mpidp
-m = mpidp.init(domain_parallel_size=int(sys.argv[1]))
+m = mpidp.init(domain_parallel_size=int(sys.argv[1]), transport=sys.argv[2])
 total = m.transport("world").all_reduce(torch.ones(1) * m.rank).item()
 assert total == m.world_size * (m.world_size - 1) / 2, total
 print(f"OK rank={m.rank} size={m.world_size} launcher={m.launch_info.launcher} "
@@ -85,7 +85,7 @@ def test_two_jobs_at_once_do_not_collide():
     """Two 2-rank jobs started together on one node both initialise (no fixed port)."""
     procs = [
         subprocess.Popen(
-            [MPIEXEC, "-n", "2", sys.executable, "-c", JOB, "2"],
+            [MPIEXEC, "-n", "2", sys.executable, "-c", JOB, "2", "auto"],
             env=clean_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -120,9 +120,9 @@ def test_torchrun_without_mpi_rendezvous():
     assert {r["transport"] for r in doc["ranks"]} == {"torch"}  # MPI does not span the job
 
 
-def test_slurm_environment_without_mpi_uses_slurm_rendezvous():
-    """What `srun --mpi=none -n 2` gives: SLURM variables, MPI singletons. mpidp must form one
-    2-rank job from SLURM's numbering, not two independent rank-0 runs."""
+def test_slurm_environment_without_mpi_uses_slurm_rendezvous_when_asked():
+    """What `srun --mpi=none -n 2` gives: SLURM variables, MPI singletons. With
+    transport='torch' mpidp forms one 2-rank job from SLURM's numbering."""
     job = str(random.randint(10_000, 99_999))
     base = dict(
         SLURM_NTASKS="2",
@@ -133,7 +133,7 @@ def test_slurm_environment_without_mpi_uses_slurm_rendezvous():
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", JOB, "1"],
+            [sys.executable, "-c", JOB, "1", "torch"],
             env=clean_env(**base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -159,13 +159,26 @@ def test_slurm_environment_without_mpi_uses_slurm_rendezvous():
 
 def test_mpi_launcher_but_mpi_sees_one_process_is_an_error():
     """Open MPI's variables with MPICH's mpi4py: the classic wrong-library launch."""
-    res = run([sys.executable, "-c", JOB, "1"], OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2")
+    res = run(
+        [sys.executable, "-c", JOB, "1", "auto"], OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2"
+    )
     assert res.returncode != 0
     assert (
         "rank 1: openmpi started 2 processes but MPI in this process sees a world of 1"
         in res.stderr
     )
     assert "MPI4PY_LIBMPI" in res.stderr
+
+
+def test_slurm_singletons_are_an_error_on_every_task():
+    """The same environment with the default transport: each task sees MPI's world of 1 while
+    SLURM says 2, so it stops with the fix instead of training alone as rank 0."""
+    base = dict(SLURM_NTASKS="2", SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="7")
+    for r in range(2):
+        res = run([sys.executable, "-c", JOB, "1", "auto"], **base, SLURM_PROCID=str(r))
+        assert res.returncode != 0
+        assert f"rank {r}: srun started 2 tasks (SLURM_NTASKS=2) but MPI" in res.stderr
+        assert "--mpi=pmi2" in res.stderr and "transport='torch'" in res.stderr
 
 
 @pytest.mark.parametrize("n", [2, 3])
