@@ -1,4 +1,5 @@
-"""Command line: ``mpidp info`` and ``mpidp sample-data PATH`` (also ``python -m mpidp ...``).
+"""Command line: ``mpidp info``, ``mpidp plan`` and ``mpidp sample-data PATH`` (also
+``python -m mpidp ...``).
 
 Run it under the launcher of the job to check, e.g. ``mpiexec -n 4 mpidp info -d 2``: rank 0
 prints one table (or, with ``--json``, one JSON document) describing every rank.
@@ -95,10 +96,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     sample.add_argument("--lon", type=int, default=180, help="longitude columns")
     sample.add_argument("--time", type=int, default=64, help="time steps, 6 hours apart")
     sample.add_argument("--seed", type=int, default=0)
+    plan = sub.add_parser(
+        "plan",
+        help="per-rank rows, halo rows per layer, halo bytes per step and activation memory "
+        "of a model on a grid, before submitting (no MPI, no data)",
+    )
+    plan.add_argument("--grid", default="721x1440", help="LATxLON (default 721x1440)")
+    plan.add_argument("-d", "--domain", type=int, default=4, help="domain ranks (default 4)")
+    plan.add_argument(
+        "--model",
+        default="unet",
+        help="an example model (unet, resblock, patch) or module:factory (default unet)",
+    )
+    plan.add_argument("--channels", type=int, default=6, help="input channels (default 6)")
+    plan.add_argument("--batch", type=int, default=1, help="samples per rank (default 1)")
+    plan.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    plan.add_argument(
+        "--partition", default="balanced", help="balanced or weighted:w0,w1,... (one per rank)"
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
     if args.command == "sample-data":
         return _sample_data(args)
+    if args.command == "plan":
+        return _plan(args)
     return _info(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from mpidp.errors import MpidpError
+    from mpidp.plan import build_model, parse_partition, plan_model, to_json
+
+    try:
+        lat, lon = (int(v) for v in args.grid.lower().split("x"))
+    except ValueError:
+        print(f"mpidp plan: --grid {args.grid!r}: use LATxLON, e.g. 721x1440", file=sys.stderr)
+        return 2
+    try:
+        model = build_model(args.model, args.channels, (lat, lon))
+        result = plan_model(
+            model,
+            (args.batch, args.channels, lat, lon),
+            args.domain,
+            partition=parse_partition(args.partition, args.domain),
+            dtype=getattr(torch, args.dtype),
+        )
+    except MpidpError as err:
+        print(f"mpidp plan: {err}", file=sys.stderr)
+        return 2
+    print(to_json(result) if args.json else result)
+    return 1 if result.report.problems else 0
 
 
 def _sample_data(args: argparse.Namespace) -> int:

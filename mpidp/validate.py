@@ -18,11 +18,12 @@ from torch import nn
 
 from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
-from mpidp.geometry import HaloSpec, padding_pair
+from mpidp.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.layers import base
+from mpidp.layers.interpolate import _per_dim, _reads, _taps
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import PartitionPolicy
+from mpidp.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
 
@@ -48,6 +49,11 @@ class LayerSharding:
     rows_out: tuple[int, ...]
     halo_before: tuple[int, ...]
     halo_after: tuple[int, ...]
+    #: what fills rows beyond the field (a :class:`~mpidp.Boundary` kind; "none": never read)
+    boundary: str = "none"
+    #: the layer's global input and output shapes in the dry run
+    shape_in: tuple[int, ...] = ()
+    shape_out: tuple[int, ...] = ()
 
     @property
     def halo_rows(self) -> int:
@@ -108,6 +114,48 @@ def _geometry(module: nn.Module, k: int) -> tuple[int, int, tuple[int, int], int
     return None
 
 
+_MODES = {"zeros": "zeros", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+def _window_halo(
+    module: nn.Module, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int
+) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+    """(before, after, boundary) of the rows a layer fetches along spatial axis ``k``, for the
+    layers whose domain-parallel forward fetches rows; None for the others."""
+    if isinstance(module, nn.modules.conv._ConvNd) and module.transposed:
+        pad = module.padding[k]
+        assert isinstance(pad, int)
+        ranges = input_ranges(
+            spec_in,
+            spec_out,
+            module.kernel_size[k],
+            module.stride[k],
+            pad,
+            module.dilation[k],
+            transposed=True,
+            output_padding=module.output_padding[k],
+        )
+        halo = HaloSpec.from_ranges(spec_in, ranges)
+        return halo.before, halo.after, "none"
+    if isinstance(module, nn.Upsample) and module.mode in ("nearest", "bilinear", "bicubic"):
+        size = _per_dim(module.size, 2, "size")[k]
+        scale = _per_dim(module.scale_factor, 2, "scale_factor")[k]
+        index, weight = _taps(n_in, size, scale, module.mode, module.align_corners, torch.float64)
+        reads = [_reads(index, weight, spec_out, r, spec_in.start(r)) for r in range(spec_in.parts)]
+        before = tuple(spec_in.start(r) - lo for r, (lo, _) in enumerate(reads))
+        after = tuple(hi - spec_in.stop(r) for r, (_, hi) in enumerate(reads))
+        return before, after, "none"
+    geo = _geometry(module, k)
+    if geo is None:
+        return None
+    halo = HaloSpec.for_layer(spec_in, spec_out, geo[0], geo[1], geo[2], geo[3])
+    if isinstance(module, PeriodicConv2d):
+        kind = module.pole
+    else:
+        kind = _MODES.get(getattr(module, "padding_mode", "zeros"), "zeros")
+    return halo.before, halo.after, kind
+
+
 def validate_sharding_constraints(
     model: nn.Module,
     global_shape: Sequence[int],
@@ -160,8 +208,6 @@ def validate_sharding_constraints(
         k = d - 2
         geo = _geometry(module, k) if k >= 0 else None
         if geo is not None:
-            halo = HaloSpec.for_layer(spec_in, spec_out, geo[0], geo[1], geo[2], geo[3])
-            before, after = halo.before, halo.after
             mode = getattr(module, "padding_mode", getattr(module, "pole", "zeros"))
             if mode in ("reflect", "polar") and max(geo[2]) >= h_in:
                 problems.append(f"{path} ({kind}): reflect padding {max(geo[2])} >= {h_in} rows")
@@ -171,7 +217,19 @@ def validate_sharding_constraints(
                 )
             if getattr(module, "ceil_mode", False):
                 problems.append(f"{path} ({kind}): ceil_mode is not supported on bands")
-        else:
-            before = after = (0,) * parts
-        layers.append(LayerSharding(path, kind, spec_in.sizes, spec_out.sizes, before, after))
+        halo = _window_halo(module, spec_in, spec_out, k, h_in) if k >= 0 else None
+        before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
+        layers.append(
+            LayerSharding(
+                path,
+                kind,
+                spec_in.sizes,
+                spec_out.sizes,
+                tuple(before),
+                tuple(after),
+                boundary,
+                tuple(shape_in),
+                tuple(shape_out),
+            )
+        )
     return ShardingReport(parts, tuple(layers), tuple(problems))

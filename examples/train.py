@@ -1,0 +1,335 @@
+"""Train a small weather U-Net domain-parallel on the built-in sample data set.
+
+    mpiexec -n 4 python examples/train.py                # dp 2 x domain 2 (the default)
+    python examples/train.py                             # one process: the same numbers
+    torchrun --standalone --nproc-per-node 4 examples/train.py
+    srun --mpi=pmi2 -n 4 python examples/train.py        # inside sbatch
+    mpiexec -n 4 python examples/train.py --config my.yaml --steps 200 --resume
+
+Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
+replicas see different samples. The loss is the latitude-weighted MSE of the whole global
+batch, computed exactly (sums over every band and replica, then one division), so a 2 x 2 run
+follows the one-process run's loss curve to rounding. Validation reports the exact
+latitude-weighted RMSE of every variable in its physical units.
+
+Writes, in ``--out`` (default ``runs/train``): ``checkpoint.pt`` every ``--checkpoint-every``
+steps and at the end (loadable at any rank count, and by the serial model), ``metrics.json``
+(losses, validation, timing), ``loss_curve.png``. The sample data (``mpidp sample-data``) is
+generated on first use. Rank 0 alone prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Subset
+
+import mpidp
+from mpidp.io import (
+    DataParallelSampler,
+    ShardedH5Dataset,
+    load_checkpoint,
+    make_sample_data,
+    save_checkpoint,
+)
+from mpidp.models import WeatherUNet
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass
+class Config:
+    """Everything a run depends on; a YAML file may set any field, flags win over it."""
+
+    data: str = ""  # default: examples/data/sample-<lat>x<lon>.h5, generated when missing
+    lat: int = 91
+    lon: int = 180
+    times: int = 64
+    domain: str = "auto"  # ranks per domain group; auto: 2 when the world is even, else all
+    steps: int = 40
+    batch: int = 2  # global batch: split over the data-parallel replicas
+    lr: float = 2e-3
+    width: int = 8
+    groups: int = 2
+    precision: str = "float32"  # or float64
+    val_samples: int = 8
+    val_every: int = 10
+    checkpoint_every: int = 10
+    log_every: int = 5
+    seed: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    plot: bool = True
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a YAML file of Config fields (flags win over it)")
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            kind = {"int": int, "float": float}.get(str(field.type), str)
+            parser.add_argument(flag, type=kind, default=None)
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(Config)})
+        if unknown:
+            parser.error(f"{args.config}: unknown keys {unknown}")
+    values.update({k: v for k, v in vars(args).items() if v is not None and k != "config"})
+    cfg = Config(**values)
+    if cfg.precision not in ("float32", "float64"):
+        parser.error(f"--precision {cfg.precision!r}: use float32 or float64")
+    return cfg
+
+
+def domain_size(cfg: Config, world: int) -> int:
+    if cfg.domain != "auto":
+        return int(cfg.domain)
+    return 2 if world % 2 == 0 else world
+
+
+class Progress:
+    """A one-line progress bar on a terminal, a log line every ``log_every`` steps otherwise."""
+
+    def __init__(self, total: int, first: int, log_every: int, enabled: bool) -> None:
+        self.total, self.first, self.log_every, self.enabled = total, first, log_every, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        rate = (time.perf_counter() - self.t0) / max(step - self.first, 1)
+        text = f"step {step:>5}/{self.total}  loss {loss:.6f}  {rate:.3f} s/step"
+        if self.tty:
+            done = int(30 * step / self.total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {text}")
+            sys.stderr.flush()
+        elif step % self.log_every == 0 or step == self.total:
+            print(text, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stderr.write("\r" + " " * 100 + "\r")
+            print(text, flush=True)
+
+
+def sample_data(cfg: Config, manager: mpidp.DistributedManager) -> str:
+    """The data file; world rank 0 writes the sample set when it is missing (shared disk)."""
+    path = cfg.data or str(HERE / "data" / f"sample-{cfg.lat}x{cfg.lon}.h5")
+    if not cfg.data and manager.rank == 0 and not os.path.exists(path):
+        print(f"writing the sample data set to {path}", flush=True)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        make_sample_data(path, n_lat=cfg.lat, n_lon=cfg.lon, n_time=cfg.times)
+    manager.transport("world", "cpu").barrier()
+    return path
+
+
+def split(n: int, val: int) -> tuple[range, range]:
+    """Training samples first, validation last, one sample apart so no time is shared."""
+    if not 0 < val < n - 1:
+        raise SystemExit(f"--val-samples {val}: the data has {n} samples; use 1 to {n - 2}")
+    return range(0, n - val - 1), range(n - val, n)
+
+
+def batch(ds: ShardedH5Dataset, indices: list[int], device: torch.device) -> tuple[Any, Any]:
+    items = [ds[i] for i in indices]
+    return (
+        torch.stack([x for x, _ in items]).to(device),
+        torch.stack([y for _, y in items]).to(device),
+    )
+
+
+def validate(
+    model: torch.nn.Module,
+    ds: ShardedH5Dataset,
+    indices: range,
+    per_replica: int,
+    weights: torch.Tensor,
+    manager: mpidp.DistributedManager,
+) -> tuple[float, dict[str, float]]:
+    """Exact latitude-weighted MSE (normalised units) and RMSE per variable (physical units)
+    over every validation sample: local sums, then one all-reduce over the world."""
+    mine = list(indices)[manager.dp_rank :: manager.dp_world_size]  # disjoint, no repeats
+    sq = torch.zeros(len(ds.target_channels), dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for k in range(0, len(mine), per_replica):
+            x, y = batch(ds, mine[k : k + per_replica], weights.device)
+            err = (x + model(x) - y).double().square() * weights
+            sq += err.sum((0, 2, 3)).cpu()
+            count += weights.sum().cpu() * y.size(0) * y.size(-1)
+    model.train()
+    total = manager.transport("world", "cpu").all_reduce(torch.cat([sq, count]))
+    mse = total[:-1] / total[-1]
+    assert ds.std is not None  # normalised data (the default)
+    std = ds.std.double().flatten()[: len(mse)]
+    rmse = {c: float(v) for c, v in zip(ds.target_channels, mse.sqrt() * std, strict=True)}
+    return float(mse.mean()), rmse
+
+
+def save_plot(path: Path, history: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(*zip(*history["train"], strict=True), label="training (global batch)", lw=1)
+    if history["val"]:
+        ax.plot(*zip(*history["val"], strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("latitude-weighted MSE (normalised)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg = parse_config(argv)
+    world = mpidp.DistributedManager.world_from_launcher()
+    manager = mpidp.init(domain_parallel_size=domain_size(cfg, world))
+    lead = manager.rank == 0
+    dtype = torch.float64 if cfg.precision == "float64" else torch.float32
+    dp = manager.dp_world_size
+    if cfg.batch % dp:
+        raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {dp} replicas")
+    per_replica = cfg.batch // dp
+    out = Path(cfg.out)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+
+    ds = ShardedH5Dataset(
+        sample_data(cfg, manager), manager=manager, grid=(cfg.lat, cfg.lon), dtype=dtype
+    )
+    train_idx, val_idx = split(len(ds), cfg.val_samples)
+    sampler = DataParallelSampler(Subset(ds, train_idx), manager, seed=cfg.seed, drop_last=True)
+    per_epoch = len(sampler) // per_replica
+    if per_epoch < 1:
+        raise SystemExit(f"--batch {cfg.batch} exceeds the {len(train_idx)} training samples")
+
+    channels = len(ds.channels)
+    spec = dict(
+        in_channels=channels,
+        out_channels=channels,
+        grid=(cfg.lat, cfg.lon),
+        width=cfg.width,
+        groups=cfg.groups,
+    )
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the layout
+    model: torch.nn.Module = WeatherUNet(**spec).to(device=manager.device, dtype=dtype)  # type: ignore[arg-type]
+    model = mpidp.convert_to_domain_parallel(model, manager)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    weights = mpidp.latitude_weights(cfg.lat, manager=manager, dtype=dtype).to(manager.device)
+
+    step = 0
+    history: dict[str, list[tuple[int, float]]] = {"train": [], "val": []}
+    ckpt = out / "checkpoint.pt"
+    if cfg.resume:
+        if not ckpt.exists():
+            raise SystemExit(f"--resume: no checkpoint at {ckpt}; run without --resume first")
+        state = load_checkpoint(ckpt, model, optimizer, manager, map_location=manager.device)
+        step, history = state["step"], state["extra"]["history"]
+    extra = lambda: {  # noqa: E731
+        "config": dataclasses.asdict(cfg),
+        "model": spec,
+        "channels": ds.channels,
+        "history": history,
+    }
+
+    if lead:
+        print(
+            f"mpidp train: {manager.world_size} ranks = dp {dp} x domain "
+            f"{manager.domain_world_size}; grid {cfg.lat} x {cfg.lon}, bands "
+            f"{list(manager.spec(cfg.lat).sizes)}; {channels} channels {ds.channels}; "
+            f"{sum(p.numel() for p in model.parameters())} parameters; {cfg.precision}; "
+            f"global batch {cfg.batch}; steps {step} -> {cfg.steps}",
+            flush=True,
+        )
+    bar = Progress(cfg.steps, step, cfg.log_every, lead)
+    world_t = manager.transport("world", "cpu")
+    t_start = time.perf_counter()
+    first_step = step
+    val_loss, rmse = math.nan, dict[str, float]()
+    while step < cfg.steps:
+        epoch, k = divmod(step, per_epoch)
+        sampler.set_epoch(epoch)
+        local = [train_idx[i] for i in list(sampler)[k * per_replica : (k + 1) * per_replica]]
+        x, y = batch(ds, local, manager.device)
+        loss = mpidp.global_mean((x + model(x) - y).square(), weights, manager=manager)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        mpidp.sync_gradients(model, manager)  # domain parts summed, replicas averaged
+        optimizer.step()
+        step += 1
+        # the global batch's loss: the replicas' equal-size batch means, averaged
+        value = float(world_t.all_reduce(loss.detach().double().cpu().reshape(1))) / world
+        history["train"].append((step, value))
+        bar.update(step, value)
+        if step % cfg.val_every == 0 or step == cfg.steps:
+            val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, manager)
+            history["val"].append((step, val_loss))
+            shown = ", ".join(f"{c} {v:.4g}" for c, v in rmse.items())
+            bar.message(f"step {step}: validation loss {val_loss:.6f}; RMSE {shown}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_checkpoint(ckpt, model, optimizer, step, manager, extra=extra())
+    seconds = time.perf_counter() - t_start
+
+    if not history["val"] or history["val"][-1][0] != step:  # e.g. resumed at the last step
+        val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, manager)
+    metrics = {
+        "world": manager.world_size,
+        "dp": dp,
+        "domain": manager.domain_world_size,
+        "launcher": manager.launch_info.launcher,
+        "steps": step,
+        "steps_run": step - first_step,
+        "seconds": seconds,
+        "seconds_per_step": seconds / max(step - first_step, 1),
+        "train_loss": history["train"][-1][1] if history["train"] else math.nan,
+        "val_loss": val_loss,
+        "val_rmse": rmse,
+        "history": history,
+    }
+    if lead:
+        tmp = out / ".metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=1))
+        os.replace(tmp, out / "metrics.json")
+        if cfg.plot:
+            save_plot(out / "loss_curve.png", history)
+        print(
+            f"done: {step} steps in {seconds:.1f} s ({metrics['seconds_per_step']:.3f} s/step); "
+            f"validation loss {val_loss:.10f}; wrote {ckpt}, {out / 'metrics.json'}"
+            + (f", {out / 'loss_curve.png'}" if cfg.plot else ""),
+            flush=True,
+        )
+    ds.close()
+    manager.shutdown()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""What a domain-parallel run of a model costs each rank, computed before anything is submitted.
+
+:func:`plan_model` runs the dry run of :func:`~mpidp.validate_sharding_constraints` (shape
+arithmetic on a meta tensor: no memory, no communication) and prices it: per rank, the rows it
+owns, the halo rows every layer fetches, the bytes its halo exchanges move in one training
+step and the activation memory its bands hold. ``mpidp plan`` prints it.
+
+Bytes come from the halo exchange's own plan (:func:`mpidp.halo_plan.plan`), so they count
+exactly the rows that come from other ranks (rows filled by a zero boundary cost nothing; rows
+across a pole or a periodic edge count when another rank owns them). A training step moves
+them twice: the forward fetch and its adjoint in the backward pass. Normalisation layers add
+one small all-reduce each (a few numbers per channel group), not counted. Activation memory is
+the output of every spatial layer on the rank's rows, what autograd keeps for the backward
+pass; elementwise activations in between add to it in the same proportion on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpidp.errors import ConfigError
+from mpidp.halo_plan import Boundary, plan
+from mpidp.partition import Balanced, PartitionPolicy, Weighted
+from mpidp.validate import LayerSharding, ShardingReport, validate_sharding_constraints
+
+__all__ = [
+    "EXAMPLE_MODELS",
+    "ModelPlan",
+    "RankCost",
+    "build_model",
+    "parse_partition",
+    "plan_model",
+]
+
+
+def _unet(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import WeatherUNet
+
+    return WeatherUNet(channels, channels, grid)
+
+
+def _resblock(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import PeriodicResBlock
+
+    return PeriodicResBlock(max(channels, 2) + max(channels, 2) % 2)
+
+
+def _patch(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import PatchEmbedRecover
+
+    return PatchEmbedRecover(channels, 32, grid)
+
+
+#: Model names ``mpidp plan --model`` knows: factories of ``(channels, grid)``.
+EXAMPLE_MODELS: dict[str, Callable[[int, tuple[int, int]], nn.Module]] = {
+    "unet": _unet,
+    "resblock": _resblock,
+    "patch": _patch,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCost:
+    """One rank's share: rows owned (of the input), halo rows per layer (fetched beyond the
+    band, before + after), halo bytes received and sent per training step, activation bytes."""
+
+    rank: int
+    rows: int
+    halo_rows: tuple[int, ...]
+    recv_bytes: int
+    send_bytes: int
+    activation_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """The priced dry run; ``str()`` gives the tables ``mpidp plan`` prints."""
+
+    shape: tuple[int, ...]
+    parts: int
+    partition: str
+    itemsize: int
+    report: ShardingReport
+    ranks: tuple[RankCost, ...]
+    serial_activation_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "parts": self.parts,
+            "partition": self.partition,
+            "itemsize": self.itemsize,
+            "problems": list(self.report.problems),
+            "layers": [
+                {
+                    "path": layer.path,
+                    "kind": layer.kind,
+                    "boundary": layer.boundary,
+                    "rows_in": list(layer.rows_in),
+                    "rows_out": list(layer.rows_out),
+                    "halo_before": list(layer.halo_before),
+                    "halo_after": list(layer.halo_after),
+                }
+                for layer in self.report.layers
+            ],
+            "ranks": [dataclasses.asdict(r) for r in self.ranks],
+            "serial_activation_bytes": self.serial_activation_bytes,
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"mpidp plan: input {'x'.join(map(str, self.shape))} over {self.parts} domain ranks "
+            f"({self.partition}), {self.itemsize}-byte values"
+        )
+        per_rank = [
+            f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'halo MB/step in':>17}"
+            f"{'halo MB/step out':>18}{'activations MB':>16}"
+        ]
+        for r in self.ranks:
+            per_rank.append(
+                f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
+                f"{r.send_bytes / 1e6:>18.3f}{r.activation_bytes / 1e6:>16.2f}"
+            )
+        most = max(r.activation_bytes for r in self.ranks)
+        per_rank.append(
+            f"serial activations {self.serial_activation_bytes / 1e6:.2f} MB; the fullest rank "
+            f"holds {most / max(self.serial_activation_bytes, 1):.3f} of them"
+        )
+        ranks = range(self.parts)
+        layers = [f"{'layer':<24}{'kind':<18}{'boundary':<12}" + "".join(f"r{r:<6}" for r in ranks)]
+        for layer in self.report.layers:
+            cells = "".join(
+                f"{max(b, 0)}+{max(a, 0)}".ljust(7)
+                for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
+            )
+            layers.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+        problems = [f"problem: {p}" for p in self.report.problems] or ["no problems"]
+        return "\n".join(
+            [head, "", *per_rank, "", "halo rows per layer (before+after):", *layers, "", *problems]
+        )
+
+
+def _spatial_elements(shape: tuple[int, ...], d: int) -> int:
+    """Elements of one row of ``shape`` along dim ``d`` (every other dim multiplied)."""
+    out = 1
+    for i, n in enumerate(shape):
+        if i != d:
+            out *= n
+    return out
+
+
+def _recv_send(layer: LayerSharding, rank: int) -> tuple[int, int]:
+    """Rows this rank receives from and sends to other ranks in the layer's forward fetch."""
+    if not any(layer.halo_before) and not any(layer.halo_after):
+        return 0, 0
+    p = plan(
+        layer.rows_in,
+        layer.halo_before,
+        layer.halo_after,
+        Boundary.of(layer.boundary, -1),
+        rank,
+    )
+    return sum(hi - lo for _, lo, hi in p.recv), sum(hi - lo for _, lo, hi in p.send)
+
+
+def plan_model(
+    model: nn.Module,
+    global_shape: Sequence[int],
+    parts: int,
+    *,
+    partition: PartitionPolicy | None = None,
+    dtype: torch.dtype = torch.float32,
+    shard_dim: int = -2,
+) -> ModelPlan:
+    """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
+    ``global_shape`` (B, C, H, W) cut over ``parts`` ranks by ``partition`` (default
+    balanced). Local: no communication, no data."""
+    policy = partition if partition is not None else Balanced()
+    report = validate_sharding_constraints(
+        model, global_shape, parts=parts, partition=policy, shard_dim=shard_dim
+    )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ranks = []
+    serial = sum(math.prod(layer.shape_out) for layer in report.layers) * itemsize
+    for r in range(parts):
+        recv = send = act = 0
+        for layer in report.layers:
+            d_in = len(layer.shape_in) + shard_dim
+            d_out = len(layer.shape_out) + shard_dim
+            row_in = _spatial_elements(layer.shape_in, d_in) * itemsize
+            rows_recv, rows_send = _recv_send(layer, r)
+            # forward: receive rows_recv, send rows_send; backward: the adjoint, reversed
+            recv += (rows_recv + rows_send) * row_in
+            send += (rows_send + rows_recv) * row_in
+            act += layer.rows_out[r] * _spatial_elements(layer.shape_out, d_out) * itemsize
+        rows = report.layers[0].rows_in[r] if report.layers else 0
+        halo = tuple(
+            max(0, lay.halo_before[r]) + max(0, lay.halo_after[r]) for lay in report.layers
+        )
+        ranks.append(RankCost(r, rows, halo, recv, send, act))
+    name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
+    return ModelPlan(
+        tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial
+    )
+
+
+def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:
+    """An example model by name (:data:`EXAMPLE_MODELS`), or ``module:factory`` (a Python path
+    to a callable returning a module; called with whichever of ``in_channels``,
+    ``out_channels``, ``channels`` and ``grid`` it accepts)."""
+    if name in EXAMPLE_MODELS:
+        return EXAMPLE_MODELS[name](channels, grid)
+    if ":" not in name:
+        raise ConfigError(
+            f"model {name!r}: use one of {', '.join(EXAMPLE_MODELS)} or 'module:factory'"
+        )
+    module_name, attr = name.split(":", 1)
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model {name!r}: cannot import it ({err}); check the path") from err
+    offered = {"in_channels": channels, "out_channels": channels, "channels": channels}
+    offered["grid"] = grid  # type: ignore[assignment]
+    try:
+        params = inspect.signature(factory).parameters  # type: ignore[arg-type]
+        kwargs = {k: v for k, v in offered.items() if k in params}
+    except (TypeError, ValueError):
+        kwargs = {}
+    model = factory(**kwargs)  # type: ignore[operator]
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {name!r} returned {type(model).__name__}, not a torch module")
+    return model
+
+
+def parse_partition(text: str, parts: int) -> PartitionPolicy:
+    """``balanced`` or ``weighted:2,1,1,1`` (one weight per rank)."""
+    if text == "balanced":
+        return Balanced()
+    if text.startswith("weighted:"):
+        try:
+            weights = [float(w) for w in text.split(":", 1)[1].split(",")]
+        except ValueError as err:
+            raise ConfigError(f"partition {text!r}: weights must be numbers") from err
+        if len(weights) != parts:
+            raise ConfigError(
+                f"partition {text!r}: {len(weights)} weights for {parts} ranks; give one per rank"
+            )
+        return Weighted(tuple(weights))
+    raise ConfigError(f"partition {text!r}: use 'balanced' or 'weighted:w0,w1,...'")
+
+
+def to_json(result: ModelPlan) -> str:
+    return json.dumps(result.as_dict(), indent=1)
