@@ -208,9 +208,7 @@ def plan_model(
         )
         ranks.append(RankCost(r, rows, halo, recv, send, act))
     name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
-    return ModelPlan(
-        tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial
-    )
+    return ModelPlan(tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial)
 
 
 def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:

@@ -189,7 +189,9 @@ def validate_sharding_constraints(
         problems.append(str(err))
     with base.torch_path():
         try:
-            meta(torch.empty(tuple(global_shape), device="meta"))
+            first = next(iter(meta.parameters()), None)
+            dtype = first.dtype if first is not None else torch.float32
+            meta(torch.empty(tuple(global_shape), device="meta", dtype=dtype))
         except Exception as err:  # the serial model itself rejects the shape
             problems.append(f"the model does not run on {tuple(global_shape)}: {err}")
         finally:
