@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, type check, unit tests, MPI tests at 1-4 ranks, launch tests
-# (and, with MPIDP_TEST_PHDF5=1, the I/O tests again with parallel HDF5).
+# (examples and launchers run for real), real launchers (a SLURM started on loopback, Open
+# MPI's mpirun; their setup installs what they need or fails loudly), and, with
+# MPIDP_TEST_PHDF5=1, the I/O tests again with parallel HDF5.
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
 set -euo pipefail
@@ -14,7 +16,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fail=0
 step() { echo; echo "=== $*"; }
 
-step "ruff"; "$py" -m ruff check mpidp tests examples bench || fail=1
+step "ruff"; "$py" -m ruff check mpidp tests examples bench docs || fail=1
 step "mypy"; "$py" -m mypy || fail=1
 step "unit tests"; timeout "$per_run" "$py" -m pytest -q tests/unit || fail=1
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
@@ -23,6 +25,12 @@ for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
     || { echo "MPI tests FAILED at $n ranks"; fail=1; }
 done
 step "launch tests"; timeout "$per_run" "$py" -m pytest -q tests/launch || fail=1
+step "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)"
+if bash scripts/setup-launch.sh; then
+  timeout "$per_run" "$py" -m pytest -q tests/cluster || fail=1
+else
+  echo "!!! real-launcher stage FAILED: its setup could not install what it needs"; fail=1
+fi
 if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
   step "parallel HDF5 (mpio) I/O tests"
   { bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh; } || fail=1

@@ -112,21 +112,19 @@ def test_uneven_shards_experiment_reproduces_serial():
     assert "weighted 2,1,1" in out and "reversed 1,1,2" in out
 
 
-def test_train_under_torchrun(tmp_path):
+def test_torchrun_launcher_trains(tmp_path):
     res = subprocess.run(
         [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            TRAIN,
+            "bash",
+            "launchers/torchrun.sh",
+            "examples/train.py",
             "--steps",
             "2",
             "--no-plot",
             "--out",
             str(tmp_path),
         ],
-        env=clean_env(),
+        env=clean_env(NPROC="2", TORCHRUN=str(BIN / "torchrun")),
         capture_output=True,
         text=True,
         timeout=300,
@@ -135,3 +133,19 @@ def test_train_under_torchrun(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     m = metrics(tmp_path)
     assert m["launcher"] == "torchrun" and (m["dp"], m["domain"]) == (1, 2)
+
+
+def test_mpirun_launcher_with_mpich(tmp_path):
+    res = subprocess.run(
+        ["bash", "launchers/mpirun.sh", "-m", "mpidp", "info", "-d", "2", "--json"],
+        env=clean_env(NP="4", MPIRUN=MPIEXEC, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "-genv OMP_NUM_THREADS" in res.stderr  # the launcher chose Hydra's flags
+    doc = json.loads(res.stdout)
+    assert doc["mesh"] == {"dp": 2, "domain": 2}
+    assert {r["launcher"] for r in doc["ranks"]} == {"mpich"}
