@@ -121,7 +121,9 @@ def convert_to_domain_parallel(
     safe: Iterable[type | str] = (),
 ) -> nn.Module:
     """Replace, in place, every module of ``model`` that needs rows or statistics from other
-    ranks by its domain-parallel wrapper; return ``model``.
+    ranks by its domain-parallel wrapper; return ``model``. A model that is itself one such
+    layer (a bare ``nn.Conv2d``) cannot be replaced in place: its wrapper is returned, so
+    always use the return value.
 
     Parameters
     ----------
@@ -191,7 +193,9 @@ def convert_to_domain_parallel(
             return child
         return wrapper.from_module(child, manager, axis_dim)
 
-    visit(model, "")
+    top = _convert(model, "(the model itself)")  # a bare layer: replaced as a whole
+    if top is None:
+        visit(model, "")
     if problems:
         raise ConfigError(
             f"convert_to_domain_parallel: {len(problems)} module(s) would compute something "
@@ -201,7 +205,7 @@ def convert_to_domain_parallel(
         )
     for parent, name, replacement in plan:
         setattr(parent, name, replacement)
-    return model
+    return model if top is None else top
 
 
 def _why(module: nn.Module) -> str:

@@ -515,6 +515,12 @@ class DistributedManager:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown(sync=exc[0] is None)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedManager:
+        """The manager itself: it is a handle on this process's communicators, so a deep copy
+        of a converted model (an EMA copy, a dry run) shares it instead of failing to copy
+        the process group's store."""
+        return self
+
     def __repr__(self) -> str:
         return (
             f"DistributedManager(rank={self.rank}/{self.world_size}, local_rank={self.local_rank}, "

@@ -121,3 +121,34 @@ def test_custom_converter_and_safe(manager):
     assert seen == [("Attention", manager)]
     assert type(model[0].conv) is nn.Conv2d  # children of a converted module are not visited
     assert isinstance(model[2], mpidp.DomainParallelConv2d)
+
+
+def test_deepcopy_of_a_converted_model_shares_the_manager(manager):
+    """EMA copies and the dry run deep-copy converted models: the copy computes the same and
+    uses the same communicators (found by the docs' own example)."""
+    m = manager
+    model = mpidp.convert_to_domain_parallel(WeatherUNet(2, 2, (13, 8)), m)
+    twin = copy.deepcopy(model)
+    assert twin.inc[0].dp_manager is model.inc[0].dp_manager
+    report = mpidp.validate_sharding_constraints(model, (1, 2, 13, 8), m)
+    assert report.ok and len(report.layers) == 14
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Conv2d(2, 3, 3, padding=1),
+        lambda: nn.GroupNorm(1, 2),
+        lambda: nn.Upsample(size=(25, 16), mode="bilinear"),
+    ],
+    ids=["conv", "groupnorm", "upsample"],
+)
+def test_a_bare_layer_is_converted_as_a_whole(manager, make):
+    """convert_to_domain_parallel(nn.Conv2d(...)) returns the wrapper (it cannot replace the
+    root in place); the result matches the serial layer (found by the docs' own example)."""
+    torch.manual_seed(0)
+    serial = make().double()
+    dp = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+    assert dp is not serial
+    x = torch.randn(2, 2, 13, 8, dtype=torch.float64)
+    assert_matches_serial(serial, dp, [x], manager=manager, modules=(serial, dp))
