@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{row['max_output_error']:>15.2e}{row['max_grad_error']:>14.2e}"
             )
         print(
-            "band ms: the same network built for this rank's rows alone (its compute load); step ms: "
-            "the domain-parallel step, which waits for the slowest rank; grad err: relative"
+            "band ms: the same network built for this rank's rows alone (its compute load); "
+            "step ms: the domain-parallel step, which waits for the slowest rank; "
+            "grad err: relative"
         )
         bad = [r for r in rows_out if max(r["max_output_error"], r["max_grad_error"]) > 1e-10]
         print("every partition computes the serial result" if not bad else f"MISMATCH: {bad}")
