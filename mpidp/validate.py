@@ -20,7 +20,7 @@ from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.layers import base
-from mpidp.layers.interpolate import _per_dim, _reads, _taps
+from mpidp.layers.interpolate import _per_dim, _taps, read_halo
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import PartitionPolicy, ShardSpec
@@ -141,10 +141,8 @@ def _window_halo(
         size = _per_dim(module.size, 2, "size")[k]
         scale = _per_dim(module.scale_factor, 2, "scale_factor")[k]
         index, weight = _taps(n_in, size, scale, module.mode, module.align_corners, torch.float64)
-        reads = [_reads(index, weight, spec_out, r, spec_in.start(r)) for r in range(spec_in.parts)]
-        before = tuple(spec_in.start(r) - lo for r, (lo, _) in enumerate(reads))
-        after = tuple(hi - spec_in.stop(r) for r, (_, hi) in enumerate(reads))
-        return before, after, "none"
+        _, halo = read_halo(index, weight, spec_in, spec_out)
+        return halo.before, halo.after, "none"
     geo = _geometry(module, k)
     if geo is None:
         return None

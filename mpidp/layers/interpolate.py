@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
+from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec
 from mpidp.partition import ShardSpec
@@ -84,6 +85,15 @@ def _reads(
     if used.numel() == 0:
         return anchor, anchor
     return int(used.min()), int(used.max()) + 1
+
+
+def read_halo(
+    index: torch.Tensor, weight: torch.Tensor, spec: ShardSpec, out_spec: ShardSpec
+) -> tuple[list[tuple[int, int]], HaloSpec]:
+    """Every rank's input range along the sharded dim and the halo widths that fetch it, from
+    the same taps on every rank (no negotiation); the dry run prices layers with it too."""
+    ranges = [_reads(index, weight, out_spec, r, spec.start(r)) for r in range(spec.parts)]
+    return ranges, HaloSpec.from_ranges(spec, ranges)
 
 
 def _native_along(
@@ -154,9 +164,8 @@ def interpolate(
         index, weight = _taps(n_in, sizes[axis], scales[axis], mode, align_corners, x.dtype)
         out_spec: ShardSpec = owner._out_spec(index.size(0))
         # every rank's input rows, from the same taps everywhere: no negotiation
-        ranges = [_reads(index, weight, out_spec, r, spec.start(r)) for r in range(t.size)]
-        before = [spec.start(r) - lo for r, (lo, _) in enumerate(ranges)]
-        after = [hi - spec.stop(r) for r, (_, hi) in enumerate(ranges)]
+        ranges, halo = read_halo(index, weight, spec, out_spec)
+        before, after = halo.before, halo.after
         lo = ranges[t.rank][0]
         rows = out_spec.slice(t.rank)
         index, weight = index[rows], weight[rows]
