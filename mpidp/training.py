@@ -188,6 +188,7 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
     data-parallel size. Parameters without a gradient are skipped (the same ones on every
     rank: the graph is the same everywhere). Collective over the world."""
     m = manager or get_manager()
+    _refuse_owned_reduction(model, m)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for bucket in _buckets(grads):
         t = m.transport("world", bucket[0].device)
@@ -199,6 +200,23 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _refuse_owned_reduction(model: nn.Module, m: DistributedManager) -> None:
+    """sync_gradients averages over every rank outside the domain group: wrong when DDP or
+    FSDP2 already averaged over dp, or when tensor-parallel shards would be mixed."""
+    owner = None
+    if hasattr(model, "module") and hasattr(model, "process_group") and hasattr(model, "reducer"):
+        owner = "DistributedDataParallel already averages the gradients over dp"
+    elif any(hasattr(p, "device_mesh") for p in model.parameters()):
+        owner = "FSDP2 (or another DTensor wrapper) already reduces the gradients over dp"
+    elif any(getattr(mod, "shards", None) and hasattr(mod, "_tp_mesh") for mod in model.modules()):
+        owner = "the model has tensor-parallel layers, whose shards must not be summed together"
+    if owner is not None:
+        raise ConfigError(
+            f"rank {m.rank}: sync_gradients on this model: {owner}; call "
+            f"mpidp.parallel.sync_domain_gradients(model, manager) after backward() instead"
+        )
 
 
 def broadcast_parameters(

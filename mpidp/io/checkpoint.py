@@ -27,6 +27,7 @@ from mpidp.io._common import (
     temporary_name,
 )
 from mpidp.manager import DistributedManager, get_manager, is_initialized
+from mpidp.parallel import full_optimizer_state, full_state_dict, load_full_state_dict
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -100,17 +101,24 @@ def save_checkpoint(
         manager = get_manager()
     t = io_transport(manager, "world")
     path = Path(path)
+    # Sharded state (FSDP2 over dp, tensor-parallel layers over tp) is gathered into the
+    # serial model's tensors, on every rank (collective).
+    model_state = full_state_dict(model)
     state = {
         "format": FORMAT,
-        "model": _unwrap(model).state_dict(),
-        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": None if optimizer is None else full_optimizer_state(optimizer, model),
         "step": int(step),
         "extra": dict(extra or {}),
         "layout": _layout(manager),
     }
     problems = [] if path.parent.is_dir() else [f"the folder {path.parent} does not exist"]
     if verify and t is not None:
-        params = {"model": dict(_unwrap(model).named_parameters()), "optimizer": state["optimizer"]}
+        names = [n for n, _ in _unwrap(model).named_parameters()]
+        params = {
+            "model": {n: model_state[n] for n in names if n in model_state},
+            "optimizer": state["optimizer"],
+        }
         sums = _checksums(params)
         total = zlib.crc32(repr(sums).encode())
         table = t.all_gather_ints([total])
@@ -180,9 +188,9 @@ def load_checkpoint(
         problems.append(f"{path}: unreadable ({describe_error(err)})")
     if not problems and model is not None:
         try:
-            _unwrap(model).load_state_dict(state["model"], strict=strict)
-            if optimizer is not None and state.get("optimizer") is not None:
-                optimizer.load_state_dict(state["optimizer"])
+            load_full_state_dict(
+                model, state["model"], optimizer, state.get("optimizer"), strict=strict
+            )
         except Exception as err:
             problems.append(f"{path} does not fit the model ({describe_error(err)})")
     check_everywhere(
