@@ -5,6 +5,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py
     srun --mpi=pmi2 -n 4 python examples/train.py        # inside sbatch
     mpiexec -n 4 python examples/train.py --config my.yaml --steps 200 --resume
+    mpiexec -n 4 python examples/train.py --data-parallel fsdp2 --domain 2   # FSDP2 x domain
+    mpiexec -n 4 python examples/train.py --mlp 16 --tensor 2 --domain 2     # TP x domain
 
 Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
 replicas see different samples. The loss is the latitude-weighted MSE of the whole global
@@ -42,6 +44,14 @@ from mpidp.io import (
     save_checkpoint,
 )
 from mpidp.models import WeatherUNet
+from mpidp.parallel import (
+    ParallelMesh,
+    apply_ddp,
+    apply_domain_parallel,
+    apply_fsdp2,
+    apply_tensor_parallel,
+    build_device_mesh,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,7 +64,10 @@ class Config:
     lat: int = 91
     lon: int = 180
     times: int = 64
-    domain: str = "auto"  # ranks per domain group; auto: 2 when the world is even, else all
+    domain: str = "auto"  # ranks per domain group; auto: 2 when world/tensor is even, else all
+    data_parallel: str = "none"  # none (mpidp.sync_gradients), ddp or fsdp2
+    tensor: int = 1  # tensor-parallel ranks splitting the bottleneck MLP's channels
+    mlp: int = 0  # hidden channels of the bottleneck MLP (0: none); needs >= tensor
     steps: int = 40
     batch: int = 2  # global batch: split over the data-parallel replicas
     lr: float = 2e-3
@@ -101,7 +114,28 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def domain_size(cfg: Config, world: int) -> int:
     if cfg.domain != "auto":
         return int(cfg.domain)
-    return 2 if world % 2 == 0 else world
+    inner = max(world // max(cfg.tensor, 1), 1)
+    return 2 if inner % 2 == 0 else inner
+
+
+def describe(meshes: ParallelMesh) -> str:
+    """``dp 2 x domain 2``, ``dp 1 x tensor 2 x domain 2 (fsdp2)``."""
+    tensor = f"tensor {meshes.tp_size} x " if meshes.tp_size > 1 else ""
+    data = f" ({meshes.config.data})" if meshes.config.data != "none" else ""
+    return f"dp {meshes.dp_size} x {tensor}domain {meshes.domain_size}{data}"
+
+
+def parallel_model(
+    model: torch.nn.Module, meshes: ParallelMesh, manager: mpidp.DistributedManager
+) -> torch.nn.Module:
+    """Tensor parallelism, the domain conversion, then DDP or FSDP2 (that order)."""
+    apply_tensor_parallel(model, meshes.get("tp"))
+    model = apply_domain_parallel(model, manager)
+    if meshes.config.data == "fsdp2":
+        apply_fsdp2(model, meshes["dp"], config=meshes.config)
+    elif meshes.config.data == "ddp":
+        model = apply_ddp(model, meshes["dp"])
+    return model
 
 
 class Progress:
@@ -163,11 +197,13 @@ def validate(
     indices: range,
     per_replica: int,
     weights: torch.Tensor,
-    manager: mpidp.DistributedManager,
+    meshes: ParallelMesh,
 ) -> tuple[float, dict[str, float]]:
     """Exact latitude-weighted MSE (normalised units) and RMSE per variable (physical units)
-    over every validation sample: local sums, then one all-reduce over the world."""
-    mine = list(indices)[manager.dp_rank :: manager.dp_world_size]  # disjoint, no repeats
+    over every validation sample: local sums, then one all-reduce over the world (tensor-parallel
+    ranks count their replica's samples alike, in numerator and denominator)."""
+    manager = meshes.manager
+    mine = list(indices)[meshes.dp_rank :: meshes.dp_size]  # disjoint, no repeats
     sq = torch.zeros(len(ds.target_channels), dtype=torch.float64)
     count = torch.zeros(1, dtype=torch.float64)
     model.eval()
@@ -211,10 +247,15 @@ def save_plot(path: Path, history: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(argv)
     world = mpidp.DistributedManager.world_from_launcher()
-    manager = mpidp.init(domain_parallel_size=domain_size(cfg, world))
+    layout = {"data": cfg.data_parallel, "tensor": cfg.tensor, "domain": domain_size(cfg, world)}
+    try:
+        meshes = build_device_mesh(layout)
+    except mpidp.ConfigError as err:
+        raise SystemExit(f"mpidp train: {err}") from None
+    manager = meshes.manager
     lead = manager.rank == 0
     dtype = torch.float64 if cfg.precision == "float64" else torch.float32
-    dp = manager.dp_world_size
+    dp = meshes.dp_size
     if cfg.batch % dp:
         raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {dp} replicas")
     per_replica = cfg.batch // dp
@@ -226,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sample_data(cfg, manager), manager=manager, grid=(cfg.lat, cfg.lon), dtype=dtype
     )
     train_idx, val_idx = split(len(ds), cfg.val_samples)
-    sampler = DataParallelSampler(Subset(ds, train_idx), manager, seed=cfg.seed, drop_last=True)
+    sampler = DataParallelSampler(Subset(ds, train_idx), meshes, seed=cfg.seed, drop_last=True)
     per_epoch = len(sampler) // per_replica
     if per_epoch < 1:
         raise SystemExit(f"--batch {cfg.batch} exceeds the {len(train_idx)} training samples")
@@ -238,10 +279,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         grid=(cfg.lat, cfg.lon),
         width=cfg.width,
         groups=cfg.groups,
+        mlp=cfg.mlp,
     )
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the layout
     model: torch.nn.Module = WeatherUNet(**spec).to(device=manager.device, dtype=dtype)  # type: ignore[arg-type]
-    model = mpidp.convert_to_domain_parallel(model, manager)
+    n_params = sum(p.numel() for p in model.parameters())
+    try:
+        model = parallel_model(model, meshes, manager)
+    except mpidp.ConfigError as err:
+        raise SystemExit(f"mpidp train: {err}") from None
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     weights = mpidp.latitude_weights(cfg.lat, manager=manager, dtype=dtype).to(manager.device)
 
@@ -262,10 +308,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if lead:
         print(
-            f"mpidp train: {manager.world_size} ranks = dp {dp} x domain "
-            f"{manager.domain_world_size}; grid {cfg.lat} x {cfg.lon}, bands "
-            f"{list(manager.spec(cfg.lat).sizes)}; {channels} channels {ds.channels}; "
-            f"{sum(p.numel() for p in model.parameters())} parameters; {cfg.precision}; "
+            f"mpidp train: {manager.world_size} ranks = {describe(meshes)}; grid {cfg.lat} x "
+            f"{cfg.lon}, bands {list(manager.spec(cfg.lat).sizes)}; {channels} channels "
+            f"{ds.channels}; {n_params} parameters; {cfg.precision}; "
             f"global batch {cfg.batch}; steps {step} -> {cfg.steps}",
             flush=True,
         )
@@ -282,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loss = mpidp.global_mean((x + model(x) - y).square(), weights, manager=manager)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        mpidp.sync_gradients(model, manager)  # domain parts summed, replicas averaged
+        meshes.sync_gradients(model)  # domain parts summed, replicas averaged
         optimizer.step()
         step += 1
         # the global batch's loss: the replicas' equal-size batch means, averaged
@@ -290,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         history["train"].append((step, value))
         bar.update(step, value)
         if step % cfg.val_every == 0 or step == cfg.steps:
-            val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, manager)
+            val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, meshes)
             history["val"].append((step, val_loss))
             shown = ", ".join(f"{c} {v:.4g}" for c, v in rmse.items())
             bar.message(f"step {step}: validation loss {val_loss:.6f}; RMSE {shown}")
@@ -299,10 +344,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = time.perf_counter() - t_start
 
     if not history["val"] or history["val"][-1][0] != step:  # e.g. resumed at the last step
-        val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, manager)
+        val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, meshes)
     metrics = {
         "world": manager.world_size,
         "dp": dp,
+        "data_parallel": meshes.config.data,
+        "tensor": meshes.tp_size,
         "domain": manager.domain_world_size,
         "launcher": manager.launch_info.launcher,
         "steps": step,

@@ -26,7 +26,10 @@ def _down(n: int) -> int:
 
 class WeatherUNet(nn.Module):
     """A two-level U-Net for a (H, W) grid: stride-2 convolutions down, a transposed convolution
-    and a bilinear upsample up, GroupNorm and SiLU, skip connections; any H (odd ones too)."""
+    and a bilinear upsample up, GroupNorm and SiLU, skip connections; any H (odd ones too).
+
+    ``mlp`` > 0 adds a residual pointwise MLP (1x1 convs, ``mlp`` hidden channels) at the
+    bottleneck, declared for tensor parallelism (``_tp_col``/``_tp_row``)."""
 
     def __init__(
         self,
@@ -35,6 +38,7 @@ class WeatherUNet(nn.Module):
         grid: tuple[int, int],
         width: int = 8,
         groups: int = 2,
+        mlp: int = 0,
     ) -> None:
         super().__init__()
         h0, w0 = grid
@@ -48,6 +52,12 @@ class WeatherUNet(nn.Module):
         self.down2 = nn.Sequential(
             nn.Conv2d(2 * width, 4 * width, 3, 2, 1), nn.GroupNorm(groups, 4 * width), nn.SiLU()
         )
+        self.mid = None
+        if mlp:
+            self.mid = nn.Sequential(
+                nn.Conv2d(4 * width, mlp, 1), nn.SiLU(), nn.Conv2d(mlp, 4 * width, 1)
+            )
+            self._tp_col, self._tp_row = ("mid.0",), ("mid.2",)
         # output_padding makes the transposed conv land exactly on the skip's size
         pad = (h1 - (2 * (h2 - 1) + 1), w1 - (2 * (w2 - 1) + 1))
         self.up2 = nn.ConvTranspose2d(4 * width, 2 * width, 3, 2, 1, output_padding=pad)
@@ -63,6 +73,8 @@ class WeatherUNet(nn.Module):
         x0 = self.inc(x)
         x1 = self.down1(x0)
         x2 = self.down2(x1)
+        if self.mid is not None:
+            x2 = x2 + self.mid(x2)
         d2 = self.dec2(torch.cat([self.up2(x2), x1], 1))
         d1 = self.dec1(torch.cat([self.up1(d2), x0], 1))
         return self.head(d1)

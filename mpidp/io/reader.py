@@ -646,12 +646,14 @@ class DataParallelSampler(Sampler[int]):
     Deterministic: shuffled by ``seed + epoch`` (call :meth:`set_epoch` each epoch). Every
     replica gets the same number of indices (``drop_last`` drops the remainder; otherwise the
     first indices are repeated), so no replica runs out of batches before the others.
+    ``manager`` may be a :class:`~mpidp.parallel.ParallelMesh`: its dp dimension is the
+    replicas (tensor-parallel ranks then share samples too).
     """
 
     def __init__(
         self,
         dataset: Any,
-        manager: DistributedManager | None = None,
+        manager: DistributedManager | Any | None = None,
         *,
         shuffle: bool = True,
         seed: int = 0,
@@ -660,8 +662,11 @@ class DataParallelSampler(Sampler[int]):
         if manager is None and is_initialized():
             manager = get_manager()
         self.n = len(dataset)
-        self.dp_rank = 0 if manager is None else manager.dp_rank
-        self.dp_size = 1 if manager is None else manager.dp_world_size
+        if hasattr(manager, "dp_size"):  # a ParallelMesh: tensor-parallel ranks share samples
+            self.dp_rank, self.dp_size = getattr(manager, "dp_rank"), getattr(manager, "dp_size")  # noqa: B009
+        else:
+            self.dp_rank = 0 if manager is None else manager.dp_rank
+            self.dp_size = 1 if manager is None else manager.dp_world_size
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         self.per_rank = self.n // self.dp_size if drop_last else math.ceil(self.n / self.dp_size)
 

@@ -54,6 +54,42 @@ def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
     assert (tmp_path / "checkpoint.pt").exists()
 
 
+@pytest.fixture(scope="module")
+def serial_mlp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial-mlp")
+    launch(1, TRAIN, "--steps", "10", "--mlp", "5", *F64, "--out", str(out))
+    return out
+
+
+def _same_run(one: dict, other: dict) -> None:
+    assert abs(one["val_loss"] - other["val_loss"]) < 1e-9
+    for (s1, a), (s2, b) in zip(one["history"]["train"], other["history"]["train"], strict=True):
+        assert s1 == s2 and abs(a - b) < 1e-9
+
+
+@pytest.mark.parametrize("data", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_by_domain_two_by_two_match_one_process(serial_run, tmp_path, data):
+    log = launch(4, TRAIN, "--steps", "20", "--data-parallel", data, *F64, "--out", str(tmp_path))
+    got = metrics(tmp_path)
+    assert (got["dp"], got["tensor"], got["domain"], got["data_parallel"]) == (2, 1, 2, data)
+    assert f"dp 2 x domain 2 ({data})" in log
+    _same_run(metrics(serial_run), got)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("none", "2", "2"), ("fsdp2", "2", "1")],
+    ids=["tp2-domain2", "fsdp2-tp2"],
+)
+def test_tensor_parallel_layouts_match_one_process(serial_mlp_run, tmp_path, layout):
+    data, tensor, domain = layout
+    args = ["--data-parallel", data, "--tensor", tensor, "--domain", domain, "--mlp", "5"]
+    launch(4, TRAIN, "--steps", "10", *args, *F64, "--out", str(tmp_path))
+    got = metrics(tmp_path)
+    assert (got["tensor"], got["domain"], got["dp"]) == (2, int(domain), 4 // (2 * int(domain)))
+    _same_run(metrics(serial_mlp_run), got)
+
+
 def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_path):
     launch(4, TRAIN, "--steps", "10", *F64, "--out", str(tmp_path))
     launch(2, TRAIN, "--steps", "20", *F64, "--out", str(tmp_path), "--resume", "--domain", "1")
@@ -133,6 +169,24 @@ def test_torchrun_launcher_trains(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     m = metrics(tmp_path)
     assert m["launcher"] == "torchrun" and (m["dp"], m["domain"]) == (1, 2)
+
+
+def test_torchrun_fsdp2_by_tensor_parallel_matches_one_process(serial_mlp_run, tmp_path):
+    """Without MPI: FSDP2 over dp 2 and the tensor-parallel layers over gloo, tp 2."""
+    args = ["--data-parallel", "fsdp2", "--tensor", "2", "--domain", "1", "--mlp", "5"]
+    args += ["--steps", "10", *F64, "--out", str(tmp_path)]
+    res = subprocess.run(
+        ["bash", "launchers/torchrun.sh", "examples/train.py", *args],
+        env=clean_env(NPROC="4", TORCHRUN=str(BIN / "torchrun")),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = metrics(tmp_path)
+    assert got["launcher"] == "torchrun" and (got["dp"], got["tensor"]) == (2, 2)
+    _same_run(metrics(serial_mlp_run), got)
 
 
 def test_mpirun_launcher_with_mpich(tmp_path):
