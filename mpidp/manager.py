@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -141,6 +142,7 @@ class DistributedManager:
         self.data_parallel_group = self.mesh.get_group("dp")
         self.domain_comm, self.dp_comm = self._split_comms()
         self._transports: dict[tuple[str, str], Transport] = {}
+        self._on_shutdown: list[Callable[[], None]] = []  # e.g. ParallelMesh.close
         self._closed = False
 
     # -- construction steps -------------------------------------------------------------------
@@ -483,10 +485,17 @@ class DistributedManager:
         if self._closed:
             return
         self._closed = True
+        for close in reversed(self._on_shutdown):
+            close()
+        self._on_shutdown.clear()
         for comm in {id(c): c for c in (self.domain_comm, self.dp_comm) if c is not None}.values():
             if self._mpi_runs_job():
                 comm.Free()
         self._transports.clear()
+        if not self._owns_process_group and dist.is_initialized():
+            # The mesh's groups are this manager's; the default group (and with it every
+            # group) is torn down by whoever created it. Local: no communication.
+            _destroy_groups(self.mesh)
         if self._owns_process_group and dist.is_initialized():
             # Every rank arrives before any tears down: a rank that destroys the group (rank 0
             # takes the rendezvous store with it) while a peer still uses it can abort the peer
@@ -529,6 +538,18 @@ class DistributedManager:
             f"dp_rank={self.dp_rank}, domain_rank={self.domain_rank}, "
             f"transport={self.transport_policy})"
         )
+
+
+def _destroy_groups(mesh: DeviceMesh) -> None:
+    """Destroy the process groups of every dimension of ``mesh`` (each group's threads and
+    connections go with it; a job that builds many meshes would otherwise keep them all)."""
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if group is not dist.group.WORLD:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                pass  # destroyed already
 
 
 def _shared_type() -> int:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -36,7 +37,13 @@ from mpidp.collectives import copy_to, reduce_from
 from mpidp.comm import TorchTransport, Transport
 from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, get_manager, init, is_initialized
+from mpidp.manager import (
+    DistributedManager,
+    _destroy_groups,
+    get_manager,
+    init,
+    is_initialized,
+)
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "sync_domain_gradients",
+    "tensor_parallel_size",
 ]
 
 #: The data-parallel modes of :class:`ParallelismConfig`.
@@ -246,6 +254,7 @@ class ParallelMesh:
         self.submeshes = submeshes
         self.config = config
         self.manager = manager
+        self._closed = False
         self.dp_size, self.tp_size, self.domain_size = (int(s) for s in mesh.mesh.shape)
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of the world is in the mesh
@@ -268,6 +277,25 @@ class ParallelMesh:
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.mesh, self.submeshes))
+
+    def close(self) -> None:
+        """Free the mesh's process groups and MPI communicators (local); the manager's
+        ``shutdown`` calls it. The meshes are unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in MESH_DIMS:
+            comm = _MPI_GROUPS.pop(_group_ranks(self.mesh[name]), None)
+            if comm is not None:
+                comm.Free()
+        if dist.is_initialized():
+            _destroy_groups(self.mesh)
+
+    def __enter__(self) -> ParallelMesh:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def sync_gradients(self, model: nn.Module) -> None:
         """The gradient reduction this layout still needs after ``backward()``: the domain sum
@@ -327,7 +355,10 @@ def build_device_mesh(
     _register_mpi_groups(manager, mesh)
     if manager not in _MANAGERS:
         _MANAGERS.append(manager)
-    return ParallelMesh(mesh, submeshes, conf, manager)
+        manager._on_shutdown.append(lambda: _MANAGERS.remove(manager))
+    meshes = ParallelMesh(mesh, submeshes, conf, manager)
+    manager._on_shutdown.append(meshes.close)
+    return meshes
 
 
 def _register_mpi_groups(manager: DistributedManager, mesh: DeviceMesh) -> None:
@@ -725,6 +756,14 @@ def _tp_keys(model: nn.Module) -> dict[str, tuple[_TensorParallel, int]]:
             for name, dim in module.shards.items():
                 out[f"{path}.{name}" if path else name] = (module, dim)
     return out
+
+
+def tensor_parallel_size(model: nn.Module) -> int:
+    """The tensor-parallel group size of ``model``'s split layers (1 when it has none)."""
+    for module in _unwrap(model).modules():
+        if isinstance(module, _TensorParallel):
+            return module.spec.parts
+    return 1
 
 
 def _is_dtensor(value: Any) -> bool:

@@ -3,8 +3,9 @@
 Domain parallelism keeps every parameter whole and the serial model's ``state_dict`` keys
 (DESIGN decision 6), and gradients are synchronised, so model and optimizer state are
 replicated on every rank: one rank (world rank 0) writes them, with the layout that produced
-them recorded beside. Loading reads the file on every rank; the serial model loads it too
-(``torch.load(path)["model"]``).
+them recorded beside. FSDP2 and tensor-parallel shards (:mod:`mpidp.parallel`) are gathered
+into the serial tensors first, on every rank, and cut again on load. Loading reads the file on
+every rank; the serial model loads it too (``torch.load(path)["model"]``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from mpidp.io._common import (
     temporary_name,
 )
 from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.parallel import full_optimizer_state, full_state_dict, load_full_state_dict
+from mpidp.parallel import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_state_dict,
+    tensor_parallel_size,
+)
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -68,12 +74,14 @@ def _checksums(state: Mapping[str, Any]) -> list[tuple[str, int]]:
     return out
 
 
-def _layout(manager: DistributedManager | None) -> dict[str, int]:
+def _layout(manager: DistributedManager | None, model: nn.Module) -> dict[str, int]:
+    tensor = tensor_parallel_size(model)
     if manager is None:
-        return {"world": 1, "dp": 1, "domain": 1}
+        return {"world": 1, "dp": 1, "tensor": tensor, "domain": 1}
     return {
         "world": manager.world_size,
-        "dp": manager.dp_world_size,
+        "dp": manager.dp_world_size // tensor,
+        "tensor": tensor,
         "domain": manager.domain_world_size,
     }
 
@@ -110,7 +118,7 @@ def save_checkpoint(
         "optimizer": None if optimizer is None else full_optimizer_state(optimizer, model),
         "step": int(step),
         "extra": dict(extra or {}),
-        "layout": _layout(manager),
+        "layout": _layout(manager, model),
     }
     problems = [] if path.parent.is_dir() else [f"the folder {path.parent} does not exist"]
     if verify and t is not None:

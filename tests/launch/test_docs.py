@@ -56,6 +56,7 @@ def test_code_blocks_run(page, ranks, tmp_path):
 MODULES = [
     "mpidp",
     "mpidp.io",
+    "mpidp.parallel",
     "mpidp.plan",
     "mpidp.models",
     "mpidp.testing",

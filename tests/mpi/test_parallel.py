@@ -97,6 +97,7 @@ _LAYOUTS = {
         ("none", 1, 4),
         ("ddp", 1, 1),
     ],
+    8: [("fsdp2", 2, 2), ("ddp", 2, 2), ("none", 2, 4)],  # by hand: mpiexec -n 8
 }
 
 
@@ -196,7 +197,7 @@ def test_five_steps_match_serial_and_checkpoint_loads_serially(layout, shared):
         path = shared / f"{data}-{tensor}-{domain}.pt"
         save_checkpoint(path, model, opt, step=STEPS, manager=manager)
         saved = torch.load(path, weights_only=False)
-        assert saved["layout"]["world"] == SIZE
+        assert saved["layout"] == {"world": SIZE, "dp": dp, "tensor": tensor, "domain": domain}
         fresh = Net().to(DT)
         fresh.load_state_dict(saved["model"])  # the serial model loads it as it is
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
