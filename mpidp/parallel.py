@@ -741,6 +741,7 @@ def sync_domain_gradients(
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP/compile wrappers (their state_dict keys gain prefixes)."""
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):

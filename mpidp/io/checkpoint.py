@@ -29,6 +29,7 @@ from mpidp.io._common import (
 )
 from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.parallel import (
+    _unwrap,
     full_optimizer_state,
     full_state_dict,
     load_full_state_dict,
@@ -38,15 +39,6 @@ from mpidp.parallel import (
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 FORMAT = "mpidp-checkpoint-1"
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP/compile wrappers (their state_dict keys gain prefixes)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -148,25 +148,21 @@ def test_uneven_shards_experiment_reproduces_serial():
     assert "weighted 2,1,1" in out and "reversed 1,1,2" in out
 
 
-def test_torchrun_launcher_trains(tmp_path):
+def torchrun(nproc: int, *args: str) -> None:
+    """``launchers/torchrun.sh examples/train.py ARGS`` with ``nproc`` processes."""
     res = subprocess.run(
-        [
-            "bash",
-            "launchers/torchrun.sh",
-            "examples/train.py",
-            "--steps",
-            "2",
-            "--no-plot",
-            "--out",
-            str(tmp_path),
-        ],
-        env=clean_env(NPROC="2", TORCHRUN=str(BIN / "torchrun")),
+        ["bash", "launchers/torchrun.sh", "examples/train.py", *args],
+        env=clean_env(NPROC=str(nproc), TORCHRUN=str(BIN / "torchrun")),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=400,
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_torchrun_launcher_trains(tmp_path):
+    torchrun(2, "--steps", "2", "--no-plot", "--out", str(tmp_path))
     m = metrics(tmp_path)
     assert m["launcher"] == "torchrun" and (m["dp"], m["domain"]) == (1, 2)
 
@@ -174,16 +170,7 @@ def test_torchrun_launcher_trains(tmp_path):
 def test_torchrun_fsdp2_by_tensor_parallel_matches_one_process(serial_mlp_run, tmp_path):
     """Without MPI: FSDP2 over dp 2 and the tensor-parallel layers over gloo, tp 2."""
     args = ["--data-parallel", "fsdp2", "--tensor", "2", "--domain", "1", "--mlp", "5"]
-    args += ["--steps", "10", *F64, "--out", str(tmp_path)]
-    res = subprocess.run(
-        ["bash", "launchers/torchrun.sh", "examples/train.py", *args],
-        env=clean_env(NPROC="4", TORCHRUN=str(BIN / "torchrun")),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    torchrun(4, *args, "--steps", "10", *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert got["launcher"] == "torchrun" and (got["dp"], got["tensor"]) == (2, 2)
     _same_run(metrics(serial_mlp_run), got)
