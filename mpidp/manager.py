@@ -8,6 +8,7 @@ The manager never seeds RNGs and never writes environment variables.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -496,6 +497,10 @@ class DistributedManager:
             # The mesh's groups are this manager's; the default group (and with it every
             # group) is torn down by whoever created it. Local: no communication.
             _destroy_groups(self.mesh)
+        # Models wrapped by DDP/FSDP2 sit in reference cycles that keep their process groups
+        # (two gloo threads and open sockets each) alive until the cyclic collector runs;
+        # measured: with ~25 such groups left, a small MPI all-reduce was 20-40x slower.
+        gc.collect()
         if self._owns_process_group and dist.is_initialized():
             # Every rank arrives before any tears down: a rank that destroys the group (rank 0
             # takes the rendezvous store with it) while a peer still uses it can abort the peer

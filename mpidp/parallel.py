@@ -24,6 +24,7 @@ domain group share a tp coordinate, so the domain sum adds the same shard's part
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -290,6 +291,7 @@ class ParallelMesh:
                 comm.Free()
         if dist.is_initialized():
             _destroy_groups(self.mesh)
+        gc.collect()  # the process groups go once nothing (cyclic garbage included) holds them
 
     def __enter__(self) -> ParallelMesh:
         return self

@@ -24,8 +24,9 @@ for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
     --ignore=tests/mpi/test_parallel.py || { echo "MPI tests FAILED at $n ranks"; fail=1; }
 done
-# DDP / FSDP2 / tensor parallelism (mpidp.parallel) in jobs of their own: they build gloo
-# process groups per layout, and 4 ranks on 2 cores then slow the other MPI tests sharply.
+# DDP / FSDP2 / tensor parallelism (mpidp.parallel) in jobs of their own: every layout builds
+# gloo process groups, and whatever of them outlives a test (threads, sockets) slowed the MPI
+# tests that followed in the same 4-rank job several times over (2 cores, oversubscribed).
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   step "DDP / FSDP2 / tensor-parallel composition tests, $n ranks"
   timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
