@@ -585,7 +585,7 @@ def apply_tensor_parallel(
 
 
 def _paths(owner: nn.Module, attribute: str) -> list[str]:
-    value = getattr(type(owner), attribute, None) or getattr(owner, attribute, None) or ()
+    value = getattr(owner, attribute, None) or ()
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
