@@ -724,19 +724,12 @@ def sync_domain_gradients(
     gradient). Works on FSDP2's sharded gradients (the ranks of a domain group hold the same
     shard) and tensor-parallel shards (they share a tp coordinate). One all-reduce per bucket
     of about 32 MB. Collective over the domain group."""
-    from mpidp.training import _buckets
+    from mpidp.training import sum_in_buckets
 
     m = manager.manager if isinstance(manager, ParallelMesh) else manager or get_manager()
     if m.domain_world_size == 1:
         return
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    for bucket in _buckets(grads):
-        t = m.transport("domain", bucket[0].device)
-        flat = t.all_reduce(torch.cat([g.reshape(-1) for g in bucket]), "sum")
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    sum_in_buckets([_local(p.grad) for p in model.parameters() if p.grad is not None], m, "domain")
 
 
 # -- whole state: gather and scatter of sharded parameters ---------------------------------------

@@ -190,12 +190,19 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
     m = manager or get_manager()
     _refuse_owned_reduction(model, m)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for bucket in _buckets(grads):
-        t = m.transport("world", bucket[0].device)
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        flat = t.all_reduce(flat, "sum")
-        if m.dp_world_size > 1:
-            flat.div_(m.dp_world_size)
+    sum_in_buckets(grads, m, "world", divide=m.dp_world_size)
+
+
+def sum_in_buckets(
+    tensors: list[torch.Tensor], manager: DistributedManager, group: str, divide: int = 1
+) -> None:
+    """Sum ``tensors`` over ``group`` in place (then divide by ``divide``): one all-reduce per
+    bucket of about 32 MB of one dtype and device. Collective over the group."""
+    for bucket in _buckets(tensors):
+        t = manager.transport(group, bucket[0].device)
+        flat = t.all_reduce(torch.cat([g.reshape(-1) for g in bucket]), "sum")
+        if divide > 1:
+            flat.div_(divide)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
