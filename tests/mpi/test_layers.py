@@ -224,7 +224,9 @@ def test_thin_and_empty_shards_norm(manager):
     dist = mpidp.DomainParallelGroupNorm.from_module(copy.deepcopy(norm), manager)
     for sizes in ([1] * WORLD, [0] + [2] * (WORLD - 1) if WORLD > 1 else [3]):
         x = rand((2, 4, sum(sizes), 3), 8)
-        assert_matches_serial(norm, dist, [x], manager=manager, sizes=sizes, modules=(norm, dist))
+        assert_matches_serial(
+            norm, dist, [x], manager=manager, sizes=sizes, out_sizes=sizes, modules=(norm, dist)
+        )
 
 
 # -- interpolation ------------------------------------------------------------------------------
