@@ -22,7 +22,7 @@ import torch
 from mpidp.comm import Transport
 from mpidp.comm.counting import CountingTransport, Traffic
 from mpidp.errors import ConfigError
-from mpidp.halo_plan import Boundary
+from mpidp.halo_plan import Boundary, Plan
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import offsets
 
@@ -36,6 +36,7 @@ __all__ = [
     "counting_opener",
     "assert_matches_serial",
     "default_tolerance",
+    "halo_traffic",
     "serial_halo",
 ]
 
@@ -193,6 +194,16 @@ def count_traffic(manager: DistributedManager | None = None) -> Iterator[Traffic
         yield traffic
     finally:
         del manager.transport
+
+
+def halo_traffic(pl: Plan, row_bytes: int) -> dict[str, list[int]]:
+    """The point-to-point traffic of one forward and backward halo exchange with plan ``pl``,
+    in :attr:`Traffic.ops` form (no entry when nothing travels): the plan's messages and rows
+    out in the forward, the received rows' gradients back in the backward."""
+    rows = sum(hi - lo for _, lo, hi in pl.send + pl.recv)
+    if not rows:
+        return {}
+    return {"exchange": [len(pl.send) + len(pl.recv), rows * row_bytes]}
 
 
 def _agreed(comm: Transport, failures: list[str], header: str) -> None:

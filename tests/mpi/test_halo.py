@@ -16,9 +16,11 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.comm import Transport
+from mpidp.comm.counting import CountingTransport
 from mpidp.errors import CommError, ConfigError
+from mpidp.halo_plan import plan
 from mpidp.partition import ShardSpec
-from mpidp.testing import assert_matches_serial, serial_halo
+from mpidp.testing import assert_matches_serial, halo_traffic, serial_halo
 
 pytestmark = pytest.mark.mpi
 
@@ -114,6 +116,17 @@ def agree(t: Transport, problems: list[str]) -> None:
     assert not lines, "\n".join(lines)
 
 
+def traffic_problems(traffic, spec, before, after, boundary, full, dim, me) -> list[str]:
+    """What a forward and backward halo exchange sent, against its plan, plus one agreement
+    all-gather (3 ints) and nothing else."""
+    pl = plan(spec.sizes, tuple(before), tuple(after), mpidp.Boundary.of(boundary), me)
+    want = halo_traffic(pl, full.numel() // full.size(dim) * full.element_size())
+    if spec.parts > 1:
+        want["all_gather_ints"] = [1, 24]
+    got = {op: v for op, v in traffic.ops.items() if v != [0, 0]}
+    return [] if got == want else [f"traffic {got} != plan {want}"]
+
+
 # -- forward and backward against the serial reference --------------------------------------
 
 
@@ -141,7 +154,8 @@ def test_matches_serial_reference(t, spec_name, boundary, dim):
             continue
         served += 1
         x = full.narrow(dim, spec.start(me), spec.sizes[me]).clone().requires_grad_()
-        out = mpidp.halo_exchange(x, wb, wa, dim, spec, boundary=boundary, group=t)
+        counted = CountingTransport(t)
+        out = mpidp.halo_exchange(x, wb, wa, dim, spec, boundary=boundary, group=counted)
         lo, hi = spec.start(me) - before[me], spec.stop(me) + after[me]
         want = serial_halo(full, lo, hi, dim, boundary)
         if not torch.equal(out, want):
@@ -158,6 +172,11 @@ def test_matches_serial_reference(t, spec_name, boundary, dim):
             for r in range(p)
         ]
         out.backward(grads[me])
+        problems += traffic_problems(counted.traffic, spec, before, after, boundary, full, dim, me)
+        if spec_name == "13" and case == len(widths(p)):  # one row to each neighbour, and back
+            neighbours = int(me > 0) + int(me < p - 1)
+            if counted.traffic.p2p_messages != 2 * neighbours:
+                problems.append(f"halo of one row: {counted.traffic}, {neighbours} neighbours")
         ref = full.clone().requires_grad_()
         total = sum(
             (

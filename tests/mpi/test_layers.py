@@ -11,7 +11,8 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.testing import assert_matches_serial
+from mpidp.halo_plan import plan
+from mpidp.testing import assert_matches_serial, count_traffic, halo_traffic
 
 pytestmark = pytest.mark.mpi
 
@@ -325,3 +326,25 @@ def test_layer_norm_over_the_sharded_dim(manager, shape, affine, bias):
 def test_layer_norm_over_the_last_dim_is_left_alone(manager):
     model = mpidp.convert_to_domain_parallel(nn.Sequential(nn.LayerNorm(6)), manager)
     assert type(model[0]) is nn.LayerNorm
+
+
+@pytest.mark.parametrize("sizes", ["balanced", "thin"])
+def test_conv_sends_what_its_halo_plan_says(manager, sizes):
+    """Bytes and messages at the transport, forward and backward, equal the halo plan's: no
+    gathering, no extra rows; the only collectives are the two 1-int agreements."""
+    h = 2 * WORLD + 3 if sizes == "thin" else 37
+    conv = nn.Conv2d(3, 2, 5, 1, 2, padding_mode="reflect").to(F64)
+    dist = mpidp.DomainParallelConv2d.from_module(copy.deepcopy(conv), manager)
+    spec = manager.spec(h)
+    me = manager.domain_rank
+    x = rand((2, 3, h, 6), 1).narrow(-2, spec.start(me), spec.sizes[me]).requires_grad_()
+    with count_traffic(manager) as traffic:
+        dist(x).sum().backward()
+    halo = mpidp.HaloSpec.for_layer(spec, spec, 5, 1, (2, 2), 1)
+    pl = plan(spec.sizes, halo.before, halo.after, mpidp.Boundary.of("reflect"), me)
+    want = halo_traffic(pl, 2 * 3 * 6 * 8)
+    if WORLD > 1:
+        want["all_gather_ints"] = [2, 8 + 24]
+    got = {op: v for op, v in traffic.ops.items() if v != [0, 0]}
+    everyone = manager.transport().all_gather_object(got == want or f"{got} != plan {want}")
+    assert all(v is True for v in everyone), everyone
