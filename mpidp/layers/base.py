@@ -14,7 +14,7 @@ from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 
-__all__ = ["DomainParallel", "learn_spec", "torch_path"]
+__all__ = ["DomainParallel", "learn_spec", "torch_path", "with_rows"]
 
 _TORCH_PATH = contextvars.ContextVar("mpidp_torch_path", default=False)
 
@@ -35,6 +35,20 @@ def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     one integer. Nothing is cached on the local shape (two global sizes can give a rank the
     same local size). Collective over the transport's group."""
     return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
+
+
+def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
+    """``ext`` with zero rows appended up to ``need`` rows along ``dim``.
+
+    A rank that owns no output rows (an empty shard) still runs its layer's op, on rows whose
+    result it then drops: its output gets the right shape and its graph still reaches the
+    halo exchange and the weights (zero gradients, the same backward on every rank)."""
+    short = need - ext.size(dim)
+    if short <= 0:
+        return ext
+    shape = list(ext.shape)
+    shape[dim] = short
+    return torch.cat([ext, ext.new_zeros(shape)], dim)
 
 
 class DomainParallel:

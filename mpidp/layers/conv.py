@@ -23,7 +23,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 
 __all__ = [
     "DomainParallelConv1d",
@@ -101,6 +101,7 @@ class _Conv(DomainParallel):
             boundary=_BOUNDARY[conv.padding_mode],
             group=t,
         )
+        ext = with_rows(ext, d, dil * (kernel - 1) + 1)  # a rank without output rows
         pads[k] = (0, 0)
         if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
             padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
@@ -109,9 +110,10 @@ class _Conv(DomainParallel):
             if any(flat):
                 ext = F.pad(ext, flat, mode=_FPAD[conv.padding_mode])
             padding = (0,) * self._n
-        return _CONV[self._n](
+        y = _CONV[self._n](
             ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
         )
+        return y.narrow(d, 0, out_spec.sizes[t.rank])
 
 
 class DomainParallelConv1d(_Conv, nn.Conv1d):
@@ -160,10 +162,7 @@ class _ConvTranspose(DomainParallel):
         halo = HaloSpec.from_ranges(spec, ranges)
         ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
         lo = ranges[t.rank][0]
-        if ext.size(d) == 0:  # no input reaches this rank's rows: run on one zero row
-            shape = list(ext.shape)
-            shape[d] = 1
-            ext = ext.new_zeros(shape)
+        ext = with_rows(ext, d, 1)  # no input may reach this rank's rows: one zero row
         padding = [int(p) for p in conv.padding]  # ints for transposed layers
         padding[k] = 0
         output_padding = list(conv.output_padding)

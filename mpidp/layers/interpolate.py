@@ -21,7 +21,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 from mpidp.partition import ShardSpec
 
 __all__ = ["DomainParallelInterpolate", "interpolate"]
@@ -72,7 +72,8 @@ def _apply(x: torch.Tensor, dim: int, index: torch.Tensor, weight: torch.Tensor)
             continue
         term = x.index_select(dim, index[:, k]) * w.to(x.dtype).view(shape)
         out = term if out is None else out + term
-    assert out is not None
+    if out is None:  # no output rows on this rank
+        return x.index_select(dim, index[:, 0] if index.size(1) else index.new_zeros(0))
     return out
 
 
@@ -107,6 +108,10 @@ def _native_along(
     """torch's interpolation along ``dim`` of (B, C, H, W) alone: the other spatial dim keeps
     its size, which every mode maps onto itself exactly (source = destination)."""
     other = 5 - dim  # the other spatial dim of a 4-d tensor
+    if y.size(other) == 0:  # an empty band: one zero row, dropped after
+        return _native_along(with_rows(y, other, 1), dim, size, scale, mode, align_corners).narrow(
+            other, 0, 0
+        )
     kw: dict[str, object] = {"mode": mode}
     if mode != "nearest":
         kw["align_corners"] = align_corners

@@ -16,7 +16,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -112,6 +112,8 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         ext = halo_exchange(
             x, halo.before, halo.after, dim=2, spec=spec, boundary=self.pole, group=t, roll_dim=3
         )
-        return F.conv2d(
+        ext = with_rows(ext, 2, dil * (kernel - 1) + 1)  # a rank without output rows
+        y = F.conv2d(
             self._pad_w(ext), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
         )
+        return y.narrow(2, 0, out_spec.sizes[t.rank])

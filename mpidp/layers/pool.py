@@ -18,7 +18,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import conv_output_size, input_ranges
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 from mpidp.partition import ShardSpec
 
 __all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAvgPool2d", "DomainParallelMaxPool2d"]
@@ -49,9 +49,10 @@ def _fetch_rows(
 class _Pool(DomainParallel):
     def _geometry(
         self, x: torch.Tensor, dilation: int = 1
-    ) -> tuple[torch.Tensor, int, int, tuple[int, int], tuple[int, int], int]:
+    ) -> tuple[torch.Tensor, int, int, tuple[int, int], tuple[int, int], int, int]:
         """The rows this rank's windows read (padding rows beyond the field not yet added),
-        the padding rows needed at each end, kernel, stride, and the padding along W."""
+        the padding rows needed at each end, kernel, stride, the padding along W, and this
+        rank's output rows (the result of a rank without any is cut to none)."""
         pool = self  # torch pool attributes
         if getattr(pool, "ceil_mode", False):
             raise ConfigError(
@@ -68,7 +69,10 @@ class _Pool(DomainParallel):
         out_spec = self._out_spec(n_out)
         ranges = input_ranges(spec, out_spec, kh, sh, ph, dilation)
         ext, pad_lo, pad_hi = _fetch_rows(self, x, ranges, spec)
-        return ext, pad_lo, pad_hi, (kh, kw), (sh, sw), pw
+        rows = out_spec.sizes[self._transport(x).rank]
+        if rows == 0:  # windows of zeros, dropped after
+            ext, pad_lo, pad_hi = with_rows(ext, 2, dilation * (kh - 1) + 1), 0, 0
+        return ext, pad_lo, pad_hi, (kh, kw), (sh, sw), pw, rows
 
 
 class DomainParallelMaxPool2d(_Pool, nn.MaxPool2d):
@@ -81,10 +85,10 @@ class DomainParallelMaxPool2d(_Pool, nn.MaxPool2d):
         if self.return_indices:
             raise ConfigError("DomainParallelMaxPool2d: return_indices is not supported on bands")
         dh, dw = _pair(self.dilation)
-        ext, lo, hi, k, s, pw = self._geometry(x, dh)
+        ext, lo, hi, k, s, pw, rows = self._geometry(x, dh)
         if lo or hi:
             ext = F.pad(ext, (0, 0, lo, hi), value=-math.inf)
-        return F.max_pool2d(ext, k, s, (0, pw), (dh, dw))
+        return F.max_pool2d(ext, k, s, (0, pw), (dh, dw)).narrow(2, 0, rows)
 
 
 class DomainParallelAvgPool2d(_Pool, nn.AvgPool2d):
@@ -94,16 +98,17 @@ class DomainParallelAvgPool2d(_Pool, nn.AvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        ext, lo, hi, k, s, pw = self._geometry(x)
+        ext, lo, hi, k, s, pw, rows = self._geometry(x)
         padded = F.pad(ext, (0, 0, lo, hi)) if lo or hi else ext
         sums = F.avg_pool2d(padded, k, s, (0, pw), False, True, 1)
+        sums = sums.narrow(2, 0, rows)
         if self.divisor_override:
             return sums / self.divisor_override
         if self.count_include_pad:
             return sums / (k[0] * k[1])
         mask = torch.ones_like(ext[:, :1])
         mask = F.pad(mask, (0, 0, lo, hi)) if lo or hi else mask
-        return sums / F.avg_pool2d(mask, k, s, (0, pw), False, True, 1)
+        return sums / F.avg_pool2d(mask, k, s, (0, pw), False, True, 1).narrow(2, 0, rows)
 
 
 class DomainParallelAdaptiveAvgPool2d(DomainParallel, nn.AdaptiveAvgPool2d):
@@ -138,5 +143,7 @@ class DomainParallelAdaptiveAvgPool2d(DomainParallel, nn.AdaptiveAvgPool2d):
             ext.narrow(2, a - lo, b - a).mean(2, keepdim=True)
             for a, b in (window(o) for o in range(out_spec.start(me), out_spec.stop(me)))
         ]
-        band = torch.cat(means, 2) if means else ext.narrow(2, 0, 0)
+        if not means:  # no output rows here: one row of zeros, dropped after
+            return F.adaptive_avg_pool2d(with_rows(ext, 2, 1), (1, ow)).narrow(2, 0, 0)
+        band = torch.cat(means, 2)
         return F.adaptive_avg_pool2d(band, (band.size(2), ow))

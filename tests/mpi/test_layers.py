@@ -348,3 +348,104 @@ def test_conv_sends_what_its_halo_plan_says(manager, sizes):
     got = {op: v for op, v in traffic.ops.items() if v != [0, 0]}
     everyone = manager.transport().all_gather_object(got == want or f"{got} != plan {want}")
     assert all(v is True for v in everyone), everyone
+
+
+# -- a partition axis and a dtype axis over one layer of every family --------------------------
+
+# name -> (serial module factory, wrapper, input shape, keeps its input's partition)
+FAMILIES = {
+    "conv3x3": (lambda: nn.Conv2d(3, 4, 3, 1, 1), mpidp.DomainParallelConv2d, False),
+    "conv_s2_circular": (
+        lambda: nn.Conv2d(3, 4, 3, 2, 1, padding_mode="circular"),
+        mpidp.DomainParallelConv2d,
+        False,
+    ),
+    "conv5_dilated_reflect": (
+        lambda: nn.Conv2d(3, 2, 5, 1, "same", 2, padding_mode="reflect"),
+        mpidp.DomainParallelConv2d,
+        False,
+    ),
+    "conv_transpose_s2": (
+        lambda: nn.ConvTranspose2d(3, 2, 3, 2, 1, 1),
+        mpidp.DomainParallelConvTranspose2d,
+        False,
+    ),
+    "group_norm": (lambda: nn.GroupNorm(3, 3), mpidp.DomainParallelGroupNorm, True),
+    "batch_norm": (lambda: nn.BatchNorm2d(3), mpidp.DomainParallelBatchNorm2d, True),
+    "bilinear": (
+        lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
+        mpidp.DomainParallelInterpolate,
+        False,
+    ),
+    "bicubic_size": (
+        lambda: nn.Upsample(size=(31, 7), mode="bicubic", align_corners=True),
+        mpidp.DomainParallelInterpolate,
+        False,
+    ),
+    "max_pool": (lambda: nn.MaxPool2d(3, 2, 1), mpidp.DomainParallelMaxPool2d, False),
+    "avg_pool": (lambda: nn.AvgPool2d(2), mpidp.DomainParallelAvgPool2d, False),
+    "adaptive_avg_pool": (
+        lambda: nn.AdaptiveAvgPool2d((7, 3)),
+        mpidp.DomainParallelAdaptiveAvgPool2d,
+        False,
+    ),
+    "periodic_polar": (
+        lambda: mpidp.PeriodicConv2d(3, 2, 3, pole="polar"),
+        mpidp.DomainParallelPeriodicConv2d,
+        False,
+    ),
+}
+
+
+def cuts(p):
+    """Partitions: (policy, input sizes or None for the policy's). Each one differs from the
+    balanced cut at this rank count (at one rank there is only one cut)."""
+    if p == 1:
+        return {"balanced": (mpidp.Balanced(), None)}
+    return {
+        "balanced": (mpidp.Balanced(), None),
+        "weighted": (mpidp.Weighted(tuple(range(p, 0, -1))), None),
+        "thin": (mpidp.Weighted((1,) * (p - 1) + (3 * p,)), None),
+        "empty_first": (mpidp.Weighted((0,) + (1,) * (p - 1), allow_empty=True), None),
+        "skewed_input": (mpidp.Balanced(), lambda h: (1,) * (p - 1) + (h - p + 1,)),
+    }
+
+
+@pytest.fixture(params=list(cuts(WORLD)))
+def cut(request, manager):
+    """The manager's partition policy for one test, and the input partition."""
+    policy, sizes = cuts(WORLD)[request.param]
+    old, manager.partition = manager.partition, policy
+    yield sizes
+    manager.partition = old
+
+
+def family_check(manager, family, input_sizes, dtype, h=23):
+    make, wrapper, keeps = FAMILIES[family]
+    torch.manual_seed(7)
+    serial = make().to(dtype)
+    with torch.no_grad():
+        for q in serial.parameters():  # not the identity initialisation of the norms
+            q.copy_(rand(q.shape, 12).to(dtype))
+    dist = wrapper.from_module(copy.deepcopy(serial), manager)
+    sizes = input_sizes(h) if input_sizes is not None else manager.spec(h).sizes
+    return assert_matches_serial(
+        serial,
+        dist,
+        [rand((2, 3, h, 8), 13).to(dtype)],
+        manager=manager,
+        sizes=sizes,
+        out_sizes=sizes if keeps else None,
+        modules=(serial, dist),
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_partition(manager, family, cut):
+    family_check(manager, family, cut, F64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_low_precision(manager, family, dtype):
+    family_check(manager, family, None, dtype)
