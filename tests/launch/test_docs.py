@@ -2,7 +2,8 @@
 
 The blocks of one page run in order in one process (later blocks may use names from earlier
 ones), in a temporary folder, once as one process and once under ``mpiexec -n 2``. A block
-fenced as ```python is always run; there is no way to opt out.
+fenced as ```python (or ```py, ```Python, ```python3: any Python tag) is always run; there is no
+way to opt out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from test_launch import MPIEXEC, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```[ \t]*(?:py|python|python3)[ \t]*\n(.*?)^```", re.S | re.M | re.I)
+ANY_FENCE = re.compile(r"^```[ \t]*(\S*)[ \t]*\n(.*?)^```", re.S | re.M)
 
 
 def blocks(page: Path) -> list[str]:
@@ -25,6 +27,19 @@ def blocks(page: Path) -> list[str]:
 
 
 WITH_CODE = [p for p in PAGES if blocks(p)]
+
+
+def test_every_python_fence_is_run():
+    """The fence pattern catches every spelling of a Python block (```py, ```Python) and
+    nothing but Python blocks: each fence's language tag is one we know."""
+    sample = "```py\na = 1\n```\n```Python\nb = 2\n```\n```python3 \nc = 3\n```\n```bash\nls\n```\n"
+    assert FENCE.findall(sample) == ["a = 1\n", "b = 2\n", "c = 3\n"]
+    for page in PAGES:
+        tags = {tag.lower() for tag, _ in ANY_FENCE.findall(page.read_text())}
+        assert tags <= {"", "bash", "yaml", "text", "console", "json", "py", "python", "python3"}, (
+            page.name,
+            tags,
+        )
 
 
 def test_pages_with_code_are_found():

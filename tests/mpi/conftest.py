@@ -30,6 +30,11 @@ _CODES = {"passed": 0, "skipped": 1, "failed": 2}
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("with_mpi", False):  # pytest-mpi would skip them all, green
+        raise pytest.UsageError(
+            "tests/mpi run only with --with-mpi: mpiexec -n N python -m mpi4py -m pytest "
+            "--with-mpi tests/mpi"
+        )
     if _WORLD.Get_rank() != 0:
         # Quiet: only rank 0 reports. Failures on other ranks still reach stderr (below).
         reporter = config.pluginmanager.get_plugin("terminalreporter")
