@@ -219,6 +219,7 @@ class _ScatterV(torch.autograd.Function):
     ) -> Any:
         ctx.t, ctx.sizes, ctx.dim, ctx.src = t, sizes, dim, src
         ctx.has_x = x is not None
+        ctx.anchor_shape = anchor.shape if anchor is not None else None
         out = t.scatter_v(x if t.rank == src else None, sizes, dim, src, shape=shape, dtype=dtype)
         return _fresh(out, x)
 
@@ -226,7 +227,10 @@ class _ScatterV(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         full = _GatherV.apply(g, ctx.t, ctx.sizes, ctx.dim, ctx.src)
         grad = full if ctx.t.rank == ctx.src and ctx.has_x else None
-        return grad, None, None, None, None, None, None, None
+        anchor = None
+        if ctx.anchor_shape is not None:  # zero, but in the graph: a double backward must
+            anchor = (full.sum() * 0).expand(ctx.anchor_shape)  # reach this rank's gather too
+        return grad, anchor, None, None, None, None, None, None
 
 
 class _GatherV(torch.autograd.Function):
@@ -247,8 +251,10 @@ class _GatherV(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         t = ctx.t
-        mine = g if t.rank == ctx.dst else None
-        part = _ScatterV.apply(mine, None, t, ctx.sizes, ctx.dim, ctx.dst, ctx.full, g.dtype)
+        mine, anchor = (g, None) if t.rank == ctx.dst else (None, g)
+        # The other ranks' (empty) gradient anchors their part in the graph, so a double
+        # backward reaches them too and they take part in its gather.
+        part = _ScatterV.apply(mine, anchor, t, ctx.sizes, ctx.dim, ctx.dst, ctx.full, g.dtype)
         return part, None, None, None, None
 
 
