@@ -11,7 +11,6 @@ import random
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -141,17 +140,16 @@ def test_slurm_environment_without_mpi_uses_slurm_rendezvous_when_asked():
         )
         for r in range(2)
     ]
+    done = [(proc, *proc.communicate(timeout=TIMEOUT)) for proc in procs]
     outs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=TIMEOUT)
+    for proc, out, err in done:
         if proc.returncode == -signal.SIGABRT and "terminate called without" in err and "OK" in out:
             # Known, rare (about one full-suite run in four on this machine, not reproduced in
             # isolation): a C++ thread of gloo or the TCPStore aborts at interpreter exit
-            # after the job finished and shut down cleanly. Reported loudly, not hidden;
-            # tracked in the closing note of the layers work.
-            warnings.warn(f"teardown abort after a successful job: {err.strip()}", stacklevel=1)
-        else:
-            assert proc.returncode == 0, err
+            # after the job finished and shut down cleanly. Open question (issue 16's note):
+            # the test is reported as xfailed, never as passed, whenever it happens.
+            pytest.xfail(f"open question: teardown abort after a successful job: {err.strip()}")
+        assert proc.returncode == 0, err
         outs.append(out)
     assert "OK rank=0 size=2 launcher=slurm transport=torch" in outs[0]
     assert "OK rank=1 size=2 launcher=slurm transport=torch" in outs[1]

@@ -230,13 +230,17 @@ def test_dataloader_workers_open_their_own_files(manager, sample):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_sampler_splits_dp_and_repeats_domain():
-    domain = 2 if P % 2 == 0 else 1
+@pytest.mark.parametrize("domain", [d for d in (1, 2, 4) if P % d == 0])
+def test_sampler_splits_dp_and_repeats_domain(domain):
+    """Every layout this world allows: dp > 1 splits (P = 2, 3, 4 with domain 1), domain
+    peers repeat (domain 2 and 4); at one rank the one replica reads every sample."""
     with mpidp.DistributedManager(domain_parallel_size=domain) as m:
         data = list(range(11))
         sampler = DataParallelSampler(data, m, seed=3)
         sampler.set_epoch(2)
         mine = list(sampler)
+        if m.dp_world_size == 1:
+            assert sorted(mine) == data and mine != data  # all of it, shuffled
         table = WORLD.allgather((m.dp_rank, m.domain_rank, mine))
         by_dp = {dp: idx for dp, dom, idx in table if dom == 0}
         for dp, _, idx in table:
@@ -442,18 +446,17 @@ def test_checkpoint_refuses_diverged_replicas(shared):
 
 
 def test_checkpoint_bad_files_fail_everywhere(manager, shared):
+    good = shared / "bad-files-good.pt"  # this test's own file, not another test's leftover
+    save_checkpoint(good, mpidp.convert_to_domain_parallel(_model(), manager), manager=manager)
+    assert load_checkpoint(good, _model(), manager=manager)["step"] == 0
     with pytest.raises(DataError, match="no such file"):
-        load_checkpoint(
-            shared / "none.pt" if ME == P - 1 else shared / "ckpt-1.pt", _model(), manager=manager
-        )
+        load_checkpoint(shared / "none.pt" if ME == P - 1 else good, _model(), manager=manager)
     garbage = shared / "garbage.pt"
     _on_rank0(garbage.write_bytes, b"not a checkpoint" * 10)
     with pytest.raises(DataError, match="unreadable"):
         load_checkpoint(garbage, _model(), manager=manager)
-    other = torch.nn.Linear(2, 2)
-    if (shared / "ckpt-1.pt").exists():
-        with pytest.raises(DataError, match="does not fit the model"):
-            load_checkpoint(shared / "ckpt-1.pt", other, manager=manager)
+    with pytest.raises(DataError, match="does not fit the model"):
+        load_checkpoint(good, torch.nn.Linear(2, 2), manager=manager)
 
 
 # -- bad input: the same clear error on every rank ----------------------------------------

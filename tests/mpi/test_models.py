@@ -130,6 +130,9 @@ def test_deepcopy_of_a_converted_model_shares_the_manager(manager):
     model = mpidp.convert_to_domain_parallel(WeatherUNet(2, 2, (13, 8)), m)
     twin = copy.deepcopy(model)
     assert twin.inc[0].dp_manager is model.inc[0].dp_manager
+    full = torch.randn(1, 2, 13, 8, generator=torch.Generator().manual_seed(4))
+    band = full[..., m.spec(13).slice(m.domain_rank), :]
+    assert torch.equal(twin(band), model(band))  # the copy computes the same
     report = mpidp.validate_sharding_constraints(model, (1, 2, 13, 8), m)
     assert report.ok and len(report.layers) == 14
 
