@@ -39,8 +39,8 @@ import mpidp
 from mpidp.io import (
     DataParallelSampler,
     ShardedH5Dataset,
+    ensure_sample_data,
     load_checkpoint,
-    make_sample_data,
     save_checkpoint,
 )
 from mpidp.models import WeatherUNet
@@ -166,12 +166,14 @@ class Progress:
 
 
 def sample_data(cfg: Config, manager: mpidp.DistributedManager) -> str:
-    """The data file; world rank 0 writes the sample set when it is missing (shared disk)."""
+    """The data file; world rank 0 writes the sample set when it is missing or was written by
+    another version of the generator or with other sizes (a cache on a shared disk)."""
     path = cfg.data or str(HERE / "data" / f"sample-{cfg.lat}x{cfg.lon}.h5")
-    if not cfg.data and manager.rank == 0 and not os.path.exists(path):
-        print(f"writing the sample data set to {path}", flush=True)
+    if not cfg.data and manager.rank == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        make_sample_data(path, n_lat=cfg.lat, n_lon=cfg.lon, n_time=cfg.times)
+        _, why = ensure_sample_data(path, n_lat=cfg.lat, n_lon=cfg.lon, n_time=cfg.times)
+        if why:
+            print(f"wrote the sample data set to {path} (the cached one: {why})", flush=True)
     manager.transport("world", "cpu").barrier()
     return path
 

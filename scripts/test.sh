@@ -32,6 +32,17 @@ for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
     tests/mpi/test_parallel.py || { echo "composition tests FAILED at $n ranks"; fail=1; }
 done
+# The 3-D mesh: dp 2 x tp 2 x domain 2 with DDP and with FSDP2, eight ranks oversubscribed on
+# however many cores there are (about 80 s on 2 cores). MPIDP_TEST_BIG_RANKS= skips it.
+big="${MPIDP_TEST_BIG_RANKS-8}"
+if [ -n "$big" ]; then
+  step "composition tests, $big ranks oversubscribed (dp 2 x tp 2 x domain 2)"
+  oversub=()
+  mpiexec --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE" && oversub=(--oversubscribe)
+  timeout $((per_run + 30)) mpiexec "${oversub[@]}" -n "$big" "$py" -m mpi4py -m pytest -q \
+    --with-mpi tests/mpi/test_parallel.py -k five_steps \
+    || { echo "composition tests FAILED at $big ranks"; fail=1; }
+fi
 # 53 real jobs (examples trained at 1-4 ranks, torchrun, docs at 1 and 2 ranks): 6-9 minutes on
 # a 2-core machine, and it varies with the load (354 s and 508 s measured an hour apart), so the
 # step gets twice the per-run limit.

@@ -3,7 +3,7 @@ checkpoints that load at any layout, and a built-in sample data set. See docs/io
 
 from mpidp.io.checkpoint import load_checkpoint, save_checkpoint
 from mpidp.io.reader import DataParallelSampler, ShardedH5Dataset
-from mpidp.io.sample import make_sample_data
+from mpidp.io.sample import ensure_sample_data, make_sample_data
 from mpidp.io.writer import RolloutWriter, parallel_hdf5_available, write_sharded
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "ShardedH5Dataset",
     "load_checkpoint",
     "make_sample_data",
+    "ensure_sample_data",
     "parallel_hdf5_available",
     "save_checkpoint",
     "write_sharded",

@@ -11,6 +11,8 @@ learns to advect the waves gets better than persistence.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -19,7 +21,11 @@ import numpy as np
 
 from mpidp.io._common import attach_dims, declare_dims, temporary_name
 
-__all__ = ["make_sample_data"]
+__all__ = ["make_sample_data", "ensure_sample_data", "sample_fingerprint"]
+
+#: The file attribute that records which generator (this module's code) and which arguments
+#: wrote a sample file, so that a cached copy is regenerated when either changes.
+FINGERPRINT_ATTR = "mpidp_sample_fingerprint"
 
 #: (name, levels?, climatology of sin(lat), wave amplitude, units)
 _VARIABLES = (
@@ -54,6 +60,9 @@ def make_sample_data(
     ``seed``. Local: call it on one rank.
     """
     path = Path(path)
+    fingerprint = sample_fingerprint(
+        n_lat=n_lat, n_lon=n_lon, n_time=n_time, levels=levels, hours=hours, seed=seed
+    )
     rng = np.random.default_rng(seed)
     lat = np.linspace(90.0, -90.0, n_lat)
     lon = np.arange(n_lon) * (360.0 / n_lon)
@@ -64,6 +73,7 @@ def make_sample_data(
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["title"] = "mpidp synthetic ERA5-like sample data"
+            f.attrs[FINGERPRINT_ATTR] = fingerprint
             coords = {
                 "time": times,
                 "level": np.asarray(levels, dtype=np.int64),
@@ -104,6 +114,46 @@ def make_sample_data(
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def sample_fingerprint(**arguments: object) -> str:
+    """A hash of this generator's source code and of ``make_sample_data``'s arguments."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(json.dumps(arguments, sort_keys=True, default=list).encode())
+    return h.hexdigest()[:24]
+
+
+def ensure_sample_data(
+    path: str | os.PathLike[str],
+    *,
+    n_lat: int = 91,
+    n_lon: int = 180,
+    n_time: int = 64,
+    levels: tuple[int, ...] = (500, 850),
+    hours: int = 6,
+    seed: int = 0,
+) -> tuple[Path, str]:
+    """The sample file at ``path``, written unless a file there came from this generator with
+    these arguments: returns ``(path, why)``, ``why`` is ``""`` when the cached file was kept,
+    else what made it stale (missing, unreadable, another generator or other arguments).
+    Local: call it on one rank."""
+    path = Path(path)
+    arguments = dict(n_lat=n_lat, n_lon=n_lon, n_time=n_time, levels=levels, hours=hours)
+    want = sample_fingerprint(**arguments, seed=seed)
+    why = ""
+    if not path.exists():
+        why = "missing"
+    else:
+        try:
+            with h5py.File(path, "r") as f:
+                got = f.attrs.get(FINGERPRINT_ATTR)
+        except OSError as err:
+            got, why = None, f"unreadable ({err})"
+        if not why and (got.decode() if isinstance(got, bytes) else got) != want:
+            why = "written by another version of the generator or with other arguments"
+    if why:
+        make_sample_data(path, **arguments, seed=seed)  # type: ignore[arg-type]
+    return path, why
 
 
 def _weather(

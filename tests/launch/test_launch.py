@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +17,51 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-MPIEXEC = str(BIN / "mpiexec")
 TIMEOUT = 240
+
+
+def _mpiexec() -> str:
+    """The MPI launcher of this environment: $MPIDP_TEST_MPIEXEC, else the environment's own
+    mpiexec (the PyPI MPICH), else the first on PATH (a system MPI, as the README documents)."""
+    given = os.environ.get("MPIDP_TEST_MPIEXEC")
+    found = given or shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec: set MPIDP_TEST_MPIEXEC or put the MPI's bin on PATH")
+    return found
+
+
+# The name mpidp.bootstrap gives the launcher of each MPI family (its marker variables).
+_LAUNCHER_OF_VENDOR = {
+    "MPICH": "mpich",  # Hydra: PMI_RANK
+    "Intel MPI": "mpich",  # Hydra
+    "MVAPICH": "mpich",
+    "MVAPICH2": "mpich",
+    "Open MPI": "openmpi",  # OMPI_COMM_WORLD_RANK
+}
+
+
+def _expected_launcher() -> str:
+    """What `mpidp info` must report for a job started with MPIEXEC: $MPIDP_TEST_LAUNCHER, else
+    the name for the MPI mpi4py was built against (asked in a subprocess, so that this process
+    never initialises MPI)."""
+    given = os.environ.get("MPIDP_TEST_LAUNCHER")
+    if given:
+        return given
+    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI\n"
+    code += "print(MPI.get_vendor()[0])"
+    vendor = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
+    if vendor not in _LAUNCHER_OF_VENDOR:
+        raise RuntimeError(
+            f"MPI vendor {vendor!r}: set MPIDP_TEST_LAUNCHER to the launcher name `mpidp info` "
+            "reports under it (mpich, openmpi, pals, pmix, slurm)"
+        )
+    return _LAUNCHER_OF_VENDOR[vendor]
+
+
+MPIEXEC = _mpiexec()
+LAUNCHER = _expected_launcher()
 
 # A tiny job: initialise, check an all-reduce through the default transport, print a verdict.
 JOB = """
@@ -54,7 +98,7 @@ def test_info_json_four_ranks_two_by_two():
     assert doc["world_size"] == 4 and doc["mesh"] == {"dp": 2, "domain": 2}
     assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
     assert [r["mesh_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    assert {r["launcher"] for r in doc["ranks"]} == {"mpich"}
+    assert {r["launcher"] for r in doc["ranks"]} == {LAUNCHER}
     assert len({r["pid"] for r in doc["ranks"]}) == 4
 
 

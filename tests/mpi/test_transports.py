@@ -1,8 +1,8 @@
 """Both transports against torch.split / torch.cat references, uneven and empty shards included.
 
 Every case runs through the MPI transport and the torch.distributed (gloo) transport, over the
-domain group (all ranks) and over the data-parallel group (P=1 per domain here, so also all
-ranks, exercising the dp communicators), at whatever world size the job has.
+domain group (all ranks) and over a data-parallel group of two ranks or more (every rank at 2
+and 3 ranks; two groups of two, numbered unlike the world, at 4 ranks).
 """
 
 from __future__ import annotations
@@ -22,9 +22,13 @@ WORLD = MPI.COMM_WORLD.Get_size()
 
 @pytest.fixture(scope="module")
 def managers():
-    """domain group = world (manager 'd'), and dp group = world (manager 'dp')."""
-    with mpidp.DistributedManager(domain_parallel_size=WORLD, transport="auto") as m:
-        yield m
+    """Manager 'domain': the domain group is the world. Manager 'dp': a data-parallel group of
+    more than one rank that is not numbered like the world where the world allows (dp 2 x
+    domain 2 at 4 ranks, dp = world at 2 and 3 ranks)."""
+    dp_domain = 2 if WORLD % 2 == 0 and WORLD > 2 else 1
+    with mpidp.DistributedManager(domain_parallel_size=WORLD, transport="auto") as d:
+        with mpidp.DistributedManager(domain_parallel_size=dp_domain, transport="auto") as dp:
+            yield {"domain": d, "dp": dp}
 
 
 @pytest.fixture(params=["mpi", "torch"])
@@ -32,19 +36,22 @@ def kind(request):
     return request.param
 
 
-@pytest.fixture(params=["domain", "dp"])
+# At one rank the dp group would be the same one-rank group as the domain group: not run twice.
+@pytest.fixture(params=["domain", "dp"] if WORLD > 1 else ["domain"])
 def transport(request, managers, kind):
-    # With P = world the dp groups have one rank; "dp" then tests the one-rank path on a real
-    # communicator. The full-world dp case is covered by test_dp_group_over_world below.
-    m = managers
+    m = managers[request.param]
     if kind == "torch":
         from mpidp.comm import TorchTransport
 
         group = m.domain_group if request.param == "domain" else m.data_parallel_group
-        return TorchTransport(group)
-    from mpidp.comm.mpi import MPITransport
+        t = TorchTransport(group)
+    else:
+        from mpidp.comm.mpi import MPITransport
 
-    return MPITransport(m.domain_comm if request.param == "domain" else m.dp_comm)
+        t = MPITransport(m.domain_comm if request.param == "domain" else m.dp_comm)
+    assert t.size == (WORLD if request.param == "domain" else m.dp_world_size)
+    assert WORLD == 1 or t.size > 1
+    return t
 
 
 def global_tensor(shape, dtype=torch.float64, seed=0):
@@ -55,15 +62,20 @@ def global_tensor(shape, dtype=torch.float64, seed=0):
     return t.to(dtype)
 
 
+# Named partitions for p ranks: balanced 13 and 721 rows, one row each, an empty first rank
+# (which needs two ranks or more, so it is not collected at one rank: no duplicate cases).
+CASES = ["balanced13", "balanced721", "one_row"] + (["empty_first"] if WORLD > 1 else [])
+
+
 def size_cases(p):
-    """(name, sizes) partitions for p ranks: balanced 13 and 721, 1-row, empty first rank."""
-    cases = [
-        ("balanced13", balanced_sizes(13, p)),
-        ("balanced721", balanced_sizes(721, p)),
-        ("one_row", (1,) * p),
-    ]
+    """{name: sizes} for p ranks."""
+    cases = {
+        "balanced13": balanced_sizes(13, p),
+        "balanced721": balanced_sizes(721, p),
+        "one_row": (1,) * p,
+    }
     if p > 1:
-        cases.append(("empty_first", (0, *tuple(range(2, p + 1)))))
+        cases["empty_first"] = (0, *tuple(range(2, p + 1)))
     return cases
 
 
@@ -81,20 +93,18 @@ def shape_for(total, dim):
 
 
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", CASES)
 def test_all_gather_v(transport, dim, case):
-    cases = size_cases(transport.size)
-    name, sizes = cases[case % len(cases)]
+    name, sizes = case, size_cases(transport.size)[case]
     full = global_tensor(shape_for(sum(sizes), dim))
     out = transport.all_gather_v(local_part(full, sizes, dim, transport.rank), sizes, dim)
     assert torch.equal(out, full), name
 
 
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", CASES)
 def test_gather_v_to_last_rank(transport, dim, case):
-    cases = size_cases(transport.size)
-    name, sizes = cases[case % len(cases)]
+    name, sizes = case, size_cases(transport.size)[case]
     full = global_tensor(shape_for(sum(sizes), dim))
     dst = transport.size - 1
     out = transport.gather_v(local_part(full, sizes, dim, transport.rank), sizes, dim, dst=dst)
@@ -105,10 +115,9 @@ def test_gather_v_to_last_rank(transport, dim, case):
 
 
 @pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", CASES)
 def test_scatter_v_from_last_rank_others_pass_none(transport, dim, case):
-    cases = size_cases(transport.size)
-    name, sizes = cases[case % len(cases)]
+    name, sizes = case, size_cases(transport.size)[case]
     full = global_tensor(shape_for(sum(sizes), dim))
     src = transport.size - 1
     out = transport.scatter_v(full if transport.rank == src else None, sizes, dim, src=src)

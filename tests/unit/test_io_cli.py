@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpidp.errors import DataError
-from mpidp.io import ShardedH5Dataset
+from mpidp.io import ShardedH5Dataset, ensure_sample_data
 
 
 def test_sample_data_cli_writes_a_readable_file(tmp_path):
@@ -52,3 +52,32 @@ def test_sample_data_cli_writes_a_readable_file(tmp_path):
 def test_one_process_errors_name_the_file(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         ShardedH5Dataset(tmp_path / "absent.h5")
+
+
+def test_cached_sample_data_is_regenerated_when_stale(tmp_path, monkeypatch):
+    """A cached sample file is kept only when this generator wrote it with these arguments."""
+    import mpidp.io.sample as sample
+
+    path = tmp_path / "cache.h5"
+    args = dict(n_lat=7, n_lon=8, n_time=3)
+    assert ensure_sample_data(path, **args)[1] == "missing"
+    stamp = path.stat().st_mtime_ns
+    assert ensure_sample_data(path, **args) == (path, "")  # current: kept as it is
+    assert path.stat().st_mtime_ns == stamp
+    # other arguments: the cached file is not what was asked for
+    assert "other arguments" in ensure_sample_data(path, **{**args, "n_time": 4})[1]
+    with h5py.File(path, "r") as f:
+        assert f["t2m"].shape == (4, 7, 8)
+    # the generator's code changed (its fingerprint hashes the module's source)
+    real = sample.sample_fingerprint
+    monkeypatch.setattr(sample, "sample_fingerprint", lambda **a: "x" + real(**a))
+    assert "another version" in ensure_sample_data(path, n_lat=7, n_lon=8, n_time=4)[1]
+    monkeypatch.undo()
+    assert ensure_sample_data(path, n_lat=7, n_lon=8, n_time=4)[1]  # and back
+    # a file from before fingerprints (or anyone else's) and a corrupt one are replaced
+    with h5py.File(path, "a") as f:
+        del f.attrs[sample.FINGERPRINT_ATTR]
+    assert ensure_sample_data(path, n_lat=7, n_lon=8, n_time=4)[1]
+    path.write_bytes(b"not hdf5")
+    assert "unreadable" in ensure_sample_data(path, n_lat=7, n_lon=8, n_time=4)[1]
+    assert ensure_sample_data(path, n_lat=7, n_lon=8, n_time=4)[1] == ""
