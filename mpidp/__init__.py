@@ -1,5 +1,6 @@
 """mpidp: domain parallelism for PyTorch models on latitude bands, launched by MPI."""
 
+from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
 from mpidp import parallel as parallel  # mpidp.parallel without a second import
 from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.collectives import (

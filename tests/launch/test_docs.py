@@ -70,6 +70,7 @@ def test_code_blocks_run(page, ranks, tmp_path):
 
 MODULES = [
     "mpidp",
+    "mpidp.fft",
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.plan",

@@ -1,0 +1,62 @@
+"""Checks shared by the MPI tests: seeded data, gradcheck of a distributed function as one
+global function, and the adjoint identity summed over ranks."""
+
+from __future__ import annotations
+
+import torch
+
+import mpidp
+
+
+def rand(shape, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def global_fn(t, local_shapes, f, replicated_out=False):
+    """The distributed function as one function of a replicated global input, for gradcheck.
+
+    Every rank gets its own block of the flat global input (``local_shapes[r]``, through the
+    sharding Function, whose backward all-gathers), applies ``f`` and the outputs of all ranks
+    are concatenated (flat) on every rank with a replicated-downstream gather. gradcheck then
+    perturbs the same input entry and seeds the same output entry on every rank, so it checks
+    the Jacobian of the whole distributed computation, communication included. With
+    ``replicated_out`` the output of ``f`` already is one value held by every rank.
+    """
+    numels = [int(torch.Size(s).numel()) for s in local_shapes]
+
+    def g(xg):
+        x = mpidp.shard_tensor(xg, 0, spec=numels, group=t).view(local_shapes[t.rank])
+        y = f(x)
+        if replicated_out:
+            return y
+        sizes = [int(n) for n in t.all_gather_object(y.numel())]
+        return mpidp.all_gather_v_replicated(y.reshape(-1), sizes, 0, group=t)
+
+    return g, sum(numels)
+
+
+def gradcheck_global(t, local_shapes, f, replicated_out=False, second=True):
+    """gradcheck, and with ``second`` gradgradcheck (every backward is a partner Function, so
+    double backward works) with ``grad_outputs`` drawn from one seed: the same on every rank,
+    as the replicated output needs (gradgradcheck's own draw would differ between ranks)."""
+    g, n = global_fn(t, local_shapes, f, replicated_out)
+    xg = rand((n,), 60).requires_grad_()
+    assert torch.autograd.gradcheck(g, (xg,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    if not second or t.name != "mpi":  # the Functions are the transport's clients: once
+        return
+    seeded = rand(tuple(g(xg).shape), 64).requires_grad_()
+    assert torch.autograd.gradgradcheck(g, (xg,), (seeded,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def adjoint_gap(t, f, x, replicated_out=False, replicated_in=False, seed=70):
+    """|<F x, y> - <x, F* y>| relative, both sides summed over ranks (a side counted once when
+    it is replicated: one value held by every rank). F* y is the backward pass seeded with y."""
+    y_out = f(x) if x is not None else f(None)
+    y = rand(y_out.shape, seed if replicated_out else seed + t.rank)
+    lhs = float((y_out.detach() * y).sum())
+    y_out.backward(y)
+    rhs = float((x.detach() * x.grad).sum()) if x is not None and x.grad is not None else 0.0
+    lhs_all = lhs if replicated_out else sum(t.all_gather_object(lhs))
+    rhs_all = rhs if replicated_in else sum(t.all_gather_object(rhs))
+    return abs(lhs_all - rhs_all) / max(1.0, abs(lhs_all))
