@@ -13,6 +13,7 @@ from mpidp.collectives import (
     indexed_all_to_all_v,
     reduce_from,
     reduce_scatter_v,
+    repartition,
     scatter_v,
 )
 from mpidp.convert import convert_to_domain_parallel
@@ -124,6 +125,7 @@ __all__ = [
     "latitude_weights",
     "reduce_from",
     "reduce_scatter_v",
+    "repartition",
     "scatter_v",
     "shard_batch",
     "shard_tensor",

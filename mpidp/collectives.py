@@ -49,6 +49,7 @@ __all__ = [
     "indexed_all_to_all_v",
     "reduce_from",
     "reduce_scatter_v",
+    "repartition",
     "resolve_transport",
     "scatter_v",
 ]
@@ -646,6 +647,39 @@ def indexed_all_to_all_v(
     recv = [matrix[i][t.rank] for i in range(t.size)]
     out = _call(_AllToAllV, picked, t, counts, recv, d, d)
     return out.to(tensor.dtype) if work is not tensor else out
+
+
+def repartition(
+    tensor: torch.Tensor,
+    sizes: Sizes,
+    new_sizes: Sizes,
+    dim: int = 0,
+    group: Any = None,
+) -> torch.Tensor:
+    """The same global tensor, cut along ``dim`` by ``new_sizes`` instead of ``sizes`` (both
+    partitions of one length): only the rows that change owner travel (boundary rows when the
+    two cuts are close), in one all-to-all; a rank whose rows stay keeps them without a copy
+    through the transport. Sharded in, sharded out; the backward is the reverse move.
+
+    Collective over ``group`` (every rank calls it, even when nothing moves on it)."""
+    t = resolve_transport(group, tensor.device)
+    old, new = ShardSpec.from_sizes(as_sizes(sizes)), ShardSpec.from_sizes(as_sizes(new_sizes))
+    if old.total != new.total or old.parts != t.size or new.parts != t.size:
+        raise CommError(
+            f"{t._where()}: repartition from {old} to {new}: both must cut one length over "
+            f"the group's {t.size} ranks"
+        )
+    t._local(tensor, dim % max(tensor.dim(), 1), old[t.rank], f"sizes[{t.rank}]")
+    if old == new:
+        return tensor
+    me = t.rank
+    send = [0] * t.size
+    for rank, lo, hi in new.overlaps(old.start(me), old.stop(me)):
+        send[rank] = hi - lo
+    recv = [0] * t.size
+    for rank, lo, hi in old.overlaps(new.start(me), new.stop(me)):
+        recv[rank] = hi - lo
+    return all_to_all_v(tensor, send, recv, dim, group=t)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:

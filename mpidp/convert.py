@@ -16,7 +16,9 @@ from typing import Any
 from torch import nn
 
 from mpidp import layers as L
+from mpidp import models as M
 from mpidp.errors import ConfigError
+from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
 from mpidp.manager import DistributedManager
 
@@ -94,6 +96,10 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (nn.MaxPool2d, L.DomainParallelMaxPool2d),
     (nn.AvgPool2d, L.DomainParallelAvgPool2d),
     (nn.AdaptiveAvgPool2d, L.DomainParallelAdaptiveAvgPool2d),
+    (M.AFNOFilter, S.DomainParallelAFNOFilter),
+    (M.SpectralConv2d, S.DomainParallelSpectralConv2d),
+    (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
+    (M.PatchRecovery, S.DomainParallelPatchRecovery),
 ]
 
 

@@ -117,13 +117,23 @@ def test_broadcast_parameters(manager):
     assert all(torch.equal(f, everyone[0]) for f in everyone)
 
 
-def test_ten_training_steps_match_the_serial_run(manager):
-    """dp x domain (2 x 2 at four ranks): 10 SGD steps of a converted U-Net on a latitude-weighted
-    loss give the serial run's losses and final weights (float64)."""
-    from mpidp.models import WeatherUNet
+def _model(name, h, w):
+    from mpidp.models import AFNONet, FNO2d, WeatherUNet
 
-    h, w, batch = 19, 8, 2 * manager.dp_world_size
-    serial = WeatherUNet(2, 2, (h, w), width=4).to(F64)
+    if name == "afno":  # 6 token rows of patch 4, uneven over 4 ranks
+        return AFNONet(2, 2, (h, w), patch=4, embed_dim=8, depth=2, num_blocks=2)
+    if name == "fno":
+        return FNO2d(2, 2, modes1=4, modes2=3, width=6, depth=2)
+    return WeatherUNet(2, 2, (h, w), width=4)
+
+
+@pytest.mark.parametrize("name", ["unet", "afno", "fno"])
+def test_ten_training_steps_match_the_serial_run(manager, name):
+    """dp x domain (2 x 2 at four ranks): 10 SGD steps of a converted model (the U-Net, the
+    AFNO network, the FNO) on a latitude-weighted loss give the serial run's losses and final
+    weights (float64)."""
+    (h, w), batch = ((24, 16) if name == "afno" else (19, 8)), 2 * manager.dp_world_size
+    serial = _model(name, h, w).to(F64)
     mpidp.broadcast_parameters(serial, manager)
     dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
