@@ -23,10 +23,10 @@ from typing import Any
 
 import h5py
 import torch
+from train import build_model  # the model a checkpoint names (examples/train.py)
 
 import mpidp
 from mpidp.io import RolloutWriter, ShardedH5Dataset, load_checkpoint
-from mpidp.models import WeatherUNet
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,13 +73,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
     cfg, spec = state["extra"]["config"], state["extra"]["model"]
     dtype = torch.float64 if cfg["precision"] == "float64" else torch.float32
     data = args.data or cfg["data"] or str(HERE / "data" / f"sample-{cfg['lat']}x{cfg['lon']}.h5")
-    spec["grid"] = tuple(spec["grid"])
+    grid = (cfg["lat"], cfg["lon"])
 
-    model: torch.nn.Module = WeatherUNet(**spec).to(device=manager.device, dtype=dtype)
+    model = build_model(spec).to(device=manager.device, dtype=dtype)
     model = mpidp.convert_to_domain_parallel(model, manager)
     model.load_state_dict(state["model"])
     model.eval()
-    ds = ShardedH5Dataset(data, manager=manager, grid=spec["grid"], dtype=dtype)
+    ds = ShardedH5Dataset(data, manager=manager, grid=grid, dtype=dtype)
     if list(ds.channels) != list(state["extra"]["channels"]):
         want = state["extra"]["channels"]
         raise SystemExit(f"{data} has channels {ds.channels}; the model was trained on {want}")

@@ -1,4 +1,4 @@
-"""Train a small weather U-Net domain-parallel on the built-in sample data set.
+"""Train a small weather model (U-Net, AFNO or FNO) domain-parallel on the sample data set.
 
     mpiexec -n 4 python examples/train.py                # dp 2 x domain 2 (the default)
     python examples/train.py                             # one process: the same numbers
@@ -7,6 +7,8 @@
     mpiexec -n 4 python examples/train.py --config my.yaml --steps 200 --resume
     mpiexec -n 4 python examples/train.py --data-parallel fsdp2 --domain 2   # FSDP2 x domain
     mpiexec -n 4 python examples/train.py --mlp 16 --tensor 2 --domain 2     # TP x domain
+    mpiexec -n 4 python examples/train.py --model afno   # FourCastNet-style, through mpidp.fft
+    mpiexec -n 4 python examples/train.py --model fno    # Fourier neural operator
 
 Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
 replicas see different samples. The loss is the latitude-weighted MSE of the whole global
@@ -43,7 +45,7 @@ from mpidp.io import (
     load_checkpoint,
     save_checkpoint,
 )
-from mpidp.models import WeatherUNet
+from mpidp.models import AFNONet, FNO2d, WeatherUNet
 from mpidp.parallel import (
     ParallelMesh,
     apply_ddp,
@@ -61,7 +63,8 @@ class Config:
     """Everything a run depends on; a YAML file may set any field, flags win over it."""
 
     data: str = ""  # default: examples/data/sample-<lat>x<lon>.h5, generated when missing
-    lat: int = 91
+    model: str = "unet"  # unet, afno (FourCastNet-style AFNO) or fno (Fourier neural operator)
+    lat: int = 0  # 0: 91, or 92 for afno (a multiple of its patch)
     lon: int = 180
     times: int = 64
     domain: str = "auto"  # ranks per domain group; auto: 2 when world/tensor is even, else all
@@ -71,8 +74,10 @@ class Config:
     steps: int = 40
     batch: int = 2  # global batch: split over the data-parallel replicas
     lr: float = 2e-3
-    width: int = 8
+    width: int = 8  # U-Net width; AFNO embeds 4 x width channels, FNO has 2 x width
     groups: int = 2
+    patch: int = 4  # AFNO patch size (lat and lon must be multiples of it)
+    modes: int = 12  # FNO modes kept along each dim
     precision: str = "float32"  # or float64
     val_samples: int = 8
     val_every: int = 10
@@ -108,7 +113,43 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**values)
     if cfg.precision not in ("float32", "float64"):
         parser.error(f"--precision {cfg.precision!r}: use float32 or float64")
+    if cfg.model not in MODELS:
+        parser.error(f"--model {cfg.model!r}: use one of {', '.join(MODELS)}")
+    if cfg.lat == 0:
+        cfg.lat = 92 if cfg.model == "afno" else 91
+    if cfg.model == "afno" and (cfg.lat % cfg.patch or cfg.lon % cfg.patch):
+        parser.error(
+            f"--model afno: the grid {cfg.lat} x {cfg.lon} must be a multiple of --patch "
+            f"{cfg.patch} (e.g. --lat 92 --lon 180)"
+        )
+    if cfg.model != "unet" and (cfg.mlp or cfg.tensor > 1):
+        parser.error("--mlp / --tensor: tensor parallelism is declared in the U-Net only")
     return cfg
+
+
+#: the models --model names, built from the spec that model_spec() writes into checkpoints
+MODELS: dict[str, type[torch.nn.Module]] = {"unet": WeatherUNet, "afno": AFNONet, "fno": FNO2d}
+
+
+def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
+    """The constructor arguments of ``cfg.model`` (saved with the checkpoint, with its name)."""
+    spec: dict[str, Any] = dict(in_channels=channels, out_channels=channels)
+    if cfg.model == "afno":
+        spec.update(grid=(cfg.lat, cfg.lon), patch=cfg.patch, embed_dim=4 * cfg.width, depth=2)
+    elif cfg.model == "fno":
+        spec.update(modes1=cfg.modes, modes2=cfg.modes, width=2 * cfg.width, depth=3)
+    else:
+        spec.update(grid=(cfg.lat, cfg.lon), width=cfg.width, groups=cfg.groups, mlp=cfg.mlp)
+    return {"name": cfg.model, **spec}
+
+
+def build_model(spec: dict[str, Any]) -> torch.nn.Module:
+    """The serial model of a saved spec (checkpoints from before --model hold a U-Net's)."""
+    args = dict(spec)
+    name = args.pop("name", "unet")
+    if "grid" in args:
+        args["grid"] = tuple(args["grid"])
+    return MODELS[name](**args)
 
 
 def domain_size(cfg: Config, world: int) -> int:
@@ -275,16 +316,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--batch {cfg.batch} exceeds the {len(train_idx)} training samples")
 
     channels = len(ds.channels)
-    spec = dict(
-        in_channels=channels,
-        out_channels=channels,
-        grid=(cfg.lat, cfg.lon),
-        width=cfg.width,
-        groups=cfg.groups,
-        mlp=cfg.mlp,
-    )
+    spec = model_spec(cfg, channels)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the layout
-    model: torch.nn.Module = WeatherUNet(**spec).to(device=manager.device, dtype=dtype)  # type: ignore[arg-type]
+    model = build_model(spec).to(device=manager.device, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
     try:
         model = parallel_model(model, meshes, manager)
@@ -310,9 +344,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if lead:
         print(
-            f"mpidp train: {manager.world_size} ranks = {describe(meshes)}; grid {cfg.lat} x "
-            f"{cfg.lon}, bands {list(manager.spec(cfg.lat).sizes)}; {channels} channels "
-            f"{ds.channels}; {n_params} parameters; {cfg.precision}; "
+            f"mpidp train: {cfg.model}; {manager.world_size} ranks = {describe(meshes)}; "
+            f"grid {cfg.lat} x {cfg.lon}, bands {list(manager.spec(cfg.lat).sizes)}; "
+            f"{channels} channels {ds.channels}; {n_params} parameters; {cfg.precision}; "
             f"global batch {cfg.batch}; steps {step} -> {cfg.steps}",
             flush=True,
         )

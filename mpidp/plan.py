@@ -8,8 +8,11 @@ step and the activation memory its bands hold. ``mpidp plan`` prints it.
 Bytes come from the halo exchange's own plan (:func:`mpidp.halo_plan.plan`), so they count
 exactly the rows that come from other ranks (rows filled by a zero boundary cost nothing; rows
 across a pole or a periodic edge count when another rank owns them). A training step moves
-them twice: the forward fetch and its adjoint in the backward pass. Normalisation layers add
-one small all-reduce each (a few numbers per channel group), not counted. Activation memory is
+them twice: the forward fetch and its adjoint in the backward pass. Spectral layers (an AFNO
+filter, an FNO spectral convolution) add their two transposes (rfft2's all-to-all and
+irfft2's), each twice per step; a patch head adds the boundary rows it moves to the policy's
+cut. Normalisation layers add one small all-reduce each (a few numbers per channel group), not
+counted. Activation memory is
 the output of every spatial layer on the rank's rows, what autograd keeps for the backward
 pass; elementwise activations in between add to it in the same proportion on every rank.
 """
@@ -29,7 +32,7 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.halo_plan import Boundary, plan
-from mpidp.partition import Balanced, PartitionPolicy, Weighted
+from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.validate import LayerSharding, ShardingReport, validate_sharding_constraints
 
 __all__ = [
@@ -54,6 +57,19 @@ def _resblock(channels: int, grid: tuple[int, int]) -> nn.Module:
     return PeriodicResBlock(max(channels, 2) + max(channels, 2) % 2)
 
 
+def _afno(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import AFNONet
+
+    patch = 8 if grid[0] % 8 == 0 and grid[1] % 8 == 0 else 4
+    return AFNONet(channels, channels, grid, patch=patch, embed_dim=256, depth=4, num_blocks=8)
+
+
+def _fno(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import FNO2d
+
+    return FNO2d(channels, channels, modes1=32, modes2=32, width=32, depth=4)
+
+
 def _patch(channels: int, grid: tuple[int, int]) -> nn.Module:
     from mpidp.models import PatchEmbedRecover
 
@@ -65,6 +81,8 @@ EXAMPLE_MODELS: dict[str, Callable[[int, tuple[int, int]], nn.Module]] = {
     "unet": _unet,
     "resblock": _resblock,
     "patch": _patch,
+    "afno": _afno,
+    "fno": _fno,
 }
 
 
@@ -79,6 +97,8 @@ class RankCost:
     recv_bytes: int
     send_bytes: int
     activation_bytes: int
+    #: of ``send_bytes``: what the all-to-alls of spectral layers and patch heads send
+    transpose_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +142,14 @@ class ModelPlan:
             f"({self.partition}), {self.itemsize}-byte values"
         )
         per_rank = [
-            f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'halo MB/step in':>17}"
-            f"{'halo MB/step out':>18}{'activations MB':>16}"
+            f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
+            f"{'comm MB/step out':>18}{'of it transposes':>18}{'activations MB':>16}"
         ]
         for r in self.ranks:
             per_rank.append(
                 f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
-                f"{r.send_bytes / 1e6:>18.3f}{r.activation_bytes / 1e6:>16.2f}"
+                f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
+                f"{r.activation_bytes / 1e6:>16.2f}"
             )
         most = max(r.activation_bytes for r in self.ranks)
         per_rank.append(
@@ -172,6 +193,39 @@ def _recv_send(layer: LayerSharding, rank: int) -> tuple[int, int]:
     return sum(hi - lo for _, lo, hi in p.recv), sum(hi - lo for _, lo, hi in p.send)
 
 
+def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
+    """Bytes one rank sends (= receives, summed over a step) in a layer's transposes: a
+    spectral layer's rfft2 and irfft2 all-to-alls (complex values; forward and backward), and
+    a patch head's move of its pixel rows to the policy's cut."""
+    if layer.modes:
+        d = len(layer.shape_in) + layer.dim_in
+        h, rows, k, mine = sum(layer.rows_in), layer.rows_in[rank], sum(layer.modes), 0
+        mine = layer.modes[rank]
+        w_dim = d + 1  # W follows H in both layouts (B, C, H, W) and (B, h, w, C)
+        other = _spatial_elements(layer.shape_in, d) // layer.shape_in[w_dim]
+        # sent in rfft2 (my rows of others' modes) and irfft2 (others' rows of my modes);
+        # the backward sends what the forward received, the same count
+        once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
+        return 2 * once
+    if layer.kind == "PatchRecovery":
+        patch = sum(layer.rows_out) // max(sum(layer.rows_in), 1)
+        pixels = ShardSpec.from_sizes([patch * n for n in layer.rows_in])
+        out = ShardSpec.from_sizes(layer.rows_out)
+        lost = sum(
+            hi - lo
+            for r, lo, hi in out.overlaps(pixels.start(rank), pixels.stop(rank))
+            if r != rank
+        )
+        gained = sum(
+            hi - lo
+            for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank))
+            if r != rank
+        )
+        row = _spatial_elements(layer.shape_out, len(layer.shape_out) + layer.dim_out)
+        return (lost + gained) * row * itemsize  # forward sends lost, backward gained
+    return 0
+
+
 def plan_model(
     model: nn.Module,
     global_shape: Sequence[int],
@@ -192,21 +246,25 @@ def plan_model(
     ranks = []
     serial = sum(math.prod(layer.shape_out) for layer in report.layers) * itemsize
     for r in range(parts):
-        recv = send = act = 0
+        recv = send = act = moved_all = 0
         for layer in report.layers:
-            d_in = len(layer.shape_in) + shard_dim
-            d_out = len(layer.shape_out) + shard_dim
+            d_in = len(layer.shape_in) + layer.dim_in
+            d_out = len(layer.shape_out) + layer.dim_out
             row_in = _spatial_elements(layer.shape_in, d_in) * itemsize
             rows_recv, rows_send = _recv_send(layer, r)
             # forward: receive rows_recv, send rows_send; backward: the adjoint, reversed
             recv += (rows_recv + rows_send) * row_in
             send += (rows_send + rows_recv) * row_in
+            moved = _moved_bytes(layer, r, itemsize)
+            recv += moved
+            send += moved
+            moved_all += moved
             act += layer.rows_out[r] * _spatial_elements(layer.shape_out, d_out) * itemsize
         rows = report.layers[0].rows_in[r] if report.layers else 0
         halo = tuple(
             max(0, lay.halo_before[r]) + max(0, lay.halo_after[r]) for lay in report.layers
         )
-        ranks.append(RankCost(r, rows, halo, recv, send, act))
+        ranks.append(RankCost(r, rows, halo, recv, send, act, moved_all))
     name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
     return ModelPlan(tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial)
 

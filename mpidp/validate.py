@@ -23,6 +23,7 @@ from mpidp.layers import base
 from mpidp.layers.interpolate import _per_dim, _taps, read_halo
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.manager import DistributedManager, get_manager
+from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
 from mpidp.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
@@ -36,7 +37,14 @@ _SPATIAL = (
     nn.MaxPool2d,
     nn.AvgPool2d,
     nn.AdaptiveAvgPool2d,
+    AFNOFilter,
+    SpectralConv2d,
+    PositionEmbedding,
+    PatchRecovery,
 )
+
+#: channels-last modules: the sharded H is dim 1 of their (B, h, w, C) input
+_CHANNELS_LAST_IN = (AFNOFilter, PositionEmbedding, PatchRecovery)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +62,11 @@ class LayerSharding:
     #: the layer's global input and output shapes in the dry run
     shape_in: tuple[int, ...] = ()
     shape_out: tuple[int, ...] = ()
+    #: the sharded dim of the input and of the output (counted from the end)
+    dim_in: int = -2
+    dim_out: int = -2
+    #: a spectral layer (rfft2 and irfft2 through mpidp.fft): its W modes per rank
+    modes: tuple[int, ...] = ()
 
     @property
     def halo_rows(self) -> int:
@@ -197,8 +210,10 @@ def validate_sharding_constraints(
                 hook.remove()
     layers = []
     for path, module, shape_in, shape_out in seen:
-        d = len(shape_in) + shard_dim
-        h_in, h_out = shape_in[d], shape_out[d]
+        dim_in = shard_dim - 1 if isinstance(module, _CHANNELS_LAST_IN) else shard_dim
+        dim_out = shard_dim if isinstance(module, PatchRecovery) else dim_in
+        d = len(shape_in) + dim_in
+        h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
         kind = type(module).__name__
         try:
             spec_in, spec_out = partition.spec(h_in, parts), partition.spec(h_out, parts)
@@ -219,6 +234,11 @@ def validate_sharding_constraints(
                 problems.append(f"{path} ({kind}): ceil_mode is not supported on bands")
         halo = _window_halo(module, spec_in, spec_out, k, h_in) if k >= 0 else None
         before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
+        modes: tuple[int, ...] = ()
+        if isinstance(module, AFNOFilter | SpectralConv2d):
+            k_modes = shape_in[module.fft_dims[1]] // 2 + 1
+            cut = ShardSpec.balanced(k_modes, parts, allow_empty=True)
+            modes = (cut if k_modes < parts else partition.spec(k_modes, parts)).sizes
         layers.append(
             LayerSharding(
                 path,
@@ -230,6 +250,9 @@ def validate_sharding_constraints(
                 boundary,
                 tuple(shape_in),
                 tuple(shape_out),
+                dim_in,
+                dim_out,
+                modes,
             )
         )
     return ShardingReport(parts, tuple(layers), tuple(problems))

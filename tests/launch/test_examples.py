@@ -99,6 +99,18 @@ def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_pat
     assert len(got["history"]["train"]) == 20
 
 
+def test_afno_model_four_ranks_matches_one_process(tmp_path):
+    """``--model afno``: FourCastNet-style, 92 x 180 grid in patches of 4 (23 token rows, cut
+    12/11 over 2 domain ranks), its filters through mpidp.fft; the same run as one process."""
+    args = ["--model", "afno", "--steps", "6", "--val-every", "3", *F64]
+    launch(1, TRAIN, *args, "--out", str(tmp_path / "one"))
+    log = launch(4, TRAIN, *args, "--out", str(tmp_path / "four"))
+    one, four = metrics(tmp_path / "one"), metrics(tmp_path / "four")
+    assert "mpidp train: afno; 4 ranks = dp 2 x domain 2" in log and "92 x 180" in log
+    _same_run(one, four)
+    assert one["val_loss"] < one["history"]["train"][0][1]  # it learned something
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     res = subprocess.run(
         [sys.executable, TRAIN, "--steps", "2", "--out", str(tmp_path), "--resume"],

@@ -308,6 +308,11 @@ def test_adjoints(t, case):
             lambda x: mpidp.all_to_all_v(x, spec, ShardSpec.balanced(p, p), 0, 1, group=t),
             leaf((n, 1, 2), 85),
         ),
+        "repartition": adjoint_gap(
+            t,
+            lambda x: mpidp.repartition(x, spec, _moved(spec), 0, group=t),
+            leaf((spec[me], 3), 91),
+        ),
         "all_reduce": adjoint_gap(t, lambda x: mpidp.all_reduce(x, group=t), leaf((4,), 86)),
         "reduce_from": adjoint_gap(
             t, lambda x: mpidp.reduce_from(x, group=t), leaf((4,), 87), replicated_out=True
@@ -327,6 +332,60 @@ def test_adjoints(t, case):
     }
     bad = {k: v for k, v in gaps.items() if v > 1e-12}
     assert not bad, f"adjoint identity violated: {bad}"
+
+
+# -- repartition ------------------------------------------------------------------------------
+
+
+def _moved(spec: ShardSpec) -> ShardSpec:
+    """Another cut of the same length: the reversed sizes, or every row on the last rank."""
+    rev = ShardSpec.from_sizes(list(spec)[::-1])
+    if rev != spec:
+        return rev
+    return ShardSpec.from_sizes([0] * (spec.parts - 1) + [spec.total])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dim", [0, -1])
+def test_repartition(t, case, dim):
+    """Rows move to another cut: the result is the new cut's band of the same global tensor; the
+    traffic is only the rows that change owner."""
+    spec = size_cases(t.size)[case]
+    new = _moved(spec)
+    full = rand(shape_with(spec.total, dim), 92)
+    out = mpidp.repartition(band(full, spec, dim), spec, new, dim, group=t)
+    assert torch.equal(out, band(full, new, dim))
+    # and back, through the backward: the gradient of the moved rows lands on their old owner
+    x = band(full, spec, dim).clone().requires_grad_()
+    mpidp.repartition(x, spec, new, dim, group=t).mul(band(full, new, dim)).sum().backward()
+    assert torch.equal(x.grad, band(full, spec, dim))
+
+
+def test_repartition_moves_only_the_rows_that_change_owner(manager):
+    from mpidp.testing import count_traffic
+
+    p, me = manager.domain_world_size, manager.domain_rank
+    old = ShardSpec.balanced(4 * p + 1, p)  # 5, 4, 4, ...: the extra row moves one rank down
+    new = ShardSpec.from_sizes([4] * (p - 1) + [5]) if p > 1 else old
+    x = torch.zeros(old[me], 3, dtype=torch.float64)
+    with count_traffic(manager) as traffic:
+        mpidp.repartition(x, old, new, 0, group=manager)
+    calls, nbytes = traffic.ops.get("all_to_all_v", [0, 0])
+    moved = sum(hi - lo for r, lo, hi in new.overlaps(old.start(me), old.stop(me)) if r != me)
+    assert moved == (1 if 0 < me < p - 1 or (me == 0 and p > 1) else 0)  # one row per boundary
+    assert (calls, nbytes) == ((1, moved * 3 * 8) if p > 1 else (0, 0))
+    with pytest.raises(mpidp.CommError, match="both must cut one length"):
+        mpidp.repartition(x, old, ShardSpec.balanced(old.total + 1, p), 0, group=manager)
+
+
+def test_gradcheck_repartition(t):
+    spec = tiny(t.size)["uneven"]
+    gradcheck_global(
+        t,
+        [(s, 2) for s in spec],
+        lambda x: mpidp.repartition(x, spec, _moved(spec), 0, group=t),
+        second=True,
+    )
 
 
 # -- dtypes, layouts, defaults ------------------------------------------------------------------

@@ -129,3 +129,23 @@ def test_fno(manager, policy):
     assert_matches_serial(
         serial, dist, [rand((2, 3, 19, 14), 8)], manager=manager, modules=(serial, dist)
     )
+
+
+def test_plan_prices_the_transposes_that_run(manager, policy):
+    """``mpidp plan``'s bytes for the spectral filters' all-to-alls and the head's row move equal
+    what each rank's all-to-alls send in one forward and backward of the converted AFNONet."""
+    from mpidp.plan import plan_model
+    from mpidp.testing import count_traffic
+
+    grid, shape = (36, 20), (2, 3, 36, 20)
+    serial = AFNONet(3, 2, grid, patch=4, embed_dim=8, depth=2, num_blocks=2).to(F64)
+    priced = plan_model(serial, shape, WORLD, partition=manager.partition, dtype=F64)
+    dist = converted(serial, manager)
+    rows = manager.spec(grid[0])
+    me = manager.domain_rank
+    x = rand(shape, 9).narrow(-2, rows.start(me), rows[me]).requires_grad_()
+    with count_traffic(manager) as traffic:
+        dist(x).sum().backward()
+    sent = traffic.ops.get("all_to_all_v", [0, 0])[1]
+    assert sent == priced.ranks[me].transpose_bytes, (sent, priced.ranks[me])
+    assert (sent > 0) == (WORLD > 1)
