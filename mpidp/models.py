@@ -14,6 +14,7 @@ from mpidp.geometry import conv_output_size
 from mpidp.layers.periodic import PeriodicConv2d
 
 __all__ = [
+    "AFNOBlock",
     "AFNOFilter",
     "AFNONet",
     "FNO2d",
@@ -250,7 +251,10 @@ class PatchRecovery(nn.Module):
         return y.permute(0, 5, 1, 3, 2, 4).reshape(b, self.out_channels, h * p, w * p)
 
 
-class _AFNOBlock(nn.Module):
+class AFNOBlock(nn.Module):
+    """One AFNO block on channels-last tokens (B, h, w, D): LayerNorm + AFNO filter + residual,
+    then LayerNorm + channel MLP (``mlp_ratio`` x D hidden, GELU) + residual."""
+
     def __init__(self, dim: int, grid: tuple[int, int], mlp_ratio: float, **filter_args) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
@@ -292,7 +296,7 @@ class AFNONet(nn.Module):
         self.patch_embed = nn.Conv2d(in_channels, embed_dim, patch, patch)
         self.pos_embed = PositionEmbedding(tokens, embed_dim)
         self.blocks = nn.ModuleList(
-            _AFNOBlock(
+            AFNOBlock(
                 embed_dim,
                 tokens,
                 mlp_ratio,

@@ -217,9 +217,7 @@ def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
             if r != rank
         )
         gained = sum(
-            hi - lo
-            for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank))
-            if r != rank
+            hi - lo for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank)) if r != rank
         )
         row = _spatial_elements(layer.shape_out, len(layer.shape_out) + layer.dim_out)
         return (lost + gained) * row * itemsize  # forward sends lost, backward gained
