@@ -16,7 +16,7 @@ from mpidp.collectives import (
     repartition,
     scatter_v,
 )
-from mpidp.convert import convert_to_domain_parallel
+from mpidp.convert import convert_to_domain_parallel, explain_conversion
 from mpidp.errors import BackendError, CommError, ConfigError, LaunchError, MpidpError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
 from mpidp.halo import (
@@ -107,6 +107,7 @@ __all__ = [
     "broadcast_parameters",
     "conv_output_size",
     "convert_to_domain_parallel",
+    "explain_conversion",
     "copy_to",
     "detect_launch",
     "gather_tensor",

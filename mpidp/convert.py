@@ -2,17 +2,21 @@
 
 Every module that reads neighbouring rows or statistics over the field is replaced by its
 domain-parallel wrapper, which subclasses it and shares its parameters and buffers (state_dict
-keys unchanged). Pointwise and channel-wise modules are left as they are. Modules that would
-silently compute something else on a band (attention over the full H, flattening, FFT blocks,
-anything unknown) are refused with their paths, unless the user registers a converter for their
-type or marks them safe.
+keys unchanged). Pointwise and channel-wise modules are left as they are. A module mpidp does
+not know is probed (:mod:`mpidp.probe`): left as it is when it is exact on any band, refused
+when it mixes rows. Modules that would silently compute something else on a band (attention
+over the full H, flattening, FFT blocks) are refused with their paths, unless the user
+registers a converter for their type or vouches for them with ``safe=``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from mpidp import layers as L
@@ -20,9 +24,11 @@ from mpidp import models as M
 from mpidp.errors import ConfigError
 from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
+from mpidp.layers.pad import PAD_WRAPPERS
 from mpidp.manager import DistributedManager
+from mpidp.probe import probe_band_locality
 
-__all__ = ["SAFE_MODULES", "convert_to_domain_parallel"]
+__all__ = ["SAFE_MODULES", "Verdict", "convert_to_domain_parallel", "explain_conversion"]
 
 Converter = Callable[[nn.Module, DistributedManager | None], nn.Module]
 
@@ -100,7 +106,19 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (M.SpectralConv2d, S.DomainParallelSpectralConv2d),
     (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
     (M.PatchRecovery, S.DomainParallelPatchRecovery),
+    *PAD_WRAPPERS.items(),
 ]
+
+#: 1-D layers (B, C, L): sharded along their length
+_ONE_D: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.ZeroPad1d,
+    nn.ConstantPad1d,
+    nn.ReflectionPad1d,
+    nn.ReplicationPad1d,
+    nn.CircularPad1d,
+)
 
 
 def _local_along(module: nn.Module, axis: int) -> bool:
@@ -119,12 +137,179 @@ def _layer_norm_is_local(module: nn.Module, shard_dim: int) -> bool:
     return isinstance(module, nn.LayerNorm) and len(module.normalized_shape) < -shard_dim
 
 
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What conversion does with one module: ``action`` is ``"converted"`` (to ``into``),
+    ``"left"`` (exact on a band as it is: known, probed local, or vouched for with ``safe=``)
+    or ``"refused"``; ``why`` says how that was decided."""
+
+    path: str
+    kind: str
+    action: str
+    why: str
+    into: str = ""
+
+    def __str__(self) -> str:
+        into = f" -> {self.into}" if self.into else ""
+        return f"{self.path} ({self.kind}): {self.action}{into}; {self.why}"
+
+
+def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict[str, tuple]:
+    """Input shape of every module's first call in one forward on meta tensors shaped like
+    ``example_inputs`` (no memory, no data); empty when the model cannot run on meta."""
+    if not example_inputs:
+        return {}
+    meta = copy.deepcopy(model).to("meta")
+    seen: dict[str, tuple] = {}
+    hooks = []
+    for path, module in meta.named_modules():
+
+        def record(mod: nn.Module, args: tuple, path: str = path) -> None:
+            if path not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[path] = tuple(args[0].shape)
+
+        hooks.append(module.register_forward_pre_hook(record))
+    args = [
+        torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+        for t in example_inputs
+    ]
+    try:
+        from mpidp.layers import base
+
+        with base.torch_path(), torch.no_grad():
+            meta(*args)
+    except Exception:
+        pass  # shapes seen before the failure are kept; the rest are guessed
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def _plan(
+    model: nn.Module,
+    manager: DistributedManager | None,
+    shard_dim: int,
+    custom_converters: dict[type, Converter] | None,
+    safe: Iterable[type | str],
+    example_inputs: Sequence[Any] | None,
+) -> tuple[list[tuple[nn.Module | None, str, nn.Module]], list[Verdict]]:
+    """Every module's verdict and the replacements (parent, attribute, new module); a parent of
+    None replaces the model itself. Builds the wrappers but changes nothing."""
+    custom = dict(custom_converters or {})
+    safe = list(safe)
+    safe_types = tuple(s for s in safe if isinstance(s, type))
+    safe_paths = {s for s in safe if isinstance(s, str)}
+    shapes = _seen_shapes(model, example_inputs)
+    plan: list[tuple[nn.Module | None, str, nn.Module]] = []
+    verdicts: list[Verdict] = []
+
+    def verdict(child: nn.Module, where: str, action: str, why: str, into: str = "") -> None:
+        verdicts.append(Verdict(where, type(child).__name__, action, why, into))
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            where = f"{path}.{name}" if path else name
+            replacement = _convert(child, where)
+            if replacement is not None and replacement is not child:
+                plan.append((module, name, replacement))
+            elif replacement is None:
+                visit(child, where)
+
+    def _convert(child: nn.Module, where: str) -> nn.Module | None:
+        """The replacement, the child itself (leave, do not recurse) or None (recurse)."""
+        for kind, fn in custom.items():
+            if isinstance(child, kind):
+                new = fn(child, manager)
+                verdict(child, where, "converted", "custom converter", type(new).__name__)
+                return new
+        if where in safe_paths or isinstance(child, safe_types):
+            verdict(child, where, "left", "safe= (vouched for by the user)")
+            return child
+        if getattr(child, "_mpidp_safe", False):
+            verdict(child, where, "left", "marked _mpidp_safe")
+            return child
+        if isinstance(child, DomainParallel):
+            verdict(child, where, "left", "already domain-parallel")
+            return child
+        if isinstance(child, _UNSAFE):
+            verdict(child, where, "refused", _why(child))
+            return child
+        if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
+            verdict(child, where, "left", "acts on each position alone")
+            return child
+        for kind, wrapper in _WRAPPERS:
+            if isinstance(child, kind):
+                return _wrap(child, kind, wrapper, where)
+        if next(child.children(), None) is not None:
+            return None  # a container or a user block: its children are converted
+        probe_path = "" if where == "(the model itself)" else where
+        found = probe_band_locality(child, shard_dim, shapes.get(probe_path))
+        if found.local:
+            verdict(child, where, "left", f"probed local: {found.detail}")
+        elif found.local is False:
+            verdict(
+                child,
+                where,
+                "refused",
+                f"probed: it mixes rows ({found.detail}); write its band form and pass "
+                f"custom_converters={{{type(child).__name__}: fn(module, manager)}} "
+                "(docs/layers.md: converters)",
+            )
+        else:
+            verdict(
+                child,
+                where,
+                "refused",
+                f"unknown, and the probe could not run it: {found.detail}; pass "
+                "example_inputs=(x, ...) so that the probe sees its real input, a converter, or "
+                "safe=[type or path] if you know it is exact on a band",
+            )
+        return child
+
+    def _wrap(child: nn.Module, kind: type, wrapper: type[Any], where: str) -> nn.Module:
+        axis_dim = -1 if issubclass(kind, _ONE_D) else shard_dim
+        if isinstance(child, nn.modules.conv._ConvNd):
+            n = len(child.kernel_size)
+            if _local_along(child, n + axis_dim):
+                verdict(child, where, "left", "kernel 1 and stride 1 along the sharded dim")
+                return child
+        if isinstance(child, nn.Upsample) and child.mode not in ("nearest", "bilinear", "bicubic"):
+            verdict(child, where, "refused", f"Upsample mode {child.mode!r} is not supported")
+            return child
+        new = wrapper.from_module(child, manager, axis_dim)
+        verdict(child, where, "converted", "its band form", type(new).__name__)
+        return new
+
+    top = _convert(model, "(the model itself)")
+    if top is None:
+        visit(model, "")
+    elif top is not model:
+        plan.append((None, "", top))
+    return plan, verdicts
+
+
+def explain_conversion(
+    model: nn.Module,
+    manager: DistributedManager | None = None,
+    shard_dim: int = -2,
+    custom_converters: dict[type, Converter] | None = None,
+    safe: Iterable[type | str] = (),
+    example_inputs: Sequence[Any] | None = None,
+) -> list[Verdict]:
+    """What :func:`convert_to_domain_parallel` would do with every module of ``model``, one
+    :class:`Verdict` each (converted, left as it is and why, or refused and why); nothing is
+    changed. Local: no communication."""
+    return _plan(model, manager, shard_dim, custom_converters, safe, example_inputs)[1]
+
+
 def convert_to_domain_parallel(
     model: nn.Module,
     manager: DistributedManager | None = None,
     shard_dim: int = -2,
     custom_converters: dict[type, Converter] | None = None,
     safe: Iterable[type | str] = (),
+    example_inputs: Sequence[Any] | None = None,
 ) -> nn.Module:
     """Replace, in place, every module of ``model`` that needs rows or statistics from other
     ranks by its domain-parallel wrapper; return ``model``. A model that is itself one such
@@ -143,75 +328,33 @@ def convert_to_domain_parallel(
         returned replaces the original and its children are not visited.
     safe:
         Types or module paths (``"encoder.attn"``) to leave as they are: the user vouches that
-        they compute the same on a band.
+        they compute the same on a band (for what the probe cannot run).
+    example_inputs:
+        The model's inputs (global shapes; only their shapes and dtypes are used): the probe
+        of an unknown module then runs on the shape it really receives.
 
-    Raises ConfigError listing every module that cannot be converted (path, type, why), before
-    anything is changed. Pure: no communication.
+    A module mpidp does not know is probed (:func:`mpidp.probe.probe_band_locality`): left as
+    it is when every band of its output equals its output on that band, refused otherwise.
+    Raises ConfigError listing every refused module (path, type, why), before anything is
+    changed. :func:`explain_conversion` lists every verdict. Local: no communication.
     """
-    custom = dict(custom_converters or {})
-    safe_types = tuple(s for s in safe if isinstance(s, type))
-    safe_paths = {s for s in safe if isinstance(s, str)}
-    plan: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, replacement)
-    problems: list[str] = []
-
-    def visit(module: nn.Module, path: str) -> None:
-        for name, child in module.named_children():
-            where = f"{path}.{name}" if path else name
-            replacement = _convert(child, where)
-            if replacement is not None and replacement is not child:
-                plan.append((module, name, replacement))
-            elif replacement is None:
-                visit(child, where)
-
-    def _convert(child: nn.Module, where: str) -> nn.Module | None:
-        """The replacement, the child itself (leave, do not recurse) or None (recurse)."""
-        for kind, fn in custom.items():
-            if isinstance(child, kind):
-                return fn(child, manager)
-        if (
-            where in safe_paths
-            or isinstance(child, safe_types)
-            or getattr(child, "_mpidp_safe", False)
-        ):
-            return child
-        if isinstance(child, DomainParallel):
-            return child
-        if isinstance(child, _UNSAFE):
-            problems.append(f"{where} ({type(child).__name__}): {_why(child)}")
-            return child
-        if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
-            return child
-        for kind, wrapper in _WRAPPERS:
-            if isinstance(child, kind):
-                return _wrap(child, kind, wrapper, where)
-        if next(child.children(), None) is not None:
-            return None  # a container or a user block: its children are converted
-        problems.append(f"{where} ({type(child).__name__}): {_why(child)}")
-        return child
-
-    def _wrap(child: nn.Module, kind: type, wrapper: type[Any], where: str) -> nn.Module:
-        n = len(getattr(child, "kernel_size", (0, 0)))
-        axis_dim = -1 if kind in (nn.Conv1d, nn.ConvTranspose1d) else shard_dim
-        if isinstance(child, nn.modules.conv._ConvNd) and _local_along(child, n + axis_dim):
-            return child
-        if isinstance(child, nn.Upsample) and child.mode not in ("nearest", "bilinear", "bicubic"):
-            problems.append(f"{where} (Upsample mode {child.mode!r}): not supported on bands")
-            return child
-        return wrapper.from_module(child, manager, axis_dim)
-
-    top = _convert(model, "(the model itself)")  # a bare layer: replaced as a whole
-    if top is None:
-        visit(model, "")
-    if problems:
+    plan, verdicts = _plan(model, manager, shard_dim, custom_converters, safe, example_inputs)
+    refused = [v for v in verdicts if v.action == "refused"]
+    if refused:
         raise ConfigError(
-            f"convert_to_domain_parallel: {len(problems)} module(s) would compute something "
-            f"else on a latitude band:\n  " + "\n  ".join(problems) + "\nfix: register a "
-            "converter (custom_converters={Type: fn(module, manager)}) or, if the module is "
-            "exact on a band, pass safe=[Type or 'path'] (or set module._mpidp_safe = True)"
+            f"convert_to_domain_parallel: {len(refused)} module(s) would compute something "
+            f"else on a latitude band:\n  "
+            + "\n  ".join(f"{v.path} ({v.kind}): {v.why}" for v in refused)
+            + "\nfix: register a converter (custom_converters={Type: fn(module, manager)}); "
+            "see docs/layers.md"
         )
+    top = model
     for parent, name, replacement in plan:
-        setattr(parent, name, replacement)
-    return model if top is None else top
+        if parent is None:
+            top = replacement
+        else:
+            setattr(parent, name, replacement)
+    return top
 
 
 def _why(module: nn.Module) -> str:

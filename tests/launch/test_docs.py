@@ -81,6 +81,7 @@ MODULES = [
     "mpidp.geometry",
     "mpidp.halo_plan",
     "mpidp.validate",
+    "mpidp.probe",
 ]
 
 

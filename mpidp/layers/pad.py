@@ -1,0 +1,113 @@
+"""Padding modules on a band: Zero/Constant/Reflection/Replication/CircularPad 1-3-D.
+
+Along the sharded dim a pad is a window of one row: output row ``o`` is input row ``o - top``,
+and rows beyond the field are filled by the pad's rule. So a rank fetches, with the halo
+exchange, the input rows of its output rows; the halo boundary of the same name fills rows
+beyond the field (reflect, replicate, circular; zeros, then the constant), and negative
+padding (a crop) simply fetches fewer rows. The other dims are padded locally by ``F.pad``.
+The output is cut by the manager's policy of the padded length.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpidp.geometry import HaloSpec
+from mpidp.halo import halo_exchange
+from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+
+# torch pad module base -> (F.pad mode, halo boundary)
+_MODES: dict[type, tuple[str, str]] = {
+    nn.modules.padding._ConstantPadNd: ("constant", "zeros"),
+    nn.modules.padding._ReflectionPadNd: ("reflect", "reflect"),
+    nn.modules.padding._ReplicationPadNd: ("replicate", "replicate"),
+    nn.modules.padding._CircularPadNd: ("circular", "circular"),
+}
+
+#: every torch pad module, 1-3-D
+PAD_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ZeroPad1d,
+    nn.ZeroPad2d,
+    nn.ZeroPad3d,
+    nn.ConstantPad1d,
+    nn.ConstantPad2d,
+    nn.ConstantPad3d,
+    nn.ReflectionPad1d,
+    nn.ReflectionPad2d,
+    nn.ReflectionPad3d,
+    nn.ReplicationPad1d,
+    nn.ReplicationPad2d,
+    nn.ReplicationPad3d,
+    nn.CircularPad1d,
+    nn.CircularPad2d,
+    nn.CircularPad3d,
+)
+
+
+def _mode(module: nn.Module) -> tuple[str, str]:
+    for base, found in _MODES.items():
+        if isinstance(module, base):
+            return found
+    raise TypeError(f"{type(module).__name__} is not a torch padding module")
+
+
+class _Pad(DomainParallel):
+    """The forward shared by every pad (``self`` is also the torch pad module)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
+        pad: Any = self
+        mode, boundary = _mode(pad)
+        padding = list(pad.padding)
+        d = x.dim() + self.shard_dim
+        k = x.dim() - 1 - d  # the sharded dim's pair in F.pad's order (last dim first)
+        top, bottom = padding[2 * k], padding[2 * k + 1]
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        out_spec = self._out_spec(spec.total + top + bottom)
+        halo = HaloSpec.for_layer(spec, out_spec, 1, 1, (top, bottom), 1)
+        ext = halo_exchange(
+            x, halo.before, halo.after, dim=d, spec=spec, boundary=boundary, group=t
+        )
+        value = float(getattr(pad, "value", 0.0) or 0.0)
+        if mode == "constant" and value:  # rows beyond the field hold the constant
+            first = out_spec.start(t.rank) - top  # global input row of ext's first row
+            rows = torch.arange(first, first + ext.size(d), device=ext.device)
+            beyond = (rows < 0) | (rows >= spec.total)
+            if bool(beyond.any()):
+                shape = [1] * ext.dim()
+                shape[d] = -1
+                ext = ext.masked_fill(beyond.view(shape), value)
+        padding[2 * k] = padding[2 * k + 1] = 0
+        if not any(padding):
+            return ext
+        rows_here = ext.size(d)
+        ext = with_rows(ext, d, 1)  # F.pad's reflect and circular refuse an empty dim
+        kwargs = {"value": value} if mode == "constant" else {}
+        return F.pad(ext, padding, mode=mode, **kwargs).narrow(d, 0, rows_here)
+
+
+def _wrapper(torch_type: type[nn.Module]) -> type[nn.Module]:
+    name = f"DomainParallel{torch_type.__name__}"
+    doc = (
+        f":class:`torch.nn.{torch_type.__name__}` on bands: the rows beyond the field from the "
+        f"pad's own rule, the other dims padded locally. Collective over the domain group."
+    )
+    cls = type(name, (_Pad, torch_type), {"__doc__": doc, "__module__": __name__})
+    cls.__qualname__ = name
+    return cls
+
+
+#: torch pad type -> its domain-parallel wrapper (importable by name from this module)
+PAD_WRAPPERS: dict[type[nn.Module], type[nn.Module]] = {}
+for _t in PAD_TYPES:
+    PAD_WRAPPERS[_t] = _wrapper(_t)
+    setattr(sys.modules[__name__], PAD_WRAPPERS[_t].__name__, PAD_WRAPPERS[_t])
+
+__all__ = ["PAD_TYPES", "PAD_WRAPPERS", *(w.__name__ for w in PAD_WRAPPERS.values())]
