@@ -25,6 +25,7 @@ from mpidp.errors import ConfigError
 from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.pad import PAD_WRAPPERS
+from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
 from mpidp.manager import DistributedManager
 from mpidp.probe import probe_band_locality
 
@@ -76,11 +77,6 @@ _UNSAFE: tuple[type[nn.Module], ...] = (
     nn.PixelUnshuffle,
     nn.Fold,
     nn.Unfold,
-    nn.AdaptiveMaxPool2d,
-    nn.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool3d,
 )
 
 # (torch type, wrapper), subclasses before their bases
@@ -99,9 +95,7 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (nn.BatchNorm2d, L.DomainParallelBatchNorm2d),
     (nn.BatchNorm3d, L.DomainParallelBatchNorm3d),
     (nn.Upsample, L.DomainParallelInterpolate),
-    (nn.MaxPool2d, L.DomainParallelMaxPool2d),
-    (nn.AvgPool2d, L.DomainParallelAvgPool2d),
-    (nn.AdaptiveAvgPool2d, L.DomainParallelAdaptiveAvgPool2d),
+    *POOL_WRAPPERS.items(),
     (M.AFNOFilter, S.DomainParallelAFNOFilter),
     (M.SpectralConv2d, S.DomainParallelSpectralConv2d),
     (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
@@ -118,6 +112,7 @@ _ONE_D: tuple[type[nn.Module], ...] = (
     nn.ReflectionPad1d,
     nn.ReplicationPad1d,
     nn.CircularPad1d,
+    *ONE_D_POOLS,
 )
 
 

@@ -21,22 +21,26 @@ from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.layers import base
 from mpidp.layers.interpolate import _per_dim, _taps, read_halo
+from mpidp.layers.pad import PAD_TYPES, _mode
 from mpidp.layers.periodic import PeriodicConv2d
+from mpidp.layers.pool import _window_ranges
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
 from mpidp.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
 
-_SPATIAL = (
+_SPATIAL: tuple[type[nn.Module], ...] = (
     nn.modules.conv._ConvNd,
     nn.GroupNorm,
     nn.modules.instancenorm._InstanceNorm,
     nn.modules.batchnorm._BatchNorm,
     nn.Upsample,
-    nn.MaxPool2d,
-    nn.AvgPool2d,
-    nn.AdaptiveAvgPool2d,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    *PAD_TYPES,
     AFNOFilter,
     SpectralConv2d,
     PositionEmbedding,
@@ -116,7 +120,7 @@ def _geometry(module: nn.Module, k: int) -> tuple[int, int, tuple[int, int], int
         pad = module.padding
         pair = padding_pair(pad, ks, 1, dil) if isinstance(pad, str) else (pad[k], pad[k])
         return ks, module.stride[k], pair, dil
-    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+    if isinstance(module, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
 
         def at(v: object) -> int:
             return v if isinstance(v, int) else v[k]  # type: ignore[index]
@@ -124,6 +128,10 @@ def _geometry(module: nn.Module, k: int) -> tuple[int, int, tuple[int, int], int
         dil = at(getattr(module, "dilation", 1))
         p = at(module.padding)
         return at(module.kernel_size), at(module.stride or module.kernel_size), (p, p), dil
+    if isinstance(module, PAD_TYPES):
+        pads: tuple[int, ...] = tuple(module.padding)  # type: ignore[arg-type]
+        at_k = 2 * (len(pads) // 2 - 1 - k)  # F.pad order: last dim first
+        return 1, 1, (pads[at_k], pads[at_k + 1]), 1
     return None
 
 
@@ -159,9 +167,18 @@ def _window_halo(
     geo = _geometry(module, k)
     if geo is None:
         return None
+    if isinstance(module, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
+        # windows past the end (ceil_mode) included; rows beyond the field are the pool's own
+        ranges = _window_ranges(spec_in, spec_out, geo[0], geo[1], geo[2][0], geo[3])
+        h = spec_in.total
+        inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
+        halo = HaloSpec.from_ranges(spec_in, inside)
+        return halo.before, halo.after, "none"
     halo = HaloSpec.for_layer(spec_in, spec_out, geo[0], geo[1], geo[2], geo[3])
     if isinstance(module, PeriodicConv2d):
         kind = module.pole
+    elif isinstance(module, PAD_TYPES):
+        kind = _mode(module)[1]
     else:
         kind = _MODES.get(getattr(module, "padding_mode", "zeros"), "zeros")
     return halo.before, halo.after, kind
@@ -215,8 +232,28 @@ def validate_sharding_constraints(
         d = len(shape_in) + dim_in
         h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
         kind = type(module).__name__
+        adaptive = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
         try:
-            spec_in, spec_out = partition.spec(h_in, parts), partition.spec(h_out, parts)
+            spec_in = partition.spec(h_in, parts)
+            if isinstance(module, adaptive) and h_out < parts:
+                # fewer output rows than ranks: the whole result, replicated on every rank
+                layers.append(
+                    LayerSharding(
+                        path,
+                        kind,
+                        spec_in.sizes,
+                        (h_out,) * parts,
+                        (0,) * parts,
+                        (0,) * parts,
+                        "replicated",
+                        tuple(shape_in),
+                        tuple(shape_out),
+                        dim_in,
+                        dim_out,
+                    )
+                )
+                continue
+            spec_out = partition.spec(h_out, parts)
         except Exception as err:
             problems.append(f"{path} ({kind}): {err}")
             continue
@@ -230,8 +267,6 @@ def validate_sharding_constraints(
                 problems.append(
                     f"{path} ({kind}): polar padding needs an even W, got {shape_in[-1]}"
                 )
-            if getattr(module, "ceil_mode", False):
-                problems.append(f"{path} ({kind}): ceil_mode is not supported on bands")
         halo = _window_halo(module, spec_in, spec_out, k, h_in) if k >= 0 else None
         before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
         modes: tuple[int, ...] = ()

@@ -27,15 +27,33 @@ from mpidp.layers.norm import (
 )
 from mpidp.layers.periodic import DomainParallelPeriodicConv2d, PeriodicConv2d
 from mpidp.layers.pool import (
+    DomainParallelAdaptiveAvgPool1d,
     DomainParallelAdaptiveAvgPool2d,
+    DomainParallelAdaptiveAvgPool3d,
+    DomainParallelAdaptiveMaxPool1d,
+    DomainParallelAdaptiveMaxPool2d,
+    DomainParallelAdaptiveMaxPool3d,
+    DomainParallelAvgPool1d,
     DomainParallelAvgPool2d,
+    DomainParallelAvgPool3d,
+    DomainParallelMaxPool1d,
     DomainParallelMaxPool2d,
+    DomainParallelMaxPool3d,
 )
 
 __all__ = [
+    "DomainParallelAdaptiveAvgPool1d",
     "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveAvgPool3d",
+    "DomainParallelAdaptiveMaxPool1d",
+    "DomainParallelAdaptiveMaxPool2d",
+    "DomainParallelAdaptiveMaxPool3d",
+    "DomainParallelAvgPool1d",
     "DomainParallelAvgPool2d",
+    "DomainParallelAvgPool3d",
+    "DomainParallelMaxPool1d",
     "DomainParallelMaxPool2d",
+    "DomainParallelMaxPool3d",
     "DomainParallelPeriodicConv2d",
     "PeriodicConv2d",
     "DomainParallelBatchNorm2d",

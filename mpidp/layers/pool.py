@@ -1,149 +1,381 @@
-"""Pooling on a band: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d to a global output size.
+"""Pooling on a band: Max/AvgPool 1-3-D (any kernel, stride, padding, dilation, ``ceil_mode``)
+and AdaptiveAvg/MaxPool 1-3-D.
 
-Windows along the sharded dim work like convolution windows (:func:`mpidp.input_ranges`); a rank
-fetches the rows inside the field that its windows read and pads the rows beyond the field
-itself, with what torch's implicit padding means there: -inf for max (never chosen), zeros for
-average, with torch's divisor (the window, or only its rows inside the field when
-``count_include_pad=False``, or ``divisor_override``).
+Pooling is separable: a window's max (or sum) over H x W is the max (sum) over W of the max
+(sum) over H, and torch's average divides by the product of the window's extents along each
+dim. So the sharded dim is pooled by mpidp and the other dims by torch's own kernel (kernel 1
+along the sharded dim):
+
+* **along the sharded dim** a rank fetches the rows inside the field that its windows read
+  (:func:`mpidp.input_ranges`), pads the rows beyond the field itself (-inf for max, zeros for
+  sums) and pools with torch without padding; an average divides by its windows' extent along
+  H computed from global row numbers, exactly as torch counts it (``count_include_pad``,
+  ``ceil_mode`` windows running past the end, ``divisor_override``);
+* **along the other dims** torch pools with the module's own arguments.
+
+The output length along the sharded dim is torch's own (asked of torch on a meta tensor), so
+``ceil_mode`` gives what torch gives. An adaptive pool whose output has fewer rows than the
+domain has ranks (``AdaptiveAvgPool2d(1)`` of a squeeze-excitation block) returns the whole,
+replicated result on every rank: each rank pools its own rows and one all-reduce (average) or
+all-gather (max) combines them; the gradient of every rank's use is summed back to the rows.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpidp.collectives import all_gather_v, all_reduce
 from mpidp.errors import ConfigError
-from mpidp.geometry import conv_output_size, input_ranges
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 from mpidp.partition import ShardSpec
 
-__all__ = ["DomainParallelAdaptiveAvgPool2d", "DomainParallelAvgPool2d", "DomainParallelMaxPool2d"]
+__all__ = [
+    "DomainParallelAdaptiveAvgPool1d",
+    "DomainParallelAdaptiveAvgPool2d",
+    "DomainParallelAdaptiveAvgPool3d",
+    "DomainParallelAdaptiveMaxPool1d",
+    "DomainParallelAdaptiveMaxPool2d",
+    "DomainParallelAdaptiveMaxPool3d",
+    "DomainParallelAvgPool1d",
+    "DomainParallelAvgPool2d",
+    "DomainParallelAvgPool3d",
+    "DomainParallelMaxPool1d",
+    "DomainParallelMaxPool2d",
+    "DomainParallelMaxPool3d",
+]
+
+_MAX: dict[int, Any] = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG: dict[int, Any] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_ADAPTIVE_AVG: dict[int, Any] = {
+    1: F.adaptive_avg_pool1d,
+    2: F.adaptive_avg_pool2d,
+    3: F.adaptive_avg_pool3d,
+}
+_ADAPTIVE_MAX: dict[int, Any] = {
+    1: F.adaptive_max_pool1d,
+    2: F.adaptive_max_pool2d,
+    3: F.adaptive_max_pool3d,
+}
 
 
-def _pair(v: object) -> tuple[int, int]:
-    if isinstance(v, int):
-        return v, v
-    assert isinstance(v, tuple | list) and len(v) == 2
-    return int(v[0]), int(v[1])
+def _tuple(v: Any, n: int) -> list[Any]:
+    if isinstance(v, tuple | list):
+        if len(v) != n:
+            raise ConfigError(f"pooling argument {v!r} needs {n} entries")
+        return list(v)
+    return [v] * n
 
 
 def _fetch_rows(
-    layer: DomainParallel, x: torch.Tensor, ranges: list[tuple[int, int]], spec: ShardSpec
+    x: torch.Tensor, d: int, ranges: list[tuple[int, int]], spec: ShardSpec, layer: DomainParallel
 ) -> tuple[torch.Tensor, int, int]:
-    """This rank's rows ``ranges[rank]`` of the field (clipped to it) and how many rows of its
-    range lie beyond the low and high edges."""
+    """This rank's rows ``ranges[rank]`` of the field along ``d`` (clipped to it) and how many
+    rows of its range lie beyond the low and high edges."""
     t = layer._transport(x)
     h = spec.total
     inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
     before = [spec.start(r) - lo for r, (lo, _) in enumerate(inside)]
     after = [hi - spec.stop(r) for r, (_, hi) in enumerate(inside)]
-    ext = halo_exchange(x, before, after, dim=2, spec=spec, boundary="none", group=t)
+    ext = halo_exchange(x, before, after, dim=d, spec=spec, boundary="none", group=t)
     lo, hi = ranges[t.rank]
     return ext, max(0, -lo), max(0, hi - h) if hi > lo else 0
 
 
+def _window_ranges(
+    spec: ShardSpec, out_spec: ShardSpec, k: int, s: int, p: int, dil: int
+) -> list[tuple[int, int]]:
+    """Every rank's global input rows ``[lo, hi)`` (beyond the field too) read by its output
+    rows' windows; an empty range at its own start for a rank without output rows. Any
+    output count (``ceil_mode`` adds windows that run past the end)."""
+    ranges = []
+    for r in range(out_spec.parts):
+        a, b = out_spec.start(r), out_spec.stop(r)
+        if b > a:
+            ranges.append((a * s - p, (b - 1) * s - p + dil * (k - 1) + 1))
+        else:
+            ranges.append((spec.start(r), spec.start(r)))
+    return ranges
+
+
+def _pad_rows(x: torch.Tensor, d: int, lo: int, hi: int, value: float) -> torch.Tensor:
+    if not (lo or hi):
+        return x
+    parts = []
+    for n in (lo, hi):
+        shape = list(x.shape)
+        shape[d] = n
+        parts.append(x.new_full(shape, value))
+    return torch.cat([parts[0], x, parts[1]], d)
+
+
+def _avg1d_sums(
+    x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int], ceil: bool, *_: Any
+) -> torch.Tensor:
+    """Window sums of a 1-D pool (avg_pool1d has no divisor_override: through 2-D)."""
+    return F.avg_pool2d(x.unsqueeze(-1), (kernel[0], 1), (stride[0], 1), 0, ceil, True, 1)[..., 0]
+
+
+def _other_extents(
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    pool: Any,
+) -> torch.Tensor | float:
+    """Torch's divisor along the spatial dims other than the sharded one (its window's extent
+    there, ``count_include_pad`` and ``ceil_mode`` as torch counts them), shaped to broadcast:
+    window sums of ones over the average of ones, on a field one row high."""
+    if n == 1:
+        return 1.0
+    shape = [1, 1] + [1 if i == k else x.size(x.dim() - n + i) for i in range(n)]
+    ones = torch.ones(shape, dtype=torch.float64, device=x.device)
+    kernel, stride = list(kernel), list(stride)
+    kernel[k] = stride[k] = 1
+    args = (kernel, stride, padding, pool.ceil_mode, pool.count_include_pad)
+    real = _AVG[n](ones, *args, 1)
+    mean = _AVG[n](ones, *args)
+    return torch.round(real / mean).to(x.dtype)[0, 0]
+
+
 class _Pool(DomainParallel):
-    def _geometry(
-        self, x: torch.Tensor, dilation: int = 1
-    ) -> tuple[torch.Tensor, int, int, tuple[int, int], tuple[int, int], int, int]:
-        """The rows this rank's windows read (padding rows beyond the field not yet added),
-        the padding rows needed at each end, kernel, stride, the padding along W, and this
-        rank's output rows (the result of a rank without any is cut to none)."""
-        pool = self  # torch pool attributes
-        if getattr(pool, "ceil_mode", False):
+    """Max/AvgPool 1-3-D (``self`` is also the torch pool); ``_n`` spatial dims."""
+
+    _n: int
+    _max: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)  # type: ignore[misc]
+        pool: Any = self
+        n = self._n
+        if x.dim() not in (n + 1, n + 2):
             raise ConfigError(
-                f"{type(self).__name__}: ceil_mode=True is not supported on bands yet; pad the "
-                f"input so that the windows tile it, or use ceil_mode=False"
+                f"{type(self).__name__} expects a {n + 1}-d or {n + 2}-d input, got "
+                f"{tuple(x.shape)}"
             )
-        if x.dim() != 4:
-            raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
-        kh, kw = _pair(pool.kernel_size)  # type: ignore[attr-defined]
-        sh, sw = _pair(pool.stride or pool.kernel_size)  # type: ignore[attr-defined]
-        ph, pw = _pair(pool.padding)  # type: ignore[attr-defined]
-        spec = learn_spec(x, 2, self._transport(x))
-        n_out = conv_output_size(spec.total, kh, sh, ph, dilation)
+        if self._max and pool.return_indices:
+            raise ConfigError(f"{type(self).__name__}: return_indices is not supported on bands")
+        d = x.dim() + self.shard_dim
+        k = n + self.shard_dim  # the sharded dim's index among the spatial dims
+        kernel = _tuple(pool.kernel_size, n)
+        stride = _tuple(pool.stride or pool.kernel_size, n)
+        padding = _tuple(pool.padding, n)
+        dilation = _tuple(getattr(pool, "dilation", 1), n)
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        kh, sh, ph, dh = kernel[k], stride[k], padding[k], dilation[k]
+        n_out = self._torch_rows(spec.total, kh, sh, ph, dh)
         out_spec = self._out_spec(n_out)
-        ranges = input_ranges(spec, out_spec, kh, sh, ph, dilation)
-        ext, pad_lo, pad_hi = _fetch_rows(self, x, ranges, spec)
-        rows = out_spec.sizes[self._transport(x).rank]
-        if rows == 0:  # windows of zeros, dropped after
-            ext, pad_lo, pad_hi = with_rows(ext, 2, dilation * (kh - 1) + 1), 0, 0
-        return ext, pad_lo, pad_hi, (kh, kw), (sh, sw), pw, rows
+        rows = out_spec[t.rank]
+        ranges = _window_ranges(spec, out_spec, kh, sh, ph, dh)
+        ext, lo, hi = _fetch_rows(x, d, ranges, spec, self)
+        if rows == 0:  # no windows here: one window of zeros, dropped after
+            ext, lo, hi = with_rows(ext, d, dh * (kh - 1) + 1), 0, 0
+        ext = _pad_rows(ext, d, lo, hi, -math.inf if self._max else 0.0)
+        # one torch call over the whole window (torch's own order of sums and its choice among
+        # equal maxima): no padding along the sharded dim (ext spans exactly this rank's
+        # windows), the module's own arguments along the others
+        padding[k] = 0
+        if self._max:
+            y = _MAX[n](ext, kernel, stride, padding, dilation, pool.ceil_mode)
+            return y.narrow(d, 0, rows)
+        sums = _AVG[n] if n > 1 else _avg1d_sums
+        y = sums(ext, kernel, stride, padding, pool.ceil_mode, pool.count_include_pad, 1)
+        y = y.narrow(d, 0, rows)
+        override = getattr(pool, "divisor_override", None)
+        if override:
+            return y / override
+        along_h = self._extent(out_spec, t.rank, spec.total, kh, sh, ph, y, d)
+        return y / (along_h * _other_extents(x, n, k, kernel, stride, padding, pool))
+
+    def _torch_rows(self, h: int, k: int, s: int, p: int, dil: int) -> int:
+        """Torch's own output length along the sharded dim (ceil_mode's rule included)."""
+        probe = torch.empty(1, 1, h, device="meta")
+        if self._max:
+            return F.max_pool1d(probe, k, s, p, dil, self.ceil_mode).size(-1)  # type: ignore[attr-defined]
+        return F.avg_pool1d(probe, k, s, p, self.ceil_mode).size(-1)  # type: ignore[attr-defined]
+
+    def _extent(
+        self,
+        out_spec: ShardSpec,
+        rank: int,
+        h: int,
+        k: int,
+        s: int,
+        p: int,
+        y: torch.Tensor,
+        d: int,
+    ) -> torch.Tensor:
+        """Torch's divisor along the sharded dim for this rank's output rows: the window's rows
+        inside the padded field (``count_include_pad``) or inside the field (torch's rule:
+        the window is first cut at the end of the padded field)."""
+        out = torch.arange(out_spec.start(rank), out_spec.stop(rank), dtype=torch.long)
+        start = out * s - p
+        end = torch.clamp(start + k, max=h + p)
+        if self.count_include_pad:  # type: ignore[attr-defined]
+            counts = end - start
+        else:
+            counts = torch.clamp(end, max=h) - torch.clamp(start, min=0)
+        shape = [1] * y.dim()
+        shape[d] = -1
+        return counts.to(device=y.device, dtype=y.dtype).view(shape)
 
 
-class DomainParallelMaxPool2d(_Pool, nn.MaxPool2d):
-    """:class:`torch.nn.MaxPool2d` on bands (any kernel, stride, padding, dilation; not
-    ``ceil_mode`` or ``return_indices``). Collective over the domain group."""
+def _pool_wrapper(torch_type: type[nn.Module], n: int, is_max: bool) -> type[nn.Module]:
+    name = f"DomainParallel{torch_type.__name__}"
+    doc = (
+        f":class:`torch.nn.{torch_type.__name__}` on bands (int or tuple arguments, "
+        f"ceil_mode; not return_indices). Collective over the domain group."
+    )
+    attrs = {"__doc__": doc, "__module__": __name__, "_n": n, "_max": is_max}
+    cls = type(name, (_Pool, torch_type), attrs)
+    cls.__qualname__ = name
+    return cls
+
+
+class _Adaptive(DomainParallel):
+    """AdaptiveAvg/MaxPool 1-3-D to a global output size (``self`` is also the torch pool)."""
+
+    _n: int
+    _max: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
-            return super().forward(x)
-        if self.return_indices:
-            raise ConfigError("DomainParallelMaxPool2d: return_indices is not supported on bands")
-        dh, dw = _pair(self.dilation)
-        ext, lo, hi, k, s, pw, rows = self._geometry(x, dh)
-        if lo or hi:
-            ext = F.pad(ext, (0, 0, lo, hi), value=-math.inf)
-        return F.max_pool2d(ext, k, s, (0, pw), (dh, dw)).narrow(2, 0, rows)
-
-
-class DomainParallelAvgPool2d(_Pool, nn.AvgPool2d):
-    """:class:`torch.nn.AvgPool2d` on bands (any kernel, stride, padding, count_include_pad,
-    divisor_override; not ``ceil_mode``). Collective over the domain group."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._alone():
-            return super().forward(x)
-        ext, lo, hi, k, s, pw, rows = self._geometry(x)
-        padded = F.pad(ext, (0, 0, lo, hi)) if lo or hi else ext
-        sums = F.avg_pool2d(padded, k, s, (0, pw), False, True, 1)
-        sums = sums.narrow(2, 0, rows)
-        if self.divisor_override:
-            return sums / self.divisor_override
-        if self.count_include_pad:
-            return sums / (k[0] * k[1])
-        mask = torch.ones_like(ext[:, :1])
-        mask = F.pad(mask, (0, 0, lo, hi)) if lo or hi else mask
-        return sums / F.avg_pool2d(mask, k, s, (0, pw), False, True, 1).narrow(2, 0, rows)
-
-
-class DomainParallelAdaptiveAvgPool2d(DomainParallel, nn.AdaptiveAvgPool2d):
-    """:class:`torch.nn.AdaptiveAvgPool2d` to a global output size (rows partitioned by the
-    policy, so at least one output row per rank). Collective over the domain group."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._alone():
-            return super().forward(x)
-        if x.dim() != 4:
-            raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
-        spec = learn_spec(x, 2, self._transport(x))
-        size = self.output_size if isinstance(self.output_size, tuple) else (self.output_size,) * 2
-        oh = size[0] if size[0] is not None else spec.total
-        ow = size[1] if size[1] is not None else x.size(3)
-        out_spec = self._out_spec(oh)
+            return super().forward(x)  # type: ignore[misc]
+        pool: Any = self
+        n = self._n
+        if x.dim() not in (n + 1, n + 2):
+            raise ConfigError(
+                f"{type(self).__name__} expects a {n + 1}-d or {n + 2}-d input, got "
+                f"{tuple(x.shape)}"
+            )
+        if self._max and pool.return_indices:
+            raise ConfigError(f"{type(self).__name__}: return_indices is not supported on bands")
+        d = x.dim() + self.shard_dim
+        k = n + self.shard_dim
+        t = self._transport(x)
+        spec = learn_spec(x, d, t)
+        size = _tuple(pool.output_size, n)
+        oh = size[k] if size[k] is not None else spec.total
+        others = [s if s is not None else x.size(x.dim() - n + i) for i, s in enumerate(size)]
         h = spec.total
 
         def window(o: int) -> tuple[int, int]:
             return (o * h) // oh, -(-((o + 1) * h) // oh)
 
+        if oh < t.size:
+            y = self._replicated(x, d, spec, oh, window, t)
+        else:
+            y = self._banded(x, d, spec, oh, window)
+        others[k] = y.size(d)
+        op = _ADAPTIVE_MAX[n] if self._max else _ADAPTIVE_AVG[n]
+        if y.size(d) == 0:  # no output rows here: pool one zero row, keep none
+            return op(
+                with_rows(y, d, 1), [1 if i == k else s for i, s in enumerate(others)]
+            ).narrow(d, 0, 0)
+        return op(y, others)
+
+    def _reduce(self, rows: torch.Tensor, d: int) -> torch.Tensor:
+        if self._max:
+            return rows.amax(d, keepdim=True)
+        return rows.mean(d, keepdim=True)
+
+    def _banded(
+        self, x: torch.Tensor, d: int, spec: ShardSpec, oh: int, window: Any
+    ) -> torch.Tensor:
+        """Output rows cut by the policy: each rank fetches the rows its windows read."""
+        out_spec = self._out_spec(oh)
         ranges = []
         for r in range(out_spec.parts):
             rows = range(out_spec.start(r), out_spec.stop(r))
             ranges.append(
                 (window(rows[0])[0], window(rows[-1])[1]) if rows else (spec.start(r),) * 2
             )
-        ext, _, _ = _fetch_rows(self, x, ranges, spec)
+        ext, _, _ = _fetch_rows(x, d, ranges, spec, self)
         me = self._transport(x).rank
         lo = ranges[me][0]
-        means = [
-            ext.narrow(2, a - lo, b - a).mean(2, keepdim=True)
+        parts = [
+            self._reduce(ext.narrow(d, a - lo, b - a), d)
             for a, b in (window(o) for o in range(out_spec.start(me), out_spec.stop(me)))
         ]
-        if not means:  # no output rows here: one row of zeros, dropped after
-            return F.adaptive_avg_pool2d(with_rows(ext, 2, 1), (1, ow)).narrow(2, 0, 0)
-        band = torch.cat(means, 2)
-        return F.adaptive_avg_pool2d(band, (band.size(2), ow))
+        if not parts:
+            return ext.narrow(d, 0, 0)
+        return torch.cat(parts, d)
+
+    def _replicated(
+        self, x: torch.Tensor, d: int, spec: ShardSpec, oh: int, window: Any, t: Any
+    ) -> torch.Tensor:
+        """Fewer output rows than ranks: every rank gets all of them. Average: each rank's sum
+        over its rows of every window, one all-reduce, divided by the window's length. Max:
+        each rank's max (-inf where it holds none of the window), gathered, the max of those;
+        the gradient of the gathered values returns to the rank that held the maximum."""
+        me = t.rank
+        mine_lo, mine_hi = spec.start(me), spec.stop(me)
+        parts = []
+        for o in range(oh):
+            a, b = window(o)
+            lo, hi = max(a, mine_lo), min(b, mine_hi)
+            shape = list(x.shape)
+            shape[d] = 1
+            if hi > lo:
+                rows = x.narrow(d, lo - mine_lo, hi - lo)
+                part = rows.amax(d, keepdim=True) if self._max else rows.sum(d, keepdim=True)
+            else:  # joined to x, so every rank's backward reaches the collective
+                filler = -math.inf if self._max else 0.0
+                part = x.new_full(shape, filler) + x.narrow(d, 0, 0).sum()
+            parts.append(part)
+        local = torch.cat(parts, d)
+        if self._max:
+            every = all_gather_v(local.unsqueeze(0), [1] * t.size, 0, group=t)
+            return every.amax(0)
+        counts = torch.tensor([b - a for a, b in (window(o) for o in range(oh))])
+        shape = [1] * x.dim()
+        shape[d] = -1
+        total = all_reduce(local, "sum", group=t)
+        return total / counts.to(device=x.device, dtype=x.dtype).view(shape)
+
+
+def _adaptive_wrapper(torch_type: type[nn.Module], n: int, is_max: bool) -> type[nn.Module]:
+    name = f"DomainParallel{torch_type.__name__}"
+    doc = (
+        f":class:`torch.nn.{torch_type.__name__}` to a global output size on bands; fewer "
+        f"output rows than ranks give the replicated result on every rank. Collective over "
+        f"the domain group."
+    )
+    attrs = {"__doc__": doc, "__module__": __name__, "_n": n, "_max": is_max}
+    cls = type(name, (_Adaptive, torch_type), attrs)
+    cls.__qualname__ = name
+    return cls
+
+
+#: torch pool type -> its domain-parallel wrapper
+POOL_WRAPPERS: dict[type[nn.Module], type[nn.Module]] = {}
+for _n in (1, 2, 3):
+    for _kind, _is_max in (("Max", True), ("Avg", False)):
+        _plain = getattr(nn, f"{_kind}Pool{_n}d")
+        _adaptive = getattr(nn, f"Adaptive{_kind}Pool{_n}d")
+        POOL_WRAPPERS[_plain] = _pool_wrapper(_plain, _n, _is_max)
+        POOL_WRAPPERS[_adaptive] = _adaptive_wrapper(_adaptive, _n, _is_max)
+DomainParallelMaxPool1d: Any = POOL_WRAPPERS[nn.MaxPool1d]
+DomainParallelMaxPool2d: Any = POOL_WRAPPERS[nn.MaxPool2d]
+DomainParallelMaxPool3d: Any = POOL_WRAPPERS[nn.MaxPool3d]
+DomainParallelAvgPool1d: Any = POOL_WRAPPERS[nn.AvgPool1d]
+DomainParallelAvgPool2d: Any = POOL_WRAPPERS[nn.AvgPool2d]
+DomainParallelAvgPool3d: Any = POOL_WRAPPERS[nn.AvgPool3d]
+DomainParallelAdaptiveMaxPool1d: Any = POOL_WRAPPERS[nn.AdaptiveMaxPool1d]
+DomainParallelAdaptiveMaxPool2d: Any = POOL_WRAPPERS[nn.AdaptiveMaxPool2d]
+DomainParallelAdaptiveMaxPool3d: Any = POOL_WRAPPERS[nn.AdaptiveMaxPool3d]
+DomainParallelAdaptiveAvgPool1d: Any = POOL_WRAPPERS[nn.AdaptiveAvgPool1d]
+DomainParallelAdaptiveAvgPool2d: Any = POOL_WRAPPERS[nn.AdaptiveAvgPool2d]
+DomainParallelAdaptiveAvgPool3d: Any = POOL_WRAPPERS[nn.AdaptiveAvgPool3d]
+
+#: the 1-D pools: sharded along their length
+ONE_D_POOLS = (nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool1d)

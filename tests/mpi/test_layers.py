@@ -280,13 +280,6 @@ def test_adaptive_avg_pool(manager, size):
     check(manager, nn.AdaptiveAvgPool2d(size), mpidp.DomainParallelAdaptiveAvgPool2d, (2, 3, 37, 9))
 
 
-@pytest.mark.mpi(min_size=2)  # at one rank the layer is torch's, which has ceil_mode
-def test_pool_refuses_ceil_mode(manager):
-    pool = mpidp.DomainParallelMaxPool2d.from_module(nn.MaxPool2d(2, ceil_mode=True), manager)
-    with pytest.raises(mpidp.ConfigError, match="ceil_mode"):
-        pool(rand((1, 1, 4 * WORLD, 4), 0))
-
-
 # -- periodic convolution on the sphere --------------------------------------------------------
 
 
