@@ -48,7 +48,7 @@ from mpidp.layers import (
     PeriodicConv2d,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
-from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
+from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
 from mpidp.training import (
     broadcast_parameters,
@@ -64,6 +64,7 @@ from mpidp.validate import ShardingReport, validate_sharding_constraints
 __version__ = "0.1.0"
 
 __all__ = [
+    "Aligned",
     "BackendError",
     "Balanced",
     "Boundary",

@@ -26,6 +26,7 @@ from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.pad import PAD_WRAPPERS
 from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
+from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from mpidp.manager import DistributedManager
 from mpidp.probe import probe_band_locality
 
@@ -73,8 +74,6 @@ _UNSAFE: tuple[type[nn.Module], ...] = (
     nn.TransformerDecoderLayer,
     nn.Flatten,
     nn.Unflatten,
-    nn.PixelShuffle,
-    nn.PixelUnshuffle,
     nn.Fold,
     nn.Unfold,
 )
@@ -101,6 +100,8 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
     (M.PatchRecovery, S.DomainParallelPatchRecovery),
     *PAD_WRAPPERS.items(),
+    (nn.PixelShuffle, DomainParallelPixelShuffle),
+    (nn.PixelUnshuffle, DomainParallelPixelUnshuffle),
 ]
 
 #: 1-D layers (B, C, L): sharded along their length
@@ -365,7 +366,7 @@ def _why(module: nn.Module) -> str:
         return "attention mixes every position of the field"
     if isinstance(module, nn.Flatten | nn.Unflatten):
         return "reshapes the spatial dims (a band is not a slice of the flattened field)"
-    if isinstance(module, nn.PixelShuffle | nn.PixelUnshuffle | nn.Fold | nn.Unfold):
+    if isinstance(module, nn.Fold | nn.Unfold):
         return "moves rows between positions of the sharded dim"
     if isinstance(
         module, nn.modules.pooling._AdaptiveAvgPoolNd | nn.modules.pooling._AdaptiveMaxPoolNd

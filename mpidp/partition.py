@@ -19,6 +19,7 @@ from fractions import Fraction
 from mpidp.errors import ConfigError
 
 __all__ = [
+    "Aligned",
     "Balanced",
     "PartitionPolicy",
     "ShardSpec",
@@ -231,3 +232,31 @@ class Weighted(PartitionPolicy):
                 f"group has {parts} ranks; give one weight per rank"
             )
         return ShardSpec.from_weights(self.weights, n, self.allow_empty)
+
+
+@dataclasses.dataclass(frozen=True)
+class Aligned(PartitionPolicy):
+    """Band boundaries on multiples of ``multiple``, as even as possible: the ``n // multiple``
+    whole blocks are cut by the balanced rule and the last rank also takes the ``n % multiple``
+    rows left over. Pixel shuffles by ``multiple`` (and windows of that height) then need no
+    rows from other ranks."""
+
+    multiple: int
+    allow_empty: bool = False
+
+    def __post_init__(self) -> None:
+        if self.multiple < 1:
+            raise ConfigError(f"Aligned(multiple={self.multiple}): use a multiple of 1 or more")
+
+    def spec(self, n: int, parts: int) -> ShardSpec:
+        blocks, rest = divmod(n, self.multiple)
+        try:
+            sizes = [b * self.multiple for b in balanced_sizes(blocks, parts, self.allow_empty)]
+        except ConfigError:
+            raise ConfigError(
+                f"cannot cut {n} rows into {parts} bands on multiples of {self.multiple} "
+                f"({blocks} whole blocks); use at most {max(blocks, 1)} ranks, a smaller "
+                f"multiple, or allow_empty=True"
+            ) from None
+        sizes[-1] += rest
+        return ShardSpec.from_sizes(sizes)

@@ -41,6 +41,8 @@ _SPATIAL: tuple[type[nn.Module], ...] = (
     nn.modules.pooling._AdaptiveAvgPoolNd,
     nn.modules.pooling._AdaptiveMaxPoolNd,
     *PAD_TYPES,
+    nn.PixelShuffle,
+    nn.PixelUnshuffle,
     AFNOFilter,
     SpectralConv2d,
     PositionEmbedding,

@@ -152,3 +152,42 @@ def test_replicated_output_is_the_whole_result_everywhere(manager, pool):
         rows = manager.spec(n_out)
         want = pool(x).narrow(-2, rows.start(manager.domain_rank), rows[manager.domain_rank])
         torch.testing.assert_close(out, want, rtol=1e-13, atol=1e-14)
+
+
+@pytest.fixture(params=["balanced", "aligned"])
+def policy(request, manager):
+    old = manager.partition
+    if request.param == "aligned":
+        manager.partition = mpidp.Aligned(2)
+    yield request.param
+    manager.partition = old
+
+
+@pytest.mark.parametrize("h", [13, 16])
+def test_pixel_shuffle_and_unshuffle(manager, policy, h):
+    """Shuffle by 2 of 13 or 16 rows, unshuffle back: the rows move to the policy's cut (none
+    move under Aligned(2) when the cuts line up)."""
+    shuffle = converted(nn.PixelShuffle(2), manager)
+    assert_matches_serial(nn.PixelShuffle(2), shuffle, [rand((2, 8, h, 5), 7)], manager=manager)
+    unshuffle = converted(nn.PixelUnshuffle(2), manager)
+    assert_matches_serial(
+        nn.PixelUnshuffle(2), unshuffle, [rand((2, 3, 2 * h, 6), 8)], manager=manager
+    )
+
+
+def test_super_resolution_net(manager, policy):
+    """A super-resolution network: convolutions, PixelShuffle x 2 twice, every gradient."""
+    torch.manual_seed(9)
+    serial = nn.Sequential(
+        nn.Conv2d(3, 12, 3, padding=1),
+        nn.PReLU(),
+        nn.Conv2d(12, 12, 3, padding=1),
+        nn.PixelShuffle(2),
+        nn.Conv2d(3, 12, 3, padding=1),
+        nn.PixelShuffle(2),
+        nn.Conv2d(3, 3, 3, padding=1),
+    ).to(F64)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+    assert_matches_serial(
+        serial, dist, [rand((2, 3, 2 * WORLD + 5, 6), 10)], manager=manager, modules=(serial, dist)
+    )
