@@ -24,6 +24,7 @@ from mpidp import models as M
 from mpidp.errors import ConfigError
 from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
+from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
 from mpidp.layers.pad import PAD_WRAPPERS
 from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
 from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
@@ -270,7 +271,7 @@ def _plan(
             if _local_along(child, n + axis_dim):
                 verdict(child, where, "left", "kernel 1 and stride 1 along the sharded dim")
                 return child
-        if isinstance(child, nn.Upsample) and child.mode not in ("nearest", "bilinear", "bicubic"):
+        if isinstance(child, nn.Upsample) and child.mode not in INTERPOLATION_MODES:
             verdict(child, where, "refused", f"Upsample mode {child.mode!r} is not supported")
             return child
         new = wrapper.from_module(child, manager, axis_dim)

@@ -20,7 +20,7 @@ from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.layers import base
-from mpidp.layers.interpolate import _per_dim, _taps, read_halo
+from mpidp.layers.interpolate import _ONE_DIM, MODES, _per_dim, _taps, read_halo
 from mpidp.layers.pad import PAD_TYPES, _mode
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.layers.pool import _window_ranges
@@ -141,7 +141,7 @@ _MODES = {"zeros": "zeros", "reflect": "reflect", "replicate": "replicate", "cir
 
 
 def _window_halo(
-    module: nn.Module, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int
+    module: nn.Module, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n_spatial: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
     """(before, after, boundary) of the rows a layer fetches along spatial axis ``k``, for the
     layers whose domain-parallel forward fetches rows; None for the others."""
@@ -160,10 +160,12 @@ def _window_halo(
         )
         halo = HaloSpec.from_ranges(spec_in, ranges)
         return halo.before, halo.after, "none"
-    if isinstance(module, nn.Upsample) and module.mode in ("nearest", "bilinear", "bicubic"):
-        size = _per_dim(module.size, 2, "size")[k]
-        scale = _per_dim(module.scale_factor, 2, "scale_factor")[k]
-        index, weight = _taps(n_in, size, scale, module.mode, module.align_corners, torch.float64)
+    if isinstance(module, nn.Upsample) and module.mode in MODES:
+        n = n_spatial
+        size = _per_dim(module.size, n, "size")[k]
+        scale = _per_dim(module.scale_factor, n, "scale_factor")[k]
+        mode = _ONE_DIM[module.mode]
+        index, weight = _taps(n_in, size, scale, mode, module.align_corners, torch.float64)
         _, halo = read_halo(index, weight, spec_in, spec_out)
         return halo.before, halo.after, "none"
     geo = _geometry(module, k)
@@ -269,7 +271,8 @@ def validate_sharding_constraints(
                 problems.append(
                     f"{path} ({kind}): polar padding needs an even W, got {shape_in[-1]}"
                 )
-        halo = _window_halo(module, spec_in, spec_out, k, h_in) if k >= 0 else None
+        n_spatial = len(shape_in) - 2
+        halo = _window_halo(module, spec_in, spec_out, k, h_in, n_spatial) if k >= 0 else None
         before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
         modes: tuple[int, ...] = ()
         if isinstance(module, AFNOFilter | SpectralConv2d):

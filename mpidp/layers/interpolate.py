@@ -24,9 +24,20 @@ from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
 from mpidp.partition import ShardSpec
 
-__all__ = ["DomainParallelInterpolate", "interpolate"]
+__all__ = ["MODES", "DomainParallelInterpolate", "interpolate"]
 
-_MODES = ("nearest", "bilinear", "bicubic")
+MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear")
+_MODES = MODES
+# the 2-D mode whose weights along one dim are the mode's own (linear is linear in every rank)
+_ONE_DIM = {
+    "nearest": "nearest",
+    "nearest-exact": "nearest-exact",
+    "linear": "bilinear",
+    "bilinear": "bilinear",
+    "trilinear": "bilinear",
+    "bicubic": "bicubic",
+}
+_NEAREST = ("nearest", "nearest-exact")
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,7 +53,7 @@ def _taps(
     one dim, read off torch's interpolation of an identity (so they are torch's own)."""
     eye = torch.eye(n_in, dtype=dtype).view(1, n_in, n_in, 1)  # channel c = one-hot row c
     kw: dict[str, object] = {"mode": mode}
-    if mode != "nearest":
+    if mode not in _NEAREST:
         kw["align_corners"] = align_corners
     if size is not None:
         out = F.interpolate(eye, size=(size, 1), **kw)  # type: ignore[arg-type]
@@ -105,22 +116,20 @@ def _native_along(
     mode: str,
     align_corners: bool | None,
 ) -> torch.Tensor:
-    """torch's interpolation along ``dim`` of (B, C, H, W) alone: the other spatial dim keeps
-    its size, which every mode maps onto itself exactly (source = destination)."""
-    other = 5 - dim  # the other spatial dim of a 4-d tensor
-    if y.size(other) == 0:  # an empty band: one zero row, dropped after
-        return _native_along(with_rows(y, other, 1), dim, size, scale, mode, align_corners).narrow(
-            other, 0, 0
-        )
+    """torch's interpolation along ``dim`` of (B, C, *spatial) alone: the other spatial dims
+    keep their sizes, which every mode maps onto themselves exactly (source = destination)."""
+    spatial = list(range(2, y.dim()))
+    empty = [d for d in spatial if d != dim and y.size(d) == 0]
+    if empty:  # an empty band: one zero row, dropped after
+        out = _native_along(with_rows(y, empty[0], 1), dim, size, scale, mode, align_corners)
+        return out.narrow(empty[0], 0, 0)
     kw: dict[str, object] = {"mode": mode}
-    if mode != "nearest":
+    if mode not in _NEAREST:
         kw["align_corners"] = align_corners
     if size is not None:
-        out = [0, 0]
-        out[dim - 2], out[other - 2] = size, y.size(other)
-        return F.interpolate(y, size=tuple(out), **kw)  # type: ignore[arg-type]
-    factors = [1.0, 1.0]
-    factors[dim - 2] = float(scale)  # type: ignore[arg-type]
+        sizes = [size if d == dim else y.size(d) for d in spatial]
+        return F.interpolate(y, size=tuple(sizes), **kw)  # type: ignore[arg-type]
+    factors = [float(scale) if d == dim else 1.0 for d in spatial]  # type: ignore[arg-type]
     return F.interpolate(y, scale_factor=tuple(factors), **kw)  # type: ignore[arg-type]
 
 
@@ -148,25 +157,27 @@ def interpolate(
     ``shard_dim``); ``size`` is the global output size. Collective over the domain group."""
     if mode not in _MODES:
         raise ConfigError(f"interpolate: mode {mode!r} on bands; supported: {', '.join(_MODES)}")
-    if x.dim() != 4:
-        raise ConfigError(f"interpolate: expects (B, C, H, W) bands, got shape {tuple(x.shape)}")
+    n = x.dim() - 2
+    if n < 1 or n > 3:
+        raise ConfigError(f"interpolate: expects (B, C, *spatial) bands, got {tuple(x.shape)}")
     if (size is None) == (scale_factor is None):
         raise ConfigError("interpolate: pass exactly one of size and scale_factor")
-    if mode == "nearest" and align_corners:
-        raise ConfigError("interpolate: align_corners only with bilinear and bicubic (as torch)")
+    if mode in _NEAREST and align_corners:
+        raise ConfigError("interpolate: align_corners only with the linear modes and bicubic")
     owner = layer if layer is not None else DomainParallel()
-    d = x.dim() + shard_dim
+    d = x.dim() + (-1 if n == 1 else shard_dim)  # (B, C, L): the length is the sharded dim
     t = owner._transport(x)
     spec = learn_spec(x, d, t)
-    sizes = _per_dim(size, 2, "size")
-    scales = _per_dim(scale_factor, 2, "scale_factor")
+    sizes = _per_dim(size, n, "size")
+    scales = _per_dim(scale_factor, n, "scale_factor")
     y = x
-    for axis, dim in enumerate((2, 3)):
+    for axis, dim in enumerate(range(2, x.dim())):
         n_in = spec.total if dim == d else x.size(dim)
         if dim != d:  # not sharded: torch's own kernel, the sharded dim left as it is
             y = _native_along(y, dim, sizes[axis], scales[axis], mode, align_corners)
             continue
-        index, weight = _taps(n_in, sizes[axis], scales[axis], mode, align_corners, x.dtype)
+        one = _ONE_DIM[mode]
+        index, weight = _taps(n_in, sizes[axis], scales[axis], one, align_corners, x.dtype)
         out_spec: ShardSpec = owner._out_spec(index.size(0))
         # every rank's input rows, from the same taps everywhere: no negotiation
         ranges, halo = read_halo(index, weight, spec, out_spec)

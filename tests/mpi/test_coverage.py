@@ -191,3 +191,22 @@ def test_super_resolution_net(manager, policy):
     assert_matches_serial(
         serial, dist, [rand((2, 3, 2 * WORLD + 5, 6), 10)], manager=manager, modules=(serial, dist)
     )
+
+
+UPSAMPLE = [
+    (nn.Upsample(scale_factor=2, mode="linear"), (2, 3, 13), -1),
+    (nn.Upsample(size=20, mode="nearest"), (2, 3, 13), -1),
+    (nn.Upsample(scale_factor=(1, 2, 2), mode="trilinear"), (1, 2, 3, 13, 5), -2),
+    (nn.Upsample(size=(4, 21, 7), mode="trilinear", align_corners=True), (1, 2, 3, 13, 5), -2),
+    (nn.Upsample(scale_factor=2, mode="nearest"), (1, 2, 3, 13, 5), -2),
+    (nn.Upsample(scale_factor=1.5, mode="nearest-exact"), (2, 3, 13, 6), -2),
+]
+
+
+@pytest.mark.parametrize("cut", list(cuts(13)))
+@pytest.mark.parametrize("case", UPSAMPLE, ids=lambda c: repr(c[0]).replace(" ", ""))
+def test_upsample_1d_to_3d(manager, case, cut):
+    module, shape, dim = case
+    dist = converted(module, manager)
+    sizes = cuts(shape[dim])[cut]
+    assert_matches_serial(module, dist, [rand(shape, 11)], manager=manager, dim=dim, sizes=sizes)
