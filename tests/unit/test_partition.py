@@ -107,3 +107,18 @@ def test_policies_scale_with_the_length():
     with pytest.raises(ConfigError, match="use at most 3 ranks"):
         Balanced().spec(3, 4)
     assert Balanced(allow_empty=True).spec(3, 4).sizes == (1, 1, 1, 0)
+
+
+def test_aligned_policy_cuts_on_multiples():
+    from mpidp.errors import ConfigError
+    from mpidp.partition import Aligned
+
+    assert Aligned(2).spec(26, 4).sizes == (8, 6, 6, 6)  # 13 blocks of 2: 4, 3, 3, 3
+    assert Aligned(4).spec(90, 4).sizes == (24, 24, 20, 22)  # 22 blocks + 2 rows left over
+    assert Aligned(3).spec(7, 1).sizes == (7,)
+    for n, parts, m in [(26, 4, 2), (721, 4, 8), (100, 3, 7)]:
+        spec = Aligned(m).spec(n, parts)
+        assert spec.total == n and all(o % m == 0 for o in spec.offsets)
+    with pytest.raises(ConfigError, match="on multiples of 8"):
+        Aligned(8).spec(20, 4)
+    assert Aligned(8, allow_empty=True).spec(20, 4).sizes == (8, 8, 0, 4)
