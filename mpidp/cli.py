@@ -101,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="per-rank rows, halo rows per layer, halo bytes per step and activation memory "
         "of a model on a grid, before submitting (no MPI, no data)",
     )
-    plan.add_argument("--grid", default="721x1440", help="LATxLON (default 721x1440)")
+    plan.add_argument(
+        "--grid", default="721x1440", help="LATxLON or TIMExLATxLON (5-D input; default 721x1440)"
+    )
     plan.add_argument("-d", "--domain", type=int, default=4, help="domain ranks (default 4)")
     plan.add_argument(
         "--model",
@@ -113,6 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
     plan.add_argument(
         "--partition", default="balanced", help="balanced or weighted:w0,w1,... (one per rank)"
+    )
+    plan.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="a further input of the model's forward, e.g. 1x3x721x1440 (repeatable)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
@@ -130,18 +139,26 @@ def _plan(args: argparse.Namespace) -> int:
     from mpidp.plan import build_model, parse_partition, plan_model, to_json
 
     try:
-        lat, lon = (int(v) for v in args.grid.lower().split("x"))
+        grid = tuple(int(v) for v in args.grid.lower().split("x"))
+        extra = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.input]
+        if len(grid) not in (2, 3):
+            raise ValueError
     except ValueError:
-        print(f"mpidp plan: --grid {args.grid!r}: use LATxLON, e.g. 721x1440", file=sys.stderr)
+        print(
+            f"mpidp plan: --grid {args.grid!r} / --input {args.input}: use LATxLON or "
+            f"TIMExLATxLON, and full shapes like 1x3x721x1440 for --input",
+            file=sys.stderr,
+        )
         return 2
     try:
-        model = build_model(args.model, args.channels, (lat, lon))
+        model = build_model(args.model, args.channels, grid)  # type: ignore[arg-type]
         result = plan_model(
             model,
-            (args.batch, args.channels, lat, lon),
+            (args.batch, args.channels, *grid),
             args.domain,
             partition=parse_partition(args.partition, args.domain),
             dtype=getattr(torch, args.dtype),
+            extra_inputs=extra,
         )
     except MpidpError as err:
         print(f"mpidp plan: {err}", file=sys.stderr)

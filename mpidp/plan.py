@@ -232,13 +232,19 @@ def plan_model(
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
     shard_dim: int = -2,
+    extra_inputs: Sequence[Any] = (),
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
-    ``global_shape`` (B, C, H, W) cut over ``parts`` ranks by ``partition`` (default
+    ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
+    that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
     balanced). Local: no communication, no data."""
     policy = partition if partition is not None else Balanced()
     report = validate_sharding_constraints(
-        model, global_shape, parts=parts, partition=policy, shard_dim=shard_dim
+        model,
+        parts=parts,
+        partition=policy,
+        shard_dim=shard_dim,
+        example_inputs=[tuple(global_shape), *extra_inputs],
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -188,24 +189,53 @@ def _window_halo(
     return halo.before, halo.after, kind
 
 
+def _meta_inputs(
+    global_shape: Sequence[int] | None,
+    example_inputs: Sequence[Any] | None,
+    dtype: torch.dtype,
+) -> list[Any]:
+    """Meta tensors shaped like the inputs: ``example_inputs`` (tensors or shapes; anything
+    else passed as it is) or one input of ``global_shape``."""
+    if example_inputs is None:
+        if global_shape is None:
+            raise ConfigError("validate_sharding_constraints: pass global_shape or example_inputs")
+        example_inputs = [tuple(global_shape)]
+    out: list[Any] = []
+    for item in example_inputs:
+        if isinstance(item, torch.Tensor):
+            out.append(torch.empty(item.shape, dtype=item.dtype, device="meta"))
+        elif isinstance(item, Sequence) and all(isinstance(v, int) for v in item):
+            out.append(torch.empty(tuple(item), dtype=dtype, device="meta"))
+        else:
+            out.append(item)
+    return out
+
+
 def validate_sharding_constraints(
     model: nn.Module,
-    global_shape: Sequence[int],
+    global_shape: Sequence[int] | None = None,
     manager: DistributedManager | None = None,
     *,
     parts: int | None = None,
     partition: PartitionPolicy | None = None,
     shard_dim: int = -2,
+    example_inputs: Sequence[Any] | None = None,
 ) -> ShardingReport:
     """Check, by shape arithmetic, how ``model`` (serial or converted) shards an input of
     ``global_shape`` over ``parts`` domain ranks (default: the manager's domain size) cut by
-    ``partition`` (default: the manager's policy). Local: no communication, no data."""
+    ``partition`` (default: the manager's policy). ``example_inputs`` instead: every input of a
+    model whose ``forward`` takes several (tensors or shapes, global; 4-D and 5-D), also what
+    the probe of unknown modules runs on. Local: no communication, no data."""
     if parts is None or partition is None:
         m = manager or get_manager()
         parts = parts if parts is not None else m.domain_world_size
         partition = partition if partition is not None else m.partition
     seen: list[tuple[str, nn.Module, torch.Size, torch.Size]] = []
     meta = copy.deepcopy(model).to("meta")
+    first = next(iter(meta.parameters()), None)
+    inputs = _meta_inputs(
+        global_shape, example_inputs, first.dtype if first is not None else torch.float32
+    )
     hooks = []
     for path, module in meta.named_modules():
         if isinstance(module, _SPATIAL):
@@ -216,16 +246,15 @@ def validate_sharding_constraints(
             hooks.append(module.register_forward_hook(record))
     problems: list[str] = []
     try:  # what conversion would refuse (pure: nothing moves)
-        convert_to_domain_parallel(copy.deepcopy(model), shard_dim=shard_dim)
+        convert_to_domain_parallel(copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs)
     except ConfigError as err:
         problems.append(str(err))
     with base.torch_path():
         try:
-            first = next(iter(meta.parameters()), None)
-            dtype = first.dtype if first is not None else torch.float32
-            meta(torch.empty(tuple(global_shape), device="meta", dtype=dtype))
-        except Exception as err:  # the serial model itself rejects the shape
-            problems.append(f"the model does not run on {tuple(global_shape)}: {err}")
+            meta(*inputs)
+        except Exception as err:  # the serial model itself rejects the shapes
+            shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+            problems.append(f"the model does not run on {shapes}: {err}")
         finally:
             for hook in hooks:
                 hook.remove()

@@ -5,6 +5,7 @@ serial torch layer."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -120,3 +121,35 @@ def test_cli_plan_table_and_json():
     assert doc["partition"] == "weighted [2.0, 1.0, 1.0]"
     bad = subprocess.run([*cmd, "--model", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "use one of unet" in bad.stderr
+
+
+def test_cli_plan_five_d_grid_and_extra_inputs(tmp_path):
+    """--grid TIMExLATxLON gives a 5-D input; --input adds the inputs of a forward that takes
+    several, for a user factory (module:factory)."""
+    factory = tmp_path / "zoo.py"
+    factory.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, channels, grid):\n"
+        "        super().__init__()\n"
+        "        self.conv = nn.Conv3d(channels + 1, channels, 3, padding=1)\n"
+        "    def forward(self, x, static):\n"
+        "        s = static.unsqueeze(2).expand(x.shape[0], -1, x.shape[2], -1, -1)\n"
+        "        return self.conv(torch.cat([x, s], 1))\n"
+        "def make(channels, grid):\n"
+        "    return Net(channels, grid)\n"
+    )
+    cmd = [sys.executable, "-m", "mpidp", "plan", "--grid", "4x37x16", "-d", "2", "--json"]
+    cmd += ["--model", "zoo:make", "--channels", "2", "--input", "1x1x37x16"]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["shape"] == [1, 2, 4, 37, 16] and [r["rows"] for r in doc["ranks"]] == [19, 18]
+    assert doc["layers"][0]["halo_before"] == [1, 1]  # a zero row beyond the field at rank 0

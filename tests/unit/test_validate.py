@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from torch import nn
 
 import mpidp
@@ -38,3 +40,36 @@ def test_odd_longitude_with_polar_padding():
         PeriodicResBlock(2, 1, pole="polar"), (1, 2, 13, 9), parts=2, partition=mpidp.Balanced()
     )
     assert any("even W" in p for p in report.problems)
+
+
+class _WithStatic(nn.Module):
+    """A forward of two inputs: the state and static fields (orography, land-sea mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3 + 2, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x, static):
+        return self.pool(self.conv(torch.cat([x, static.expand(x.shape[0], -1, -1, -1)], 1)))
+
+
+def test_several_inputs_and_five_d_inputs():
+    report = mpidp.validate_sharding_constraints(
+        _WithStatic(),
+        parts=3,
+        partition=mpidp.Balanced(),
+        example_inputs=[(2, 3, 20, 8), torch.zeros(1, 2, 20, 8)],
+    )
+    assert report.ok, report.problems
+    by_path = {layer.path: layer for layer in report.layers}
+    assert by_path["conv"].rows_in == (7, 7, 6) and by_path["pool"].rows_out == (4, 3, 3)
+    three_d = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.MaxPool3d((1, 2, 2)))
+    report = mpidp.validate_sharding_constraints(
+        three_d, (1, 2, 4, 21, 8), parts=2, partition=mpidp.Balanced()
+    )
+    assert report.ok, report.problems
+    assert [layer.rows_out for layer in report.layers] == [(11, 10), (5, 5)]
+    assert report.layers[0].halo_before == (1, 1)  # a zero row beyond the field at rank 0
+    with pytest.raises(mpidp.ConfigError, match="global_shape or example_inputs"):
+        mpidp.validate_sharding_constraints(three_d, parts=2, partition=mpidp.Balanced())
