@@ -145,6 +145,19 @@ def _other_extents(
     return torch.round(real / mean).to(x.dtype)[0, 0]
 
 
+def _checked_dim(layer: Any, x: torch.Tensor) -> int:
+    """The sharded dim of ``x`` for an ``_n``-d pool, after the checks every pool shares: a
+    batched or unbatched input of its rank, and no ``return_indices``."""
+    n = layer._n
+    if x.dim() not in (n + 1, n + 2):
+        raise ConfigError(
+            f"{type(layer).__name__} expects a {n + 1}-d or {n + 2}-d input, got {tuple(x.shape)}"
+        )
+    if layer._max and layer.return_indices:
+        raise ConfigError(f"{type(layer).__name__}: return_indices is not supported on bands")
+    return int(x.dim() + layer.shard_dim)
+
+
 class _Pool(DomainParallel):
     """Max/AvgPool 1-3-D (``self`` is also the torch pool); ``_n`` spatial dims."""
 
@@ -155,15 +168,7 @@ class _Pool(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         pool: Any = self
-        n = self._n
-        if x.dim() not in (n + 1, n + 2):
-            raise ConfigError(
-                f"{type(self).__name__} expects a {n + 1}-d or {n + 2}-d input, got "
-                f"{tuple(x.shape)}"
-            )
-        if self._max and pool.return_indices:
-            raise ConfigError(f"{type(self).__name__}: return_indices is not supported on bands")
-        d = x.dim() + self.shard_dim
+        n, d = self._n, _checked_dim(self, x)
         k = n + self.shard_dim  # the sharded dim's index among the spatial dims
         kernel = _tuple(pool.kernel_size, n)
         stride = _tuple(pool.stride or pool.kernel_size, n)
@@ -251,15 +256,7 @@ class _Adaptive(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         pool: Any = self
-        n = self._n
-        if x.dim() not in (n + 1, n + 2):
-            raise ConfigError(
-                f"{type(self).__name__} expects a {n + 1}-d or {n + 2}-d input, got "
-                f"{tuple(x.shape)}"
-            )
-        if self._max and pool.return_indices:
-            raise ConfigError(f"{type(self).__name__}: return_indices is not supported on bands")
-        d = x.dim() + self.shard_dim
+        n, d = self._n, _checked_dim(self, x)
         k = n + self.shard_dim
         t = self._transport(x)
         spec = learn_spec(x, d, t)
