@@ -21,9 +21,16 @@ def launch(n: int, script: str, *args: str, timeout: int = 400) -> str:
     cmd = [sys.executable, script, *args]
     if n > 1:
         cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", script, *args]
-    res = subprocess.run(
-        cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    try:
+        res = subprocess.run(
+            cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as exc:  # what it printed, stacks included (hangdump)
+        out, err = (
+            s.decode() if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr)
+        )
+        msg = f"{cmd} timed out after {timeout} s:\n{out[-3000:]}\n{err[-9000:]}"
+        raise AssertionError(msg) from None
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 

@@ -18,6 +18,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 TIMEOUT = 240
+HANGDUMP = Path(__file__).resolve().parent / "hangdump"
 
 
 def _mpiexec() -> str:
@@ -81,7 +82,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
     env["OMP_NUM_THREADS"] = "1"
+    env["MPIDP_TEST_HANG_DUMP"] = "180"  # hangdump/sitecustomize.py: stacks of a stuck job
     env.update(extra)
+    paths = [str(HANGDUMP), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
