@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpidp.audit import OpRecorder, where_error
 from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, input_ranges, padding_pair
@@ -211,6 +212,172 @@ def _meta_inputs(
     return out
 
 
+def _banded(module: nn.Module) -> bool:
+    """A layer the band run replaces by its band arithmetic."""
+    return isinstance(module, (*_SPATIAL, base.DomainParallel))
+
+
+def _leaf(module: nn.Module) -> bool:
+    """A module whose ``forward`` the op audit does not look into: converted layers, torch's
+    modules but its containers, and modules without children (the probe judges those)."""
+    if _banded(module) or not any(True for _ in module.children()):
+        return True
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return type(module).__module__.startswith("torch.") and not isinstance(module, containers)
+
+
+def _sharded_like(x: Any, h: int, dim: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[dim] == h
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, list | tuple):
+        return [t for item in out for t in _tensors(item)]
+    return []
+
+
+def _band_layer(
+    module: nn.Module,
+    path: str,
+    queue: list[tuple[torch.Size, torch.Size, torch.dtype]],
+    rank: int,
+    parts: int,
+    partition: PartitionPolicy,
+    shard_dim: int,
+) -> Any:
+    """A converted layer's forward in the band run: checks that it gets ``rank``'s rows of
+    its global input and returns the rows of its global output that the layer gives it."""
+    adaptive = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        g_in, g_out, dtype = queue.pop(0)
+        dim_in = shard_dim - 1 if isinstance(module, _CHANNELS_LAST_IN) else shard_dim
+        dim_out = shard_dim if isinstance(module, PatchRecovery) else dim_in
+        d, e = len(g_in) + dim_in, len(g_out) + dim_out
+        # fewer rows than ranks: a replicated input (after a global pool), whole on every rank
+        replicated = g_in[d] < parts
+        want = g_in[d] if replicated else partition.spec(g_in[d], parts).sizes[rank]
+        got = args[0].shape[d]
+        if got != want:
+            raise _BandMismatch(
+                f"{path} ({type(module).__name__}) gets {got} rows on rank {rank}; its "
+                f"input of {g_in[d]} rows puts {want} on that rank"
+            )
+        rows = g_out[e]
+        if not replicated and not (isinstance(module, adaptive) and rows < parts):
+            rows = partition.spec(rows, parts).sizes[rank]
+        shape = list(g_out)
+        shape[e] = rows
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    return forward
+
+
+def _band_runs(
+    meta: nn.Module,
+    inputs: list[Any],
+    out_global: Any,
+    calls: dict[nn.Module, list[tuple[torch.Size, torch.Size, torch.dtype]]],
+    reference: list[list[tuple[int, ...]]],
+    parts: int,
+    partition: PartitionPolicy,
+    shard_dim: int,
+) -> list[str]:
+    """Every rank's forward on its band, in this process, on meta tensors: each converted
+    layer replaced by the rows it gives that rank, the model's own code run as it is. The
+    first op that fails (with its line), an output that is not the rank's band, and the ops of
+    the model's own code that mix rows of the sharded dim."""
+    first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
+    if first is None:
+        return []
+    h = first.shape[shard_dim]
+    problems: list[str] = []
+    findings: dict[str, str] = {}
+    for rank in range(parts):
+        try:
+            spec = partition.spec(h, parts)
+        except Exception:  # the global checks say why
+            return problems
+        queues = {m: list(v) for m, v in calls.items()}
+
+        band = [
+            torch.empty(
+                (
+                    *t.shape[: t.dim() + shard_dim],
+                    spec.sizes[rank],
+                    *t.shape[t.dim() + shard_dim + 1 :],
+                ),
+                dtype=t.dtype,
+                device="meta",
+            )
+            if _sharded_like(t, h, shard_dim)
+            else t
+            for t in inputs
+        ]
+        recorder = OpRecorder(reference)
+        names = {m: p for p, m in meta.named_modules()}
+        for module in calls:
+            module.forward = _band_layer(
+                module, names.get(module, "?"), queues[module], rank, parts, partition, shard_dim
+            )
+        lo, hi = spec.offsets[rank], spec.offsets[rank] + spec.sizes[rank]
+        at = f"rank {rank} (rows {lo}-{hi} of {h})"
+        failure = None
+        try:
+            with base.torch_path(), recorder.watching(meta, _leaf):
+                out = meta(*band)
+        except _BandMismatch as err:
+            failure = f"{at}: {err}, from {where_error(err)}"
+        except Exception as err:
+            failure = (
+                f"{at}: the model's forward fails on its band at {where_error(err)}: "
+                f"{type(err).__name__}: {err}"
+            )
+        finally:
+            for module in calls:
+                del module.forward
+        for finding in recorder.findings:
+            findings.setdefault(finding.line, str(finding))
+        if failure is None:
+            failure = _output_band(out, out_global, at, rank, parts, partition, shard_dim)
+        if failure is not None:  # the first rank that fails says it; the others would repeat
+            problems.append(failure)
+            break
+    return problems + list(findings.values())
+
+
+def _output_band(
+    out: Any,
+    out_global: Any,
+    at: str,
+    rank: int,
+    parts: int,
+    partition: PartitionPolicy,
+    shard_dim: int,
+) -> str | None:
+    """Why the band run's result is not ``rank``'s band of the global run's, or None."""
+    for got, want in zip(_tensors(out), _tensors(out_global), strict=False):
+        if got.dim() != want.dim() or got.dim() < 3:
+            continue
+        e = want.dim() + shard_dim
+        shape = list(want.shape)
+        shape[e] = partition.spec(want.shape[e], parts).sizes[rank]
+        if list(got.shape) != shape:
+            return (
+                f"{at}: the output is {tuple(got.shape)}, its band of the {tuple(want.shape)} "
+                f"result is {tuple(shape)}: the model's own code works on global sizes"
+            )
+    return None
+
+
+class _BandMismatch(Exception):
+    pass
+
+
 def validate_sharding_constraints(
     model: nn.Module,
     global_shape: Sequence[int] | None = None,
@@ -237,11 +404,15 @@ def validate_sharding_constraints(
         global_shape, example_inputs, first.dtype if first is not None else torch.float32
     )
     hooks = []
+    calls: dict[nn.Module, list[tuple[torch.Size, torch.Size, torch.dtype]]] = {}
     for path, module in meta.named_modules():
-        if isinstance(module, _SPATIAL):
+        if _banded(module):
 
-            def record(mod: nn.Module, args: tuple, out: torch.Tensor, path: str = path) -> None:
-                seen.append((path, mod, args[0].shape, out.shape))
+            def record(mod: nn.Module, args: tuple, out: Any, path: str = path) -> None:
+                if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                    calls.setdefault(mod, []).append((args[0].shape, out.shape, out.dtype))
+                    if isinstance(mod, _SPATIAL):
+                        seen.append((path, mod, args[0].shape, out.shape))
 
             hooks.append(module.register_forward_hook(record))
     problems: list[str] = []
@@ -249,15 +420,22 @@ def validate_sharding_constraints(
         convert_to_domain_parallel(copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs)
     except ConfigError as err:
         problems.append(str(err))
+    recorder = OpRecorder()
+    out_global: Any = None
     with base.torch_path():
         try:
-            meta(*inputs)
+            with recorder.watching(meta, _leaf):
+                out_global = meta(*inputs)
         except Exception as err:  # the serial model itself rejects the shapes
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
             problems.append(f"the model does not run on {shapes}: {err}")
         finally:
             for hook in hooks:
                 hook.remove()
+    if out_global is not None and parts > 1:
+        problems += _band_runs(
+            meta, inputs, out_global, calls, recorder.calls, parts, partition, shard_dim
+        )
     layers = []
     for path, module, shape_in, shape_out in seen:
         dim_in = shard_dim - 1 if isinstance(module, _CHANNELS_LAST_IN) else shard_dim
@@ -266,15 +444,17 @@ def validate_sharding_constraints(
         h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
         kind = type(module).__name__
         adaptive = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
+        geo = _geometry(module, d - 2) if d >= 2 else None
+        pointwise = geo is not None and geo[:3] == (1, 1, (0, 0)) and h_out == h_in
         try:
-            spec_in = partition.spec(h_in, parts)
-            if isinstance(module, adaptive) and h_out < parts:
+            spec_in = partition.spec(h_in, parts) if h_in >= parts else None
+            if (isinstance(module, adaptive) and h_out < parts) or (h_in < parts and pointwise):
                 # fewer output rows than ranks: the whole result, replicated on every rank
                 layers.append(
                     LayerSharding(
                         path,
                         kind,
-                        spec_in.sizes,
+                        spec_in.sizes if spec_in is not None else (h_in,) * parts,
                         (h_out,) * parts,
                         (0,) * parts,
                         (0,) * parts,
@@ -286,12 +466,12 @@ def validate_sharding_constraints(
                     )
                 )
                 continue
+            spec_in = partition.spec(h_in, parts)
             spec_out = partition.spec(h_out, parts)
         except Exception as err:
             problems.append(f"{path} ({kind}): {err}")
             continue
         k = d - 2
-        geo = _geometry(module, k) if k >= 0 else None
         if geo is not None:
             mode = getattr(module, "padding_mode", getattr(module, "pole", "zeros"))
             if mode in ("reflect", "polar") and max(geo[2]) >= h_in:

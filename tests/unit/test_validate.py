@@ -73,3 +73,153 @@ def test_several_inputs_and_five_d_inputs():
     assert report.layers[0].halo_before == (1, 1)  # a zero row beyond the field at rank 0
     with pytest.raises(mpidp.ConfigError, match="global_shape or example_inputs"):
         mpidp.validate_sharding_constraints(three_d, parts=2, partition=mpidp.Balanced())
+
+
+# ---------------------------------------------------------------- the dry run on band shapes
+
+
+def _dry(model: nn.Module, shape=(2, 3, 20, 8), parts=3) -> mpidp.ShardingReport:
+    return mpidp.validate_sharding_constraints(
+        model, shape, parts=parts, partition=mpidp.Weighted([2, 1, 1][:parts])
+    )
+
+
+class _GlobalPosEmbed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.pos = nn.Parameter(torch.zeros(1, 3, 20, 8))
+
+    def forward(self, x):
+        return self.conv(x) + self.pos  # the global grid added to a band
+
+
+class _ShapeCheck(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        if tuple(x.shape[-2:]) != (20, 8):
+            raise ValueError(f"expected a 20 x 8 grid, got {tuple(x.shape[-2:])}")
+        return self.conv(x)
+
+
+def test_the_first_op_that_fails_on_a_band_is_named_with_its_line():
+    report = _dry(_GlobalPosEmbed())
+    assert len(report.problems) == 1, report.problems
+    text = report.problems[0]
+    assert text.startswith("rank 0 (rows 0-10 of 20): the model's forward fails on its band")
+    assert "test_validate.py" in text and "`return self.conv(x) + self.pos" in text
+    report = _dry(_ShapeCheck())
+    assert "expected a 20 x 8 grid, got (10, 8)" in report.problems[0]
+    assert "`raise ValueError(" in report.problems[0]
+
+
+class _Mixing(nn.Module):
+    """Forward code that runs on a band without error and computes something else."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.op = op
+        self.w3 = nn.Parameter(torch.zeros(3, 3, 3, 3))
+        self.w1 = nn.Parameter(torch.zeros(3, 3, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        op = self.op
+        if op == "squeeze-excitation":
+            return x * torch.sigmoid(x.mean(dim=(2, 3), keepdim=True))
+        if op == "roll-lat":
+            return torch.roll(x, 1, dims=-2)
+        if op == "roll-lon":
+            return torch.roll(x, 1, dims=-1)
+        if op == "roll-channels-last":  # Swin's shift, after a permute: H is dim 1 there
+            return x.permute(0, 2, 3, 1).roll((2, 2), dims=(1, 2)).permute(0, 3, 1, 2)
+        if op == "conv3x3":
+            return nn.functional.conv2d(x, self.w3, padding=1)
+        if op == "conv1x1":
+            return nn.functional.conv2d(x, self.w1)
+        if op == "pad-lon":
+            return nn.functional.pad(x, (1, 1, 0, 0), mode="circular")[..., 1:-1]
+        if op == "pad-lat":
+            return nn.functional.pad(x, (0, 0, 1, 1))[..., 1:-1, :]
+        if op == "softmax-lon":
+            return torch.softmax(x, dim=-1)
+        if op == "attention-over-tokens":
+            t = x.flatten(2).transpose(1, 2)  # (B, H*W, C): the rows merged into tokens
+            return (torch.softmax(t @ t.transpose(1, 2), -1) @ t).transpose(1, 2).reshape(x.shape)
+        if op == "fft2":
+            return torch.fft.irfft2(torch.fft.rfft2(x), s=x.shape[-2:])
+        raise AssertionError(op)
+
+
+@pytest.mark.parametrize(
+    "op,mixes",
+    [
+        ("squeeze-excitation", "mean"),
+        ("roll-lat", "roll"),
+        ("roll-channels-last", "roll"),
+        ("conv3x3", "conv2d"),
+        ("pad-lat", "pad"),
+        ("attention-over-tokens", "softmax"),
+        ("fft2", "torch.fft.rfft2"),
+        ("roll-lon", None),
+        ("conv1x1", None),
+        ("pad-lon", None),
+        ("softmax-lon", None),
+    ],
+)
+def test_ops_of_the_models_own_code_that_mix_rows_are_found(op, mixes):
+    report = _dry(_Mixing(op))
+    if mixes is None:
+        assert report.ok, report.problems
+        return
+    assert report.problems, op
+    text = report.problems[0]
+    assert f": {mixes} mixes rows of the sharded dim" in text, text
+    assert "test_validate.py" in text and "in the model's own forward code" in text
+
+
+def test_band_run_checks_the_output_band_and_passes_converted_models():
+    class GlobalSize(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x):  # a global size given to a band
+            return nn.functional.interpolate(self.conv(x), size=(20, 8))
+
+    text = "\n".join(_dry(GlobalSize()).problems)
+    assert "its band of the (2, 3, 20, 8) result is (2, 3, 10, 8)" in text
+    assert "interpolate mixes rows" in text
+    unet = WeatherUNet(3, 2, (37, 16), width=4)
+    for parts in (2, 3, 4):
+        report = mpidp.validate_sharding_constraints(
+            unet, (1, 3, 37, 16), parts=parts, partition=mpidp.Balanced()
+        )
+        assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_pointwise_layers_after_a_global_pool_are_replicated(kernel):
+    class SE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Conv2d(3, 3, kernel, padding=kernel // 2)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return x * torch.sigmoid(self.fc(self.pool(x)))
+
+    report = _dry(SE())
+    by_path = {layer.path: layer for layer in report.layers}
+    assert by_path["pool"].rows_out == (1, 1, 1) and by_path["pool"].boundary == "replicated"
+    if kernel == 1:  # the same 1 x 1 x C on every rank: exact
+        assert report.ok, report.problems
+        assert by_path["fc"].rows_in == (1, 1, 1) and by_path["fc"].boundary == "replicated"
+    else:  # a 3 x 3 conv would read rows of other ranks' copies
+        assert "fc (Conv2d): cannot split 1 rows over 3 ranks" in "\n".join(report.problems)
