@@ -63,6 +63,7 @@ SAFE_MODULES: tuple[type[nn.Module], ...] = (
     nn.LogSigmoid,
     nn.Linear,  # over the last dim (channels-last, or W): never the sharded H
     nn.Bilinear,
+    nn.Embedding,  # a table lookup at each index (time steps, land classes): no neighbour read
 )
 
 #: Module types refused outright (their children would look harmless).

@@ -161,3 +161,20 @@ def test_int_kernel_pools_convert():
     model = nn.Sequential(nn.Conv2d(2, 2, 3), nn.MaxPool2d(2), nn.AvgPool2d(3, 2, 1))
     actions = [v.action for v in explain_conversion(model)]
     assert actions == ["converted", "converted", "converted"]
+
+
+def test_embeddings_of_indices_are_left_as_they_are():
+    """nn.Embedding takes integer indices, which the probe cannot feed it; a lookup per index
+    reads no neighbour, so it is known safe (a diffusion model's time-step embedding)."""
+
+    class TimeConditioned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 3)
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x, t):
+            return self.conv(x) + self.embed(t)[:, :, None, None]
+
+    verdicts = {v.path: v for v in explain_conversion(TimeConditioned())}
+    assert verdicts["embed"].action == "left" and verdicts["conv"].action == "converted"
