@@ -17,7 +17,13 @@ from mpidp.collectives import (
     scatter_v,
 )
 from mpidp.convert import convert_to_domain_parallel, explain_conversion
-from mpidp.errors import BackendError, CommError, ConfigError, LaunchError, MpidpError
+from mpidp.errors import (
+    BackendError,
+    CommError,
+    ConfigError,
+    LaunchError,
+    MpidpError,
+)
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
 from mpidp.halo import (
     Boundary,

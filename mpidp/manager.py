@@ -118,6 +118,22 @@ class DistributedManager:
             raise ConfigError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         env = dict(os.environ) if env is None else env
         self._world_comm = _mpi_world()
+        # what every rank must pass alike: checked before anything is built from it
+        self._facts = {
+            "domain_parallel_size": domain_parallel_size,
+            "backend": backend,
+            "shard_dim": shard_dim,
+            "transport": transport,
+            "partition": repr(self.partition),
+            "timeout": self.timeout.total_seconds(),
+            "MPIDP_DEBUG": env.get("MPIDP_DEBUG", ""),
+            "MPIDP_TIMEOUT": env.get("MPIDP_TIMEOUT", ""),
+        }
+        if self._mpi_runs_job():
+            assert self._world_comm is not None
+            self._same_everywhere(
+                self._world_comm.allgather(self._facts), self._world_comm.Get_rank()
+            )
         self.launch_info = self._agree(detect_launch, env)
         info = self._resolve_ranks(self.launch_info)
         self.rank, self.world_size = info.rank, info.world_size
@@ -134,6 +150,10 @@ class DistributedManager:
             self._init_process_group(env)
         else:
             self._adopt_process_group()
+        if not self._mpi_runs_job() and self.world_size > 1:  # torchrun, srun --mpi=none
+            table: list[Any] = [None] * self.world_size
+            dist.all_gather_object(table, self._facts)
+            self._same_everywhere(table, self.rank)
         self.mesh: DeviceMesh = init_device_mesh(
             self.device.type,
             (self.dp_world_size, self.domain_world_size),
@@ -147,6 +167,23 @@ class DistributedManager:
         self._closed = False
 
     # -- construction steps -------------------------------------------------------------------
+
+    @staticmethod
+    def _same_everywhere(table: list[dict[str, Any]], rank: int) -> None:
+        """Every rank raises the same ConfigError when ranks passed different arguments (a
+        layout built from them would mix two jobs' meanings silently)."""
+        lines = [
+            f"rank {r}: {name}={value!r}"
+            for name in table[0]
+            if len({repr(row.get(name)) for row in table}) > 1
+            for r, value in enumerate(row.get(name) for row in table)
+        ]
+        if lines:
+            raise ConfigError(
+                f"rank {rank}: the ranks "
+                f"initialised mpidp with different arguments or environment ({'; '.join(lines)}); "
+                f"pass the same values on every rank"
+            )
 
     def _mpi_runs_job(self) -> bool:
         return self._world_comm is not None and self._world_comm.Get_size() > 1
@@ -440,13 +477,14 @@ class DistributedManager:
         if kind == "mpi":
             from mpi4py import MPI
 
-            from mpidp.comm.mpi import MPITransport
+            from mpidp.comm.mpi import MPITransport, deadline_seconds
 
             comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
             made = MPITransport(
                 comm
                 if comm is not None
-                else (MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF)
+                else (MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF),
+                timeout=deadline_seconds(self.timeout.total_seconds()),
             )
         else:
             pg = {"domain": self.domain_group, "dp": self.data_parallel_group}.get(key)

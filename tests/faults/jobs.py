@@ -1,0 +1,87 @@
+"""Fault-injection jobs: ``python -m mpi4py tests/faults/jobs.py CASE`` under mpiexec.
+
+Each case makes the ranks disagree and prints, on every rank that raised, ``CAUGHT rank R
+after S s: Type: message``; or makes one rank skip a call, which the deadline turns into an
+abort of the job with a message. Run by tests/launch/test_faults.py, which
+checks that every rank raised an mpidp error naming the values, within seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+import mpidp
+
+ME = MPI.COMM_WORLD.Get_rank()
+
+
+def caught(fn) -> None:
+    start = time.monotonic()
+    try:
+        fn()
+    except mpidp.MpidpError as err:
+        took = time.monotonic() - start
+        print(f"CAUGHT rank {ME} after {took:.1f} s: {type(err).__name__}: {err} ##", flush=True)
+        return
+    print(f"NOT CAUGHT rank {ME}", flush=True)
+
+
+def disagreements() -> None:
+    """Ranks that pass different arguments to one collective: each raises, then the next
+    case runs on the same communicator (nothing is left half done)."""
+    t = mpidp.init().transport("world")
+    # sizes: rank 1 believes it owns 2 rows, rank 0 believes it owns 3 (a short message)
+    sizes = [2, 3] if ME == 0 else [2, 2]
+    caught(lambda: t.all_gather_v(torch.zeros(2, 4), sizes))
+    # a dtype of the same width: float32 against int32
+    dtype = torch.float32 if ME == 0 else torch.int32
+    caught(lambda: t.all_gather_v(torch.zeros(2, 4, dtype=dtype), [2, 2]))
+    # another row shape (trailing dims)
+    caught(lambda: t.all_gather_v(torch.zeros(2, 4 + ME), [2, 2]))
+    # a parameter frozen on one rank: the gradient buckets differ in length
+    model = torch.nn.Linear(3, 2)
+    if ME == 1:
+        model.bias.requires_grad_(False)
+    model(torch.ones(1, 3)).sum().backward()
+    caught(lambda: mpidp.sync_gradients(model))
+    # all_to_all_v whose receive counts do not match the send counts
+    recv = [1, 1] if ME == 0 else [1, 2]
+    caught(lambda: t.all_to_all_v(torch.zeros(2, 3), [1, 1], recv))
+    # and the communicator still works for a correct call
+    out = t.all_gather_v(torch.full((1, 2), float(ME)), [1, 1])
+    print(f"OK rank {ME}: {out[:, 0].tolist()}", flush=True)
+
+
+def init_sizes() -> None:
+    """Ranks that pass different domain_parallel_size to mpidp.init."""
+    caught(lambda: mpidp.init(domain_parallel_size=2 if ME == 0 else 1))
+
+
+def skipped_collective() -> None:
+    """Rank 1 never enters the all_gather_v: rank 0 must not wait forever."""
+    t = mpidp.init().transport("world")
+    if ME == 0:
+        print(f"rank 0 enters at {time.time():.2f}", flush=True)
+        t.all_gather_v(torch.zeros(1, 2), [1, 1])
+    time.sleep(60)
+
+
+def skipped_halo_backward() -> None:
+    """The documented trap: the forward through a halo ran on every rank, the backward on
+    rank 0 only."""
+    manager = mpidp.init(domain_parallel_size=2)
+    conv = mpidp.convert_to_domain_parallel(torch.nn.Conv2d(1, 1, 3, padding=1), manager)
+    x = torch.randn(1, 1, 4, 6, requires_grad=True)
+    y = conv(x)
+    if ME == 0:
+        print(f"rank 0 enters at {time.time():.2f}", flush=True)
+        y.sum().backward()
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1].replace("-", "_")]()

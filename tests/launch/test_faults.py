@@ -1,0 +1,93 @@
+"""Faults injected into real multi-rank jobs (tests/faults/jobs.py under mpiexec): ranks that
+disagree on a collective's arguments or on mpidp.init's, a rank that skips a collective or the
+backward of a halo exchange. Every rank that takes part must raise an mpidp error naming the
+values, within seconds of the fault (MPIDP_TIMEOUT=2 for the skipped calls), and a
+communicator whose ranks disagreed must still work for the next correct call."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_launch import MPIEXEC, clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+JOBS = str(ROOT / "tests" / "faults" / "jobs.py")
+
+
+def job(case: str, n: int = 2, **env: str) -> str:
+    res = subprocess.run(
+        [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", JOBS, case],
+        env=clean_env(PYTHONPATH=str(ROOT), **env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    return res.stdout + res.stderr
+
+
+def caught(out: str) -> list[tuple[int, float, str]]:
+    # ranks' lines may be glued together by the launcher: each message ends with " ##"
+    found = re.findall(r"CAUGHT rank (\d+) after ([\d.]+) s: (.*?) ##", out, re.S)
+    return [(int(r), float(s), msg) for r, s, msg in found]
+
+
+def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
+    out = job("disagreements")
+    assert "NOT CAUGHT" not in out, out
+    got = caught(out)
+    assert sorted(r for r, _, _ in got) == [0] * 5 + [1] * 5, out
+    for _, seconds, msg in got:
+        assert msg.startswith("CommError: rank ") and seconds < 10, msg
+    by_case = [msg for r, _, msg in got if r == 0]
+    assert "rank 0: ('all_gather_v', (2, 3)" in by_case[0]
+    assert "rank 1: ('all_gather_v', (2, 2)" in by_case[0]
+    assert "torch.float32" in by_case[1] and "torch.int32" in by_case[1]
+    assert "(4,)" in by_case[2] and "(5,)" in by_case[2]
+    assert "('all_reduce', 8" in by_case[3] and "('all_reduce', 6" in by_case[3]  # 6+2 vs 6
+    assert "matching send and receive counts" in by_case[4]
+    assert (
+        "rank 1: ('all_to_all_v', torch.float32, (3,), 'send rows [1, 1]', 'receive rows [1, 2]')"
+        in by_case[4]
+    )
+    assert "OK rank 0: [0.0, 1.0]" in out and "OK rank 1: [0.0, 1.0]" in out
+
+
+def test_init_with_different_layouts_is_an_error_on_every_rank():
+    got = caught(job("init-sizes"))
+    assert sorted(r for r, _, _ in got) == [0, 1]
+    for _, _, msg in got:
+        assert "ConfigError" in msg and "domain_parallel_size" in msg
+        assert "rank 0: domain_parallel_size=2" in msg and "rank 1: domain_parallel_size=1" in msg
+
+
+def _aborted_after_deadline(out: str) -> str:
+    """The deadline's message: rank 0 entered the call and waited 2-4 s for rank 1."""
+    assert re.search(r"rank 0 enters at [\d.]+", out), out
+    found = re.search(r"mpidp CommTimeout: (.*?)(?:\n\n|\Z)", out, re.S)
+    assert found, out
+    msg = " ".join(found.group(1).split())
+    waited = float(re.search(r"after ([\d.]+) s \(deadline 2 s\)", msg).group(1))
+    assert 2 <= waited < 4, msg
+    assert "Aborting the job" in msg and "MPIDP_TIMEOUT" in msg
+    return msg
+
+
+def test_a_skipped_collective_aborts_the_job_at_the_deadline():
+    start = time.monotonic()
+    out = job("skipped-collective", MPIDP_TIMEOUT="2")
+    assert time.monotonic() - start < 40, out  # rank 1 sleeps 60 s: the abort ended it
+    msg = _aborted_after_deadline(out)
+    assert msg.startswith("rank 0 of 2 (MPI group of 2): all_gather_v did not complete")
+
+
+def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
+    start = time.monotonic()
+    out = job("skipped-halo-backward", MPIDP_TIMEOUT="2")
+    assert time.monotonic() - start < 40, out
+    msg = _aborted_after_deadline(out)
+    assert "halo) waiting for messages from ranks [1]" in msg
