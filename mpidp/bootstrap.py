@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import zlib
 from collections.abc import Mapping
 
 import hostlist
@@ -110,10 +111,12 @@ def _expand_tasks_per_node(text: str) -> list[int]:
 
 
 def slurm_port(job_id: str, step_id: str | None = None) -> int:
-    """A rendezvous port that is the same on every task of one SLURM step."""
-    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
-    step = int(step_id) if step_id is not None and step_id.isdigit() else 0
-    return _PORT_BASE + (int(digits) * 7 + step) % _PORT_SPAN
+    """A rendezvous port that is the same on every task of one SLURM step: a hash of the job
+    and step ids (not a linear mix: ``job * 7 + step`` gave job J step 7 and job J + 1 step 0
+    one port). Two steps can still share a port by chance (1 in 20000); the job token checked
+    at join (DistributedManager) turns that into an error instead of one mixed job."""
+    step = step_id if step_id is not None else "0"
+    return _PORT_BASE + zlib.crc32(f"{job_id}.{step}".encode()) % _PORT_SPAN
 
 
 def _torchrun(env: Mapping[str, str], host: str) -> LaunchInfo:
@@ -190,8 +193,13 @@ def _slurm(env: Mapping[str, str], host: str) -> LaunchInfo:
         local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
         local_world_size=local_world,
         host=host,
-        master_addr=nodes[0] if nodes else None,
-        master_port=slurm_port(job_id, step_id) if job_id and nodes else None,
+        # an exported MASTER_ADDR / MASTER_PORT (a common sbatch idiom) wins over the derived
+        master_addr=env.get("MASTER_ADDR") or (nodes[0] if nodes else None),
+        master_port=(
+            _int(env, "MASTER_PORT")
+            if "MASTER_PORT" in env
+            else (slurm_port(job_id, step_id) if job_id and nodes else None)
+        ),
         job_id=job_id,
         nodelist=nodes,
     )

@@ -335,11 +335,45 @@ class DistributedManager:
                     f"processes without MPI and without a rendezvous address; launch with mpiexec, "
                     f"srun --mpi=pmi2 or torchrun"
                 )
-            kwargs["store"] = dist.TCPStore(
-                addr, port, self.world_size, self.rank == 0, timeout=self.timeout
-            )
+            kwargs["store"] = self._job_store(addr, port, env)
         self._store = kwargs.get("store")  # kept for an ordered teardown (shutdown)
         dist.init_process_group(**kwargs)
+
+    def _job_store(self, addr: str, port: int, env: dict[str, str]) -> dist.Store:
+        """The rendezvous at a port derived from the job (SLURM without MPI), which a job that
+        got the same port may also reach: rank 0 writes this job's token, every other rank
+        checks it before joining, so a stranger raises instead of mixing two trainings."""
+        job = env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "?"))
+        step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "?"))
+        token = f"{self.launch_info.launcher} job {job} step {step} of {self.world_size} ranks"
+        try:
+            store = dist.TCPStore(
+                addr,
+                port,
+                self.world_size,
+                self.rank == 0,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as exc:
+            raise LaunchError(
+                f"rank {self.rank} ({token}): cannot open the rendezvous at {addr}:{port}: "
+                f"{exc}; another job may hold that port: launch with srun --mpi=pmi2 (no port "
+                f"needed) or set MASTER_PORT"
+            ) from None
+        key = "mpidp/job-token"
+        if self.rank == 0:
+            store.set(key, token)
+        else:
+            store.wait([key], self.timeout)
+            theirs = store.get(key).decode()
+            if theirs != token:
+                raise LaunchError(
+                    f"rank {self.rank}: the rendezvous at {addr}:{port} belongs to another job "
+                    f"({theirs}); this rank is of {token}. Two jobs on one node got the same "
+                    f"port: nothing was joined; launch with srun --mpi=pmi2 or set MASTER_PORT"
+                )
+        return store
 
     def _mpi_rendezvous(self, env: dict[str, str]) -> dist.Store:
         """Rank 0 opens a store on a port the OS picks and broadcasts where it is: nothing to

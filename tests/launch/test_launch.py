@@ -203,6 +203,57 @@ def test_slurm_environment_without_mpi_uses_slurm_rendezvous_when_asked():
     assert "OK rank=1 size=2 launcher=slurm transport=torch" in outs[1]
 
 
+def test_a_job_that_reaches_another_jobs_rendezvous_refuses_to_join():
+    """Two `srun --mpi=none` steps whose derived ports collide on one node (issue 19: job J
+    step 7 and job J + 1 step 0 used to): a rank of the second job reaches the first job's
+    store, sees its token and raises, and the first job completes as one job of its own."""
+    from mpidp.bootstrap import slurm_port
+
+    seen: dict[int, str] = {}
+    base = random.randint(100_000, 900_000)
+    for j in range(base, base + 100_000):
+        port = slurm_port(str(j), "0")
+        if port in seen:
+            first, second = seen[port], str(j)
+            break
+        seen[port] = str(j)
+
+    def rank(job: str, r: int) -> subprocess.Popen[str]:
+        env = dict(
+            SLURM_NTASKS="2",
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_JOB_ID=job,
+            SLURM_STEP_ID="0",
+            SLURM_STEP_TASKS_PER_NODE="2",
+            SLURM_PROCID=str(r),
+            SLURM_LOCALID=str(r),
+        )
+        return subprocess.Popen(
+            [sys.executable, "-c", JOB, "1", "torch"],
+            env=clean_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    owner = rank(first, 0)
+    stranger = rank(second, 1)  # its client retries until the first job's store is up
+    out, err = stranger.communicate(timeout=TIMEOUT)
+    partner = rank(first, 1)
+    results = [(p, *p.communicate(timeout=TIMEOUT)) for p in (owner, partner)]
+    assert stranger.returncode != 0 and "LaunchError" in err, err
+    want = (
+        f"belongs to another job (slurm job {first} step 0 of 2 ranks); this rank is of "
+        f"slurm job {second} step 0 of 2 ranks"
+    )
+    assert want in " ".join(err.split()), err
+    for r, (proc, out, err) in enumerate(results):
+        if proc.returncode == -signal.SIGABRT and "terminate called without" in err and "OK" in out:
+            pytest.xfail(f"open question: teardown abort after a successful job: {err.strip()}")
+        assert proc.returncode == 0, err
+        assert f"OK rank={r} size=2 launcher=slurm transport=torch" in out
+
+
 def test_mpi_launcher_but_mpi_sees_one_process_is_an_error():
     """Open MPI's variables with MPICH's mpi4py: the classic wrong-library launch."""
     res = run(

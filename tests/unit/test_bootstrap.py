@@ -316,7 +316,17 @@ def test_slurm_port_is_stable_and_in_range():
     assert len(ports) == 100
     assert all(12000 <= p < 32000 for p in ports)
     assert slurm_port("123", "0") != slurm_port("123", "1")
-    assert slurm_port("123_4", None) == slurm_port("1234", "0")
+    assert slurm_port("123", None) == slurm_port("123", "0")
+    # the old linear mix gave job J step 7 and job J + 1 step 0 one port (issue 19)
+    assert all(slurm_port(str(j), "7") != slurm_port(str(j + 1), "0") for j in range(1000, 2000))
+    steps = {slurm_port(str(j), str(s)) for j in range(1000, 1100) for s in range(8)}
+    assert len(steps) >= 760  # 800 steps: a hash, about 16 chance collisions in 20000 ports
+
+
+def test_an_exported_master_port_wins_under_slurm():
+    env = {**SLURM_4, "MASTER_PORT": "23456", "MASTER_ADDR": "n9"}
+    info = detect_launch(env, host="node7")
+    assert (info.master_addr, info.master_port) == ("n9", 23456)
 
 
 def test_repr_is_readable():
