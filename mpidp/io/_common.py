@@ -3,8 +3,12 @@ commit by rename, netCDF-style dimensions that xarray recognises."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import shutil
+import time
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,8 +63,69 @@ def shared_token(t: Transport | None) -> int:
 
 
 def temporary_name(path: Path, token: int) -> Path:
-    """A hidden name beside ``path`` (same file system, so the rename is atomic)."""
+    """A hidden name beside ``path`` (same file system, so the rename is atomic). Temporary
+    files of ``path`` left by a killed job are reported here, once per process and path."""
+    _report_stale(path)
     return path.with_name(f".{path.name}.tmp-{token:x}")
+
+
+_REPORTED: set[str] = set()
+
+
+def _report_stale(path: Path) -> None:
+    """Warn about ``.<name>.tmp-*`` files beside ``path`` older than an hour: a job killed
+    while writing leaves them (the target itself is intact). They are not removed: another
+    job may be writing the same path right now."""
+    key = os.path.realpath(path)
+    if key in _REPORTED or not path.parent.is_dir():
+        return
+    _REPORTED.add(key)
+    now = time.time()
+    stale = []
+    for old in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            st = old.stat()
+        except OSError:
+            continue
+        if now - st.st_mtime > 3600:
+            stale.append(f"{old.name} ({st.st_size} bytes)")
+    if stale:
+        warnings.warn(
+            f"{path}: temporary files of an earlier write that did not finish (a killed job?) "
+            f"lie beside it: {', '.join(stale)}; {path} itself is intact. Delete them when no "
+            f"job is writing {path.name}",
+            stacklevel=3,
+        )
+
+
+def explain_os_error(err: BaseException, path: Path) -> str:
+    """``err`` described, with the free space of ``path``'s file system when that is what
+    failed (a full disk shows up in torch.save as 'unexpected pos ...')."""
+    text = f"{type(err).__name__}: {err}"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return text
+    full = isinstance(err, OSError) and err.errno == errno.ENOSPC
+    if full or free < (64 << 20):
+        text += f" (the file system of {path.parent} has {free} bytes free: is the disk full?)"
+    return text
+
+
+def agree_or_discard(
+    t: Transport | None, tmp: Path, path: Path, error: BaseException | None, what: str
+) -> None:
+    """Every rank learns whether any rank's ``error`` happened; if one did, ``tmp`` is removed
+    and every rank raises the same DataError (``path`` untouched). Collective: returns on
+    every rank only after every rank got here."""
+    problem = [] if error is None else [explain_os_error(error, path)]
+    try:
+        check_everywhere(
+            t, problem, {}, f"{what} failed; {path} was left as it was", "see the rank's error"
+        )
+    except DataError:
+        tmp.unlink(missing_ok=True)  # every rank: one of them may be alone to get here
+        raise
 
 
 def commit(
@@ -68,15 +133,7 @@ def commit(
 ) -> None:
     """Agree whether every rank succeeded; then rank 0 renames ``tmp`` to ``path`` (or removes
     it: the previous ``path`` stays untouched) and every rank returns or raises. Collective."""
-    problem = [] if error is None else [f"{type(error).__name__}: {error}"]
-    try:
-        check_everywhere(
-            t, problem, {}, f"{what} failed; {path} was left as it was", "see the rank's error"
-        )
-    except DataError:
-        if t is None or t.rank == 0:
-            tmp.unlink(missing_ok=True)
-        raise
+    agree_or_discard(t, tmp, path, error, what)
     if t is None or t.rank == 0:
         os.replace(tmp, path)
     if t is not None:

@@ -31,6 +31,7 @@ import torch
 from mpidp.comm import Transport
 from mpidp.errors import DataError
 from mpidp.io._common import (
+    agree_or_discard,
     attach_dims,
     check_everywhere,
     commit,
@@ -213,10 +214,13 @@ def write_sharded(
     me = 0 if t is None else t.rank
     lo = sum(sizes[:me])
     tmp = temporary_name(path, shared_token(t))
+    copied: BaseException | None = None
     if me == 0 and mode == "a":
-        shutil.copy2(path, tmp)
-    if t is not None:
-        t.barrier()
+        try:
+            shutil.copy2(path, tmp)
+        except OSError as err:  # a full disk: every rank learns of it, nothing is left
+            copied = err
+    agree_or_discard(t, tmp, path, copied, f"write_sharded({str(path)!r}, mode='a')")
 
     def create(f: h5py.File) -> None:
         scales = declare_dims(f, names, shape, coords)
@@ -410,10 +414,10 @@ class RolloutWriter:
         return self.path
 
     def abort(self) -> None:
-        """Discard the temporary file; ``path`` keeps what it had. Local (no communication)."""
+        """Discard the temporary file; ``path`` keeps what it had. Local (no communication):
+        any rank may call it, alone (an exception on one rank inside ``with``)."""
         self._closed = True
-        if self.t is None or self.t.rank == 0:
-            self.tmp.unlink(missing_ok=True)
+        self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> RolloutWriter:
         return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import h5py
@@ -354,6 +355,82 @@ def test_failed_write_on_one_rank_leaves_file_untouched(manager, shared, monkeyp
     if ME == 0:
         assert path.read_bytes() == before
         assert not [p for p in os.listdir(shared) if ".tmp-" in p]
+
+
+def _temporaries(folder: Path) -> list[str]:
+    """The temporary files in ``folder``, as every rank sees them at one point in time."""
+    WORLD.Barrier()
+    found = [p for p in os.listdir(folder) if ".tmp-" in p]
+    WORLD.Barrier()  # nobody changes the folder before every rank has looked
+    return found
+
+
+def test_a_full_disk_fails_everywhere_and_leaves_nothing(manager, shared, monkeypatch):
+    """Issue 19: write_sharded(mode="a") and save_checkpoint on a full disk (ENOSPC injected
+    where the bytes are written: the copy of the file to append to, torch.save) raise the same
+    DataError on every rank, naming the errno and the free space; no temporary file is left
+    and the previous file is intact."""
+    import errno
+
+    import mpidp.io.checkpoint as checkpoint
+    import mpidp.io.writer as writer
+
+    folder = shared / "full"
+    _on_rank0(folder.mkdir)
+    spec = manager.spec(H)
+    x = torch.ones(H, W)[spec.slice(ME)]
+    path = folder / "append.nc"
+    write_sharded(path, "x", x, manager=manager)
+    before = path.read_bytes() if ME == 0 else None
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    if ME == 0:  # rank 0 alone copies the file it appends to, and alone saves checkpoints
+        monkeypatch.setattr(writer.shutil, "copy2", full)
+        monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(DataError, match=r"rank 0: OSError: .*No space left") as err:
+        write_sharded(path, "y", x, manager=manager, mode="a")
+    assert "bytes free: is the disk full?" in str(err.value)
+    assert not _temporaries(folder)
+    if ME == 0:
+        assert path.read_bytes() == before
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(DataError, match=r"(?s)save_checkpoint.*No space left"):
+        save_checkpoint(folder / "ckpt.pt", model, step=1, manager=manager)
+    assert not _temporaries(folder) and not (folder / "ckpt.pt").exists()
+
+
+def test_one_rank_abandoning_a_rollout_removes_its_temporary_file(manager, shared):
+    """An exception on one rank inside ``with RolloutWriter``: that rank's abort removes the
+    temporary file (only rank 0 used to); the published path is never created."""
+    folder = shared / "abandon"
+    _on_rank0(folder.mkdir)
+    spec = manager.spec(H)
+    w = RolloutWriter(folder / "r.nc", ["a"], manager=manager)
+    w.write(torch.zeros(1, H, W)[:, spec.slice(ME)])
+    assert _temporaries(folder)
+    if ME == P - 1:
+        w.abort()
+    assert not _temporaries(folder) and not (folder / "r.nc").exists()
+    w._closed = True  # the other ranks' job would end here
+
+
+def test_stale_temporary_files_are_reported(manager, shared):
+    """A killed job leaves ``.<name>.tmp-*`` beside its target: the next write to that path
+    warns, naming them (they are not removed: another job may be writing)."""
+    path = shared / "stale.nc"
+    old = shared / ".stale.nc.tmp-dead"
+    if ME == 0:
+        old.write_bytes(b"x" * 100)
+        os.utime(old, (time.time() - 7200, time.time() - 7200))
+    WORLD.Barrier()
+    spec = manager.spec(H)
+    with pytest.warns(UserWarning, match=r"\.stale\.nc\.tmp-dead \(100 bytes\)"):
+        write_sharded(path, "x", torch.ones(H, W)[spec.slice(ME)], manager=manager)
+    assert old.exists() and path.exists()
+    WORLD.Barrier()  # every rank has looked
+    _on_rank0(old.unlink)
 
 
 def test_write_bad_arguments_fail_everywhere(manager, shared):
