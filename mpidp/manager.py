@@ -112,12 +112,19 @@ class DistributedManager:
         self.timeout = _as_timeout(timeout)
         self.shard_dim = shard_dim
         self.transport_policy = transport
-        if transport not in TRANSPORTS:
-            raise ConfigError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-        if backend is not None and backend not in BACKENDS:
-            raise ConfigError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         env = dict(os.environ) if env is None else env
         self._world_comm = _mpi_world()
+        me = f"rank {self._world_comm.Get_rank()}: " if self._world_comm is not None else ""
+        if transport not in TRANSPORTS:
+            raise ConfigError(
+                f"{me}transport {transport!r} is not one of {', '.join(TRANSPORTS)}; pass one "
+                f"of those to mpidp.init(transport=...)"
+            )
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(
+                f"{me}backend {backend!r} is not one of {', '.join(BACKENDS)}; pass one of "
+                f"those, or None to let mpidp choose (nccl for CUDA, gloo otherwise)"
+            )
         # what every rank must pass alike: checked before anything is built from it
         self._facts = {
             "domain_parallel_size": domain_parallel_size,
@@ -337,7 +344,20 @@ class DistributedManager:
                 )
             kwargs["store"] = self._job_store(addr, port, env)
         self._store = kwargs.get("store")  # kept for an ordered teardown (shutdown)
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except (RuntimeError, OSError, ValueError) as exc:
+            where = (
+                f"MASTER_ADDR={env.get('MASTER_ADDR')!r} MASTER_PORT={env.get('MASTER_PORT')!r}"
+                if "init_method" in kwargs
+                else "its rendezvous store"
+            )
+            raise LaunchError(
+                f"rank {self.rank} of {self.world_size} ({self.launch_info.launcher}): "
+                f"torch.distributed ({self.backend}) could not start through {where}: "
+                f"{type(exc).__name__}: {exc}; check that the address is rank 0's host and "
+                f"reachable from this node, and that the port is free"
+            ) from None
 
     def _job_store(self, addr: str, port: int, env: dict[str, str]) -> dist.Store:
         """The rendezvous at a port derived from the job (SLURM without MPI), which a job that

@@ -165,16 +165,32 @@ class Transport(abc.ABC):
             dim = self._dim(tensor, dim)
             self._local(tensor, dim, sizes[0], "sum(sizes)")
             return tensor.detach()
-        if self.rank == src:
+        if shape is None or dtype is None:
+            # the source's own checks travel in the broadcast every rank takes part in, so a
+            # bad tensor on the source raises on every rank instead of leaving them waiting
+            meta: Any = None
+            if self.rank == src:
+                try:
+                    if tensor is None:
+                        raise CommError(
+                            f"{self._where()}: scatter_v src {src} passed None; pass the tensor"
+                        )
+                    dim = self._dim(tensor, dim)
+                    self._local(tensor, dim, sum(sizes), "sum(sizes)")
+                    meta = (tuple(tensor.shape), tensor.dtype, dim)
+                except CommError as err:
+                    meta = str(err)
+            meta = self.broadcast_object(meta, src)
+            if isinstance(meta, str):
+                raise CommError(meta if self.rank == src else f"{self._where()}: from {meta}")
+            shape, dtype, dim = meta
+        elif self.rank == src:
             if tensor is None:
                 raise CommError(
                     f"{self._where()}: scatter_v src {src} passed None; pass the tensor"
                 )
             dim = self._dim(tensor, dim)
             self._local(tensor, dim, sum(sizes), "sum(sizes)")
-        if shape is None or dtype is None:
-            meta = (tuple(tensor.shape), tensor.dtype, dim) if tensor is not None else None
-            shape, dtype, dim = self.broadcast_object(meta if self.rank == src else None, src)
         else:
             dim %= len(shape)
         assert shape is not None and dtype is not None

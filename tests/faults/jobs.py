@@ -51,6 +51,10 @@ def disagreements() -> None:
     # all_to_all_v whose receive counts do not match the send counts
     recv = [1, 1] if ME == 0 else [1, 2]
     caught(lambda: t.all_to_all_v(torch.zeros(2, 3), [1, 1], recv))
+    # scatter_v whose sizes do not add up to the source's tensor: checked on the source only,
+    # its error reaches every rank
+    src = torch.zeros(5, 2) if ME == 0 else None
+    caught(lambda: t.scatter_v(src, [2, 2]))
     # and the communicator still works for a correct call
     out = t.all_gather_v(torch.full((1, 2), float(ME)), [1, 1])
     print(f"OK rank {ME}: {out[:, 0].tolist()}", flush=True)

@@ -40,7 +40,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
     out = job("disagreements")
     assert "NOT CAUGHT" not in out, out
     got = caught(out)
-    assert sorted(r for r, _, _ in got) == [0] * 5 + [1] * 5, out
+    assert sorted(r for r, _, _ in got) == [0] * 6 + [1] * 6, out
     for _, seconds, msg in got:
         assert msg.startswith("CommError: rank ") and seconds < 10, msg
     by_case = [msg for r, _, msg in got if r == 0]
@@ -54,6 +54,11 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
         "rank 1: ('all_to_all_v', torch.float32, (3,), 'send rows [1, 1]', 'receive rows [1, 2]')"
         in by_case[4]
     )
+    scatter = [msg for _, _, msg in got if "scatter_v" in msg or "sum(sizes)" in msg]
+    assert len(scatter) == 2 and all(
+        "has 5 entries along dim 0 but sum(sizes) = 4" in m for m in scatter
+    )
+    assert any(m.startswith("CommError: rank 1 of 2: from rank 0 of 2:") for m in scatter)
     assert "OK rank 0: [0.0, 1.0]" in out and "OK rank 1: [0.0, 1.0]" in out
 
 
@@ -75,6 +80,30 @@ def _aborted_after_deadline(out: str) -> str:
     assert 2 <= waited < 4, msg
     assert "Aborting the job" in msg and "MPIDP_TIMEOUT" in msg
     return msg
+
+
+def test_a_bad_rendezvous_address_names_it():
+    """torchrun's variables with a MASTER_ADDR that does not resolve: a LaunchError that names
+    the address and the port (it used to name nothing)."""
+    env = dict(
+        RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_RANK="1",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="no-such-host.invalid",
+        MASTER_PORT="29531",
+    )
+    code = "import mpidp; mpidp.init(timeout=5)"
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    err = " ".join(res.stderr.split())
+    assert res.returncode != 0 and "LaunchError: rank 1 of 2 (torchrun)" in err, res.stderr
+    assert "MASTER_ADDR='no-such-host.invalid' MASTER_PORT='29531'" in err
 
 
 def test_a_skipped_collective_aborts_the_job_at_the_deadline():
