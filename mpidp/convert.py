@@ -28,7 +28,7 @@ from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
 from mpidp.layers.pad import PAD_WRAPPERS
 from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
 from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
-from mpidp.manager import DistributedManager
+from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.probe import probe_band_locality
 
 __all__ = ["SAFE_MODULES", "Verdict", "convert_to_domain_parallel", "explain_conversion"]
@@ -339,8 +339,10 @@ def convert_to_domain_parallel(
     plan, verdicts = _plan(model, manager, shard_dim, custom_converters, safe, example_inputs)
     refused = [v for v in verdicts if v.action == "refused"]
     if refused:
+        m = manager if manager is not None else (get_manager() if is_initialized() else None)
+        who = f"rank {m.rank}: " if m is not None else ""
         raise ConfigError(
-            f"convert_to_domain_parallel: {len(refused)} module(s) would compute something "
+            f"{who}convert_to_domain_parallel: {len(refused)} module(s) would compute something "
             f"else on a latitude band:\n  "
             + "\n  ".join(f"{v.path} ({v.kind}): {v.why}" for v in refused)
             + "\nfix: register a converter (custom_converters={Type: fn(module, manager)}); "

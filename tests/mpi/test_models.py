@@ -100,6 +100,7 @@ def test_unsupported_modules_listed_with_paths(manager):
     with pytest.raises(mpidp.ConfigError) as err:
         mpidp.convert_to_domain_parallel(model, manager)
     text = str(err.value)
+    assert text.startswith(f"rank {manager.rank}: convert_to_domain_parallel: 3 module(s)")
     for path in ("1.attn (MultiheadAttention)", "2 (Flatten)", "3 (Odd)"):
         assert path in text, text
     assert "custom_converters" in text
