@@ -87,5 +87,26 @@ def skipped_halo_backward() -> None:
     time.sleep(60)
 
 
+def killed_mid_write() -> None:
+    """A rollout over a file that exists: after one step, rank 1 is killed with SIGKILL. The
+    job must end (not hang) and the old file must be intact; the temporary file stays behind
+    for the next write to report."""
+    import os
+    import signal
+
+    from mpidp.io import RolloutWriter
+
+    path = sys.argv[2]
+    manager = mpidp.init(domain_parallel_size=2)
+    rows = manager.spec(8).sizes[manager.domain_rank]
+    with RolloutWriter(path, ["a"], manager=manager) as out:
+        out.write(torch.ones(1, rows, 4))
+        MPI.COMM_WORLD.Barrier()
+        if ME == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(f"rank 0 writes step 2 at {time.time():.2f}", flush=True)
+        out.write(torch.ones(1, rows, 4))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")]()

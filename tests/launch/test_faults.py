@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 JOBS = str(ROOT / "tests" / "faults" / "jobs.py")
 
 
-def job(case: str, n: int = 2, **env: str) -> str:
+def job(case: str, *args: str, n: int = 2, **env: str) -> str:
     res = subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", JOBS, case],
+        [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", JOBS, case, *args],
         env=clean_env(PYTHONPATH=str(ROOT), **env),
         capture_output=True,
         text=True,
@@ -120,3 +120,18 @@ def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
     assert time.monotonic() - start < 40, out
     msg = _aborted_after_deadline(out)
     assert "halo) waiting for messages from ranks [1]" in msg
+
+
+def test_a_rank_killed_mid_write_leaves_the_old_file_intact(tmp_path):
+    """SIGKILL on rank 1 after the first step of a rollout over an existing file: the job ends
+    within seconds (the launcher sees the dead rank, or the deadline does), the old file is
+    byte for byte what it was, and the temporary file is what remains (reported by the next
+    write to that path: tests/mpi/test_io.py)."""
+    path = tmp_path / "forecast.nc"
+    path.write_bytes(b"the previous forecast")
+    start = time.monotonic()
+    out = job("killed-mid-write", str(path), MPIDP_TIMEOUT="5")
+    assert time.monotonic() - start < 60, out
+    assert path.read_bytes() == b"the previous forecast"
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".forecast.nc.tmp-")]
+    assert len(left) == 1, (left, out)
