@@ -69,6 +69,9 @@ class Transport(abc.ABC):
     """
 
     name: str = "abstract"
+    #: whether a check that fails on one rank can be reported on every rank of the call
+    #: (the MPI transport folds it into the call's fingerprint); otherwise it raises there
+    reports_everywhere: bool = False
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
@@ -109,6 +112,22 @@ class Transport(abc.ABC):
                 f"partition this tensor belongs to"
             )
 
+    def _stand_in(
+        self, tensor: torch.Tensor, dim: int, expected: int, what: str
+    ) -> tuple[torch.Tensor, str | None]:
+        """``tensor`` and None when it has ``expected`` entries along ``dim``. Otherwise, when
+        the transport reports problems everywhere, zeros of the expected shape (so this rank
+        still takes part) and the problem, which the call raises on every rank; else raises."""
+        try:
+            self._local(tensor, dim, expected, what)
+        except CommError as err:
+            if self.size == 1 or not self.reports_everywhere:
+                raise
+            shape = list(tensor.shape)
+            shape[dim] = expected
+            return tensor.new_zeros(shape), str(err)
+        return tensor, None
+
     @staticmethod
     def _op(op: str) -> str:
         if op not in REDUCE_OPS:
@@ -123,10 +142,10 @@ class Transport(abc.ABC):
         """Concatenate every rank's part along ``dim``; every rank gets the whole tensor."""
         dim = self._dim(tensor, dim)
         sizes = self._sizes(sizes)
-        self._local(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
+        tensor, problem = self._stand_in(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
         if self.size == 1:
             return tensor.detach()
-        return _from_front(self._all_gather_v(_to_front(tensor, dim), sizes), dim)
+        return _from_front(self._all_gather_v(_to_front(tensor, dim), sizes, problem), dim)
 
     def gather_v(
         self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, dst: int = 0
@@ -135,10 +154,10 @@ class Transport(abc.ABC):
         dim = self._dim(tensor, dim)
         sizes = self._sizes(sizes)
         self._root(dst, "dst")
-        self._local(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
+        tensor, problem = self._stand_in(tensor, dim, sizes[self.rank], f"sizes[{self.rank}]")
         if self.size == 1:
             return tensor.detach()
-        out = self._gather_v(_to_front(tensor, dim), sizes, dst)
+        out = self._gather_v(_to_front(tensor, dim), sizes, dst, problem)
         return _from_front(out, dim) if out is not None else None
 
     def scatter_v(
@@ -208,14 +227,14 @@ class Transport(abc.ABC):
         op = self._op(op)
         dim = self._dim(tensor, dim)
         sizes = self._sizes(sizes)
-        self._local(tensor, dim, sum(sizes), "sum(sizes)")
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise CommError(f"{self._where()}: avg of a {tensor.dtype} tensor; use sum")
+        tensor, problem = self._stand_in(tensor, dim, sum(sizes), "sum(sizes)")
         if self.size == 1:
             return tensor.detach()
         low = tensor.dtype in _LOW_PRECISION
         work = _to_front(tensor.to(torch.float32) if low else tensor, dim)
-        out = self._reduce_scatter_v(work, sizes, "sum" if op == "avg" else op)
+        out = self._reduce_scatter_v(work, sizes, "sum" if op == "avg" else op, problem)
         if op == "avg":
             out /= self.size
         return _from_front(out.to(tensor.dtype) if low else out, dim)
@@ -232,11 +251,12 @@ class Transport(abc.ABC):
         dim = self._dim(tensor, dim)
         send = self._sizes(send_sizes, "send_sizes")
         recv = self._sizes(recv_sizes, "recv_sizes")
-        self._local(tensor, dim, sum(send), "sum(send_sizes)")
+        tensor, problem = self._stand_in(tensor, dim, sum(send), "sum(send_sizes)")
         if self.size == 1:
             self._local(tensor, dim, recv[0], "recv_sizes[0]")
             return tensor.detach()
-        return _from_front(self._all_to_all_v(_to_front(tensor, dim), send, recv), dim)
+        out = self._all_to_all_v(_to_front(tensor, dim), send, recv, problem)
+        return _from_front(out, dim)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Element-wise reduction over the group; returns a new tensor (the input is untouched).
@@ -370,10 +390,14 @@ class Transport(abc.ABC):
     # -- backend primitives: contiguous tensors, split along dimension 0, group size > 1 ----
 
     @abc.abstractmethod
-    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor: ...
+    def _all_gather_v(
+        self, x: torch.Tensor, sizes: list[int], problem: str | None = None
+    ) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None: ...
+    def _gather_v(
+        self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None
+    ) -> torch.Tensor | None: ...
 
     @abc.abstractmethod
     def _scatter_v(
@@ -387,10 +411,14 @@ class Transport(abc.ABC):
     ) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
+    def _all_to_all_v(
+        self, x: torch.Tensor, send: list[int], recv: list[int], problem: str | None = None
+    ) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor: ...
+    def _reduce_scatter_v(
+        self, x: torch.Tensor, sizes: list[int], op: str, problem: str | None = None
+    ) -> torch.Tensor: ...
 
     @abc.abstractmethod
     def _all_reduce(self, x: torch.Tensor, op: str) -> None: ...

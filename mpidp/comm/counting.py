@@ -112,18 +112,26 @@ class CountingTransport(Transport):
         self.traffic.add("barrier", 1, 0)
         self.inner.barrier()
 
+    @property
+    def reports_everywhere(self) -> bool:  # type: ignore[override]
+        return self.inner.reports_everywhere
+
     # -- backend primitives (group size > 1), counted then delegated -------------------------
 
     def _row(self, x: torch.Tensor) -> int:
         return _nbytes(x) // x.shape[0] if x.shape[0] else 0
 
-    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _all_gather_v(
+        self, x: torch.Tensor, sizes: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         self.traffic.add("all_gather_v", 1, _nbytes(x))
-        return self.inner._all_gather_v(x, sizes)
+        return self.inner._all_gather_v(x, sizes, problem)
 
-    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None:
+    def _gather_v(
+        self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None
+    ) -> torch.Tensor | None:
         self.traffic.add("gather_v", 1, 0 if self.rank == dst else _nbytes(x))
-        return self.inner._gather_v(x, sizes, dst)
+        return self.inner._gather_v(x, sizes, dst, problem)
 
     def _scatter_v(
         self,
@@ -138,13 +146,17 @@ class CountingTransport(Transport):
         self.traffic.add("scatter_v", 1, sent)
         return self.inner._scatter_v(x, sizes, src, rest, dtype, device)
 
-    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    def _all_to_all_v(
+        self, x: torch.Tensor, send: list[int], recv: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         self.traffic.add("all_to_all_v", 1, self._row(x) * (sum(send) - send[self.rank]))
-        return self.inner._all_to_all_v(x, send, recv)
+        return self.inner._all_to_all_v(x, send, recv, problem)
 
-    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+    def _reduce_scatter_v(
+        self, x: torch.Tensor, sizes: list[int], op: str, problem: str | None = None
+    ) -> torch.Tensor:
         self.traffic.add("reduce_scatter_v", 1, _nbytes(x))
-        return self.inner._reduce_scatter_v(x, sizes, op)
+        return self.inner._reduce_scatter_v(x, sizes, op, problem)
 
     def _all_reduce(self, x: torch.Tensor, op: str) -> None:
         self.traffic.add("all_reduce", 1, _nbytes(x))

@@ -141,6 +141,7 @@ class MPITransport(Transport):
     """Collectives over ``comm`` (any intra-communicator: a domain or data-parallel split)."""
 
     name = "mpi"
+    reports_everywhere = True
 
     def __init__(
         self, comm: MPI.Comm, buffers: BufferCache | None = None, timeout: float | None = None
@@ -175,6 +176,7 @@ class MPITransport(Transport):
         start: Callable[[], MPI.Request],
         balance: int | None = None,
         detail: tuple[Any, ...] = (),
+        problem: str | None = None,
     ) -> None:
         """Run the nonblocking operation ``start`` posts, beside an all-reduce of ``facts``'
         fingerprint (and of ``balance``, a weighted count sum that must add up to 0).
@@ -187,6 +189,8 @@ class MPITransport(Transport):
             fp = _FINGERPRINTS.setdefault(facts, _fingerprint(facts))
             if len(_FINGERPRINTS) > 4096:  # many distinct calls: start over
                 _FINGERPRINTS.clear()
+        if problem is not None:  # this rank's own check failed: no other rank matches it
+            fp += 1 << 31
         check, total = self._check
         check[0], check[1] = fp, -fp
         reqs = [self.comm.Iallreduce(MPI.IN_PLACE, check, op=MPI.MAX)]
@@ -199,9 +203,17 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             failure = exc
         failure = self._wait(reqs, what) or failure
-        if check[0] != -check[1] or total[0] != 0:
-            everyone = self.comm.allgather(facts + detail)
-            lines = "; ".join(f"rank {r}: {f}" for r, f in enumerate(everyone))
+        if problem is not None or check[0] != -check[1] or total[0] != 0:
+            everyone = self.comm.allgather((facts + detail, problem))
+            problems = [p for _, p in everyone if p is not None]
+            if problems:
+                raise CommError(
+                    problems[0]
+                    if problem is not None and len(problems) == 1
+                    else f"{self._where()}: {what} cannot run: "
+                    + "; ".join(problems)
+                )
+            lines = "; ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone))
             raise CommError(
                 f"{self._where()}: the ranks of this group called {what} with different "
                 f"arguments ({lines}); every rank must pass the same sizes, dtype and row "
@@ -264,7 +276,9 @@ class MPITransport(Transport):
             displs[i] = displs[i - 1] + counts[i - 1]
         return counts, displs
 
-    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _all_gather_v(
+        self, x: torch.Tensor, sizes: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         out = self._new((sum(sizes), *x.shape[1:]), x.dtype)
         counts, displs = self._counts(sizes, self._row_bytes(x))
         self._checked(
@@ -273,14 +287,22 @@ class MPITransport(Transport):
             lambda: self.comm.Iallgatherv(
                 self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE]
             ),
+            problem=problem,
         )
         return out
 
-    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None:
+    def _gather_v(
+        self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None
+    ) -> torch.Tensor | None:
         counts, displs = self._counts(sizes, self._row_bytes(x))
         facts = ("gather_v", tuple(sizes), x.dtype, tuple(x.shape[1:]), dst)
         if self.rank != dst:
-            self._checked("gather_v", facts, lambda: self.comm.Igatherv(self._bytes(x), None, dst))
+            self._checked(
+                "gather_v",
+                facts,
+                lambda: self.comm.Igatherv(self._bytes(x), None, dst),
+                problem=problem,
+            )
             return None
         out = self._new((sum(sizes), *x.shape[1:]), x.dtype)
         self._checked(
@@ -289,6 +311,7 @@ class MPITransport(Transport):
             lambda: self.comm.Igatherv(
                 self._bytes(x), [self._bytes(out), counts, displs, MPI.BYTE], root=dst
             ),
+            problem=problem,
         )
         return out
 
@@ -318,7 +341,9 @@ class MPITransport(Transport):
         )
         return out
 
-    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    def _all_to_all_v(
+        self, x: torch.Tensor, send: list[int], recv: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         out = self._new((sum(recv), *x.shape[1:]), x.dtype)
         row = self._row_bytes(x)
         scounts, sdispls = self._counts(send, row)
@@ -336,10 +361,13 @@ class MPITransport(Transport):
             ),
             balance=balance,
             detail=(f"send rows {send}", f"receive rows {recv}"),
+            problem=problem,
         )
         return out
 
-    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+    def _reduce_scatter_v(
+        self, x: torch.Tensor, sizes: list[int], op: str, problem: str | None = None
+    ) -> torch.Tensor:
         self._bytes(x)  # device and layout checks
         out = self._new((sizes[self.rank], *x.shape[1:]), x.dtype)
         row = math.prod(x.shape[1:])
@@ -349,6 +377,7 @@ class MPITransport(Transport):
             lambda: self.comm.Ireduce_scatter(
                 x.numpy(), out.numpy(), recvcounts=[s * row for s in sizes], op=_OPS[op]
             ),
+            problem=problem,
         )
         return out
 

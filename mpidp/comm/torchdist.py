@@ -44,12 +44,16 @@ class TorchTransport(Transport):
         dist.all_to_all_single(out, x, recv, send, group=self.group)
         return out
 
-    def _all_gather_v(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _all_gather_v(
+        self, x: torch.Tensor, sizes: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         # Each rank sends its part to every rank: P copies on the send side, one call.
         send = x.repeat((self.size,) + (1,) * (x.dim() - 1))
         return self._a2a(send, [x.shape[0]] * self.size, sizes)
 
-    def _gather_v(self, x: torch.Tensor, sizes: list[int], dst: int) -> torch.Tensor | None:
+    def _gather_v(
+        self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None
+    ) -> torch.Tensor | None:
         send = [0] * self.size
         send[dst] = x.shape[0]
         recv = sizes if self.rank == dst else [0] * self.size
@@ -74,10 +78,14 @@ class TorchTransport(Transport):
         recv[src] = sizes[self.rank]
         return self._a2a(x, send, recv)
 
-    def _all_to_all_v(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    def _all_to_all_v(
+        self, x: torch.Tensor, send: list[int], recv: list[int], problem: str | None = None
+    ) -> torch.Tensor:
         return self._a2a(x, send, recv)
 
-    def _reduce_scatter_v(self, x: torch.Tensor, sizes: list[int], op: str) -> torch.Tensor:
+    def _reduce_scatter_v(
+        self, x: torch.Tensor, sizes: list[int], op: str, problem: str | None = None
+    ) -> torch.Tensor:
         # Every rank's copy of my part, stacked in rank order, then reduced here: a fixed
         # summation order, and gloo has no uneven reduce_scatter.
         mine = sizes[self.rank]

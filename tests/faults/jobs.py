@@ -55,6 +55,9 @@ def disagreements() -> None:
     # its error reaches every rank
     src = torch.zeros(5, 2) if ME == 0 else None
     caught(lambda: t.scatter_v(src, [2, 2]))
+    # a tensor that does not match this rank's own entry of sizes, on rank 1 only: checked
+    # there, raised on every rank
+    caught(lambda: t.all_gather_v(torch.zeros(2 + ME, 4), [2, 2]))
     # and the communicator still works for a correct call
     out = t.all_gather_v(torch.full((1, 2), float(ME)), [1, 1])
     print(f"OK rank {ME}: {out[:, 0].tolist()}", flush=True)

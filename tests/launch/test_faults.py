@@ -40,7 +40,7 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
     out = job("disagreements")
     assert "NOT CAUGHT" not in out, out
     got = caught(out)
-    assert sorted(r for r, _, _ in got) == [0] * 6 + [1] * 6, out
+    assert sorted(r for r, _, _ in got) == [0] * 7 + [1] * 7, out
     for _, seconds, msg in got:
         assert msg.startswith("CommError: rank ") and seconds < 10, msg
     by_case = [msg for r, _, msg in got if r == 0]
@@ -59,6 +59,12 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
         "has 5 entries along dim 0 but sum(sizes) = 4" in m for m in scatter
     )
     assert any(m.startswith("CommError: rank 1 of 2: from rank 0 of 2:") for m in scatter)
+    local = [msg for _, _, msg in got if "has 3 entries along dim 0 but sizes[1] = 2" in msg]
+    assert len(local) == 2
+    assert any(m.startswith("CommError: rank 1 of 2: tensor of shape (3, 4)") for m in local)
+    assert any(
+        m.startswith("CommError: rank 0 of 2: all_gather_v cannot run: rank 1") for m in local
+    )
     assert "OK rank 0: [0.0, 1.0]" in out and "OK rank 1: [0.0, 1.0]" in out
 
 
