@@ -167,27 +167,32 @@ def test_torchrun_without_mpi_rendezvous():
     assert {r["transport"] for r in doc["ranks"]} == {"torch"}  # MPI does not span the job
 
 
-def test_slurm_environment_without_mpi_uses_slurm_rendezvous_when_asked():
-    """What `srun --mpi=none -n 2` gives: SLURM variables, MPI singletons. With
-    transport='torch' mpidp forms one 2-rank job from SLURM's numbering."""
-    job = str(random.randint(10_000, 99_999))
-    base = dict(
+def _slurm_task(job: str, r: int) -> subprocess.Popen[str]:
+    """Task ``r`` of a 2-task `srun --mpi=none` step of job ``job`` on this node, running JOB
+    with transport='torch'."""
+    env = dict(
         SLURM_NTASKS="2",
         SLURM_STEP_NODELIST="localhost",
         SLURM_JOB_ID=job,
         SLURM_STEP_ID="0",
         SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_PROCID=str(r),
+        SLURM_LOCALID=str(r),
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", JOB, "1", "torch"],
-            env=clean_env(**base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
+    return subprocess.Popen(
+        [sys.executable, "-c", JOB, "1", "torch"],
+        env=clean_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_slurm_environment_without_mpi_uses_slurm_rendezvous_when_asked():
+    """What `srun --mpi=none -n 2` gives: SLURM variables, MPI singletons. With
+    transport='torch' mpidp forms one 2-rank job from SLURM's numbering."""
+    job = str(random.randint(10_000, 99_999))
+    procs = [_slurm_task(job, r) for r in range(2)]
     done = [(proc, *proc.communicate(timeout=TIMEOUT)) for proc in procs]
     outs = []
     for proc, out, err in done:
@@ -218,28 +223,10 @@ def test_a_job_that_reaches_another_jobs_rendezvous_refuses_to_join():
             break
         seen[port] = str(j)
 
-    def rank(job: str, r: int) -> subprocess.Popen[str]:
-        env = dict(
-            SLURM_NTASKS="2",
-            SLURM_STEP_NODELIST="localhost",
-            SLURM_JOB_ID=job,
-            SLURM_STEP_ID="0",
-            SLURM_STEP_TASKS_PER_NODE="2",
-            SLURM_PROCID=str(r),
-            SLURM_LOCALID=str(r),
-        )
-        return subprocess.Popen(
-            [sys.executable, "-c", JOB, "1", "torch"],
-            env=clean_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    owner = rank(first, 0)
-    stranger = rank(second, 1)  # its client retries until the first job's store is up
+    owner = _slurm_task(first, 0)
+    stranger = _slurm_task(second, 1)  # its client retries until the first job's store is up
     out, err = stranger.communicate(timeout=TIMEOUT)
-    partner = rank(first, 1)
+    partner = _slurm_task(first, 1)
     results = [(p, *p.communicate(timeout=TIMEOUT)) for p in (owner, partner)]
     assert stranger.returncode != 0 and "LaunchError" in err, err
     want = (
