@@ -33,7 +33,7 @@ from mpidp.errors import CommError
 
 __all__ = ["MPITransport", "deadline_seconds"]
 
-#: Seconds a blocking call waits before it raises, unless the manager or MPIDP_TIMEOUT says.
+#: Seconds a blocking call waits before the job is aborted, unless the manager or env says.
 DEFAULT_DEADLINE = 600.0
 
 
@@ -149,7 +149,7 @@ class MPITransport(Transport):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self.comm = comm
         self.buffers = buffers if buffers is not None else BufferCache()
-        #: seconds any one call waits for the other ranks before it raises CommTimeout
+        #: seconds any one call waits for the other ranks before the watchdog aborts the job
         self.timeout = deadline_seconds() if timeout is None else float(timeout)
         self._checks = True  # off only in bench/checks.py, to price them
         # the fingerprint (fp, -fp) and the all-to-all count balance, reused by every call
@@ -210,8 +210,7 @@ class MPITransport(Transport):
                 raise CommError(
                     problems[0]
                     if problem is not None and len(problems) == 1
-                    else f"{self._where()}: {what} cannot run: "
-                    + "; ".join(problems)
+                    else f"{self._where()}: {what} cannot run: " + "; ".join(problems)
                 )
             lines = "; ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone))
             raise CommError(
