@@ -682,7 +682,7 @@ def init(
     if _default is not None:
         if _default._args != args:
             raise ConfigError(
-                f"rank {_default.rank}: mpidp is already initialised with "
+                f"rank {_default.rank} of {_default.world_size}: mpidp is already initialised with "
                 f"{_describe_args(_default._args)}; called again with {_describe_args(args)}: "
                 f"call get_manager().shutdown() first or pass the same arguments"
             )

@@ -442,6 +442,46 @@ class Transport(abc.ABC):
             )
 
 
+_FINGERPRINTS: dict[tuple[Any, ...], int] = {}
+
+
+def fingerprint(facts: tuple[Any, ...]) -> int:
+    """A 31-bit hash of what a rank passed to a collective (cached: calls repeat)."""
+    fp = _FINGERPRINTS.get(facts)
+    if fp is None:
+        fp = zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF
+        if len(_FINGERPRINTS) > 4096:  # many distinct calls: start over
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[facts] = fp
+    return fp
+
+
+def pair_weight(src: int, dst: int, size: int) -> int:
+    """A pseudo-random weight per (sender, receiver): sums of counts weighted by it agree on
+    every rank exactly when every receive count matches its send count (all-to-all)."""
+    return ((src * size + dst) * 2654435761 + 97) % 1_000_003 + 1
+
+
+def disagreement(
+    where: str, what: str, everyone: list[tuple[Any, str | None]], mine: bool
+) -> CommError:
+    """The error every rank raises when a collective's fingerprint check fails: ``everyone``
+    is each rank's ``(facts, problem)``; ``mine`` says this rank's own check failed."""
+    problems = [p for _, p in everyone if p is not None]
+    if problems:
+        return CommError(
+            problems[0]
+            if mine and len(problems) == 1
+            else f"{where}: {what} cannot run: " + "; ".join(problems)
+        )
+    lines = "; ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone))
+    return CommError(
+        f"{where}: the ranks of this group called {what} with different arguments ({lines}); "
+        f"every rank must pass the same sizes, dtype and row shape (and matching send and "
+        f"receive counts): the result would be garbage"
+    )
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """A contiguous buffer shaped like ``t`` (``empty_like`` would keep ``t``'s strides)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)

@@ -19,7 +19,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidp.comm.base import Transport
+from mpidp.comm.base import Transport, disagreement, fingerprint, pair_weight
 from mpidp.comm.buffers import BufferCache
 from mpidp.errors import CommError
 
@@ -114,19 +113,6 @@ class deadline:
         _WATCHDOG.waits.pop(self.key, None)
 
 
-_FINGERPRINTS: dict[tuple[Any, ...], int] = {}
-
-
-def _fingerprint(facts: tuple[Any, ...]) -> int:
-    return zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF
-
-
-def _pair_weight(src: int, dst: int, size: int) -> int:
-    """A pseudo-random weight per (sender, receiver): sums of counts weighted by it agree on
-    every rank exactly when every receive count matches its send count (all-to-all)."""
-    return ((src * size + dst) * 2654435761 + 97) % 1_000_003 + 1
-
-
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
 
@@ -184,11 +170,7 @@ class MPITransport(Transport):
         if not self._checks:  # bench/checks.py only: the same call without its checks
             start().Wait()
             return
-        fp = _FINGERPRINTS.get(facts)
-        if fp is None:
-            fp = _FINGERPRINTS.setdefault(facts, _fingerprint(facts))
-            if len(_FINGERPRINTS) > 4096:  # many distinct calls: start over
-                _FINGERPRINTS.clear()
+        fp = fingerprint(facts)
         if problem is not None:  # this rank's own check failed: no other rank matches it
             fp += 1 << 31
         check, total = self._check
@@ -205,19 +187,7 @@ class MPITransport(Transport):
         failure = self._wait(reqs, what) or failure
         if problem is not None or check[0] != -check[1] or total[0] != 0:
             everyone = self.comm.allgather((facts + detail, problem))
-            problems = [p for _, p in everyone if p is not None]
-            if problems:
-                raise CommError(
-                    problems[0]
-                    if problem is not None and len(problems) == 1
-                    else f"{self._where()}: {what} cannot run: " + "; ".join(problems)
-                )
-            lines = "; ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone))
-            raise CommError(
-                f"{self._where()}: the ranks of this group called {what} with different "
-                f"arguments ({lines}); every rank must pass the same sizes, dtype and row "
-                f"shape (and matching send and receive counts): the result would be garbage"
-            )
+            raise disagreement(self._where(), what, everyone, problem is not None)
         if failure is not None:
             raise CommError(
                 f"{self._where()}: {what} {facts} failed in MPI: {failure}; run with "
@@ -348,8 +318,8 @@ class MPITransport(Transport):
         scounts, sdispls = self._counts(send, row)
         rcounts, rdispls = self._counts(recv, row)
         p, me = self.size, self.rank
-        balance = sum(_pair_weight(me, j, p) * c for j, c in enumerate(scounts)) - sum(
-            _pair_weight(j, me, p) * c for j, c in enumerate(rcounts)
+        balance = sum(pair_weight(me, j, p) * c for j, c in enumerate(scounts)) - sum(
+            pair_weight(j, me, p) * c for j, c in enumerate(rcounts)
         )
         self._checked(
             "all_to_all_v",

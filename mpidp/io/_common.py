@@ -112,6 +112,29 @@ def explain_os_error(err: BaseException, path: Path) -> str:
     return text
 
 
+#: What HDF5 may add to a write beyond the data itself (chunk indices, the superblock, the
+#: metadata cache flushed at close): the space kept free before a write starts.
+HDF5_MARGIN = 1 << 20
+
+
+def ensure_space(path: Path, need: int) -> None:
+    """Raise ``OSError(ENOSPC)`` before writing ``need`` bytes into ``path`` when its file
+    system has less than that plus :data:`HDF5_MARGIN` free: HDF5 that runs out of space
+    mid-write fails at close and then crashes the process (a segmentation fault in h5py, seen
+    with a RolloutWriter filling a 2 MB tmpfs), so the disk is checked first. Another process
+    filling the disk between the check and the write is not covered."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return
+    if free < need + HDF5_MARGIN:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device: writing {need} bytes into {path} needs {need + HDF5_MARGIN} "
+            f"free (with {HDF5_MARGIN} for HDF5's metadata), the file system has {free}",
+        )
+
+
 def agree_or_discard(
     t: Transport | None, tmp: Path, path: Path, error: BaseException | None, what: str
 ) -> None:

@@ -157,6 +157,31 @@ def save_checkpoint(
     return path
 
 
+def _damaged_metadata(path: str | os.PathLike[str], state: dict[str, Any]) -> list[str]:
+    """What is wrong with the entries beside ``model`` (absent ones are fine: a plain
+    ``{"model": state_dict}`` file loads too)."""
+    wrong = []
+    fmt = state.get("format", FORMAT)
+    if fmt != FORMAT:
+        wrong.append(f"format={fmt!r}, this mpidp reads {FORMAT!r} (written by a newer one?)")
+    expect: dict[str, Any] = {
+        "model": dict,
+        "step": int,
+        "extra": dict,
+        "layout": dict,
+        "optimizer": (dict, type(None)),
+    }
+    for key, kind in expect.items():
+        if key in state and not isinstance(state[key], kind):
+            wrong.append(f"{key} is a {type(state[key]).__name__}")
+    layout = state.get("layout")
+    if isinstance(layout, dict) and not all(isinstance(v, int) and v >= 1 for v in layout.values()):
+        wrong.append(f"layout={layout!r} (sizes must be positive ints)")
+    if not wrong:
+        return []
+    return [f"{path}: its metadata is damaged or from another program: " + "; ".join(wrong)]
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: nn.Module | None = None,
@@ -182,6 +207,8 @@ def load_checkpoint(
         state = torch.load(path, map_location=map_location, weights_only=False)
         if not isinstance(state, dict) or "model" not in state:
             problems.append(f"{path} is not an mpidp checkpoint (no 'model' entry)")
+        else:
+            problems += _damaged_metadata(path, state)
     except FileNotFoundError:
         problems.append(f"{path}: no such file")
     except Exception as err:

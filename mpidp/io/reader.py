@@ -528,7 +528,15 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         path = self.paths[k]
         f = self._handles.get(path)
         if f is None:
-            f = self._handles[path] = self.opener(path)
+            try:
+                f = self._handles[path] = self.opener(path)
+            except (OSError, KeyError, ValueError) as err:
+                raise _error(
+                    self.rank,
+                    f"{path} (time index {time}) cannot be opened any more: {describe_error(err)}",
+                    "it was readable when the dataset was built: was it moved, deleted or "
+                    "purged from scratch since? Restore it, or rebuild the dataset",
+                ) from err
         return f, time - self._starts[k]
 
     def _read_rows(
@@ -540,11 +548,20 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         a, b = (h - hi, h - lo) if self._flip else (lo, hi)
         blocks = []
         for name, index, _ in sources:
-            d = f[name]
-            if index is None:
-                blocks.append(d[local, a:b, :][None])
-            else:
-                blocks.append(d[local, index, a:b, :])
+            try:
+                d = f[name]
+                if index is None:
+                    blocks.append(d[local, a:b, :][None])
+                else:
+                    blocks.append(d[local, index, a:b, :])
+            except (OSError, KeyError, ValueError) as err:
+                raise _error(
+                    self.rank,
+                    f"reading {name!r} rows {a}:{b} at time index {local} of {f.filename} "
+                    f"failed: {describe_error(err)}",
+                    "the file changed or broke after the dataset was built (truncated, "
+                    "overwritten, on a file system that went away?); restore it",
+                ) from err
         out = np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
         return out[:, ::-1].copy() if self._flip else out
 

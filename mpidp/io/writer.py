@@ -18,6 +18,7 @@ Outputs carry netCDF-4 dimension scales and coordinate variables (``latitude``,
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -37,8 +38,9 @@ from mpidp.io._common import (
     commit,
     declare_dims,
     default_dims,
-    describe_error,
     digest,
+    ensure_space,
+    explain_os_error,
     io_transport,
     shared_token,
     temporary_name,
@@ -94,14 +96,23 @@ def _in_turns(
     tmp: Path,
     create: Callable[[h5py.File], None],
     prepare: Callable[[h5py.File], Callable[[], None]],
+    need: int,
 ) -> BaseException | None:
     """Run ``create`` (metadata: collective in mpio, rank 0 alone otherwise), then
     ``prepare`` (this rank's local part, which may fail) and the write it returns, on the
     temporary file. Returns this rank's error instead of raising, so that every rank reaches
     the agreement that follows. In mpio the ranks agree that every one prepared before any
-    enters the collective write: a rank that failed alone would leave the others waiting."""
+    enters the collective write: a rank that failed alone would leave the others waiting.
+    ``need``: the bytes this rank writes; a disk without that much room is an error before
+    HDF5 touches the file (:func:`ensure_space`)."""
     if method == "mpio":
         error: BaseException | None = None
+        try:
+            ensure_space(tmp, need)
+        except OSError as err:
+            error = err
+        if t is not None and not all(row[0] for row in t.all_gather_ints([error is None])):
+            return error or OSError(errno.ENOSPC, "another rank's disk is full")
         try:
             with h5py.File(tmp, "a", driver="mpio", comm=_mpi_comm(t)) as f:
                 create(f)
@@ -120,6 +131,7 @@ def _in_turns(
     for turn in range(size):
         if turn == me:
             try:
+                ensure_space(tmp, need)
                 with h5py.File(tmp, "a") as f:
                     if me == 0:
                         create(f)
@@ -244,7 +256,7 @@ def write_sharded(
 
         return run
 
-    error = _in_turns(t, how, tmp, create, prepare)
+    error = _in_turns(t, how, tmp, create, prepare, x.nbytes)
     commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
     return path
 
@@ -389,8 +401,8 @@ class RolloutWriter:
 
             return run
 
-        error = _in_turns(self.t, self.method, self.tmp, create, prepare)
-        problem = [] if error is None else [describe_error(error)]
+        error = _in_turns(self.t, self.method, self.tmp, create, prepare, x.nbytes)
+        problem = [] if error is None else [explain_os_error(error, self.path)]
         try:
             check_everywhere(
                 self.t,

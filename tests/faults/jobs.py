@@ -8,6 +8,7 @@ checks that every rank raised an mpidp error naming the values, within seconds.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -32,8 +33,9 @@ def caught(fn) -> None:
 
 def disagreements() -> None:
     """Ranks that pass different arguments to one collective: each raises, then the next
-    case runs on the same communicator (nothing is left half done)."""
-    t = mpidp.init().transport("world")
+    case runs on the same communicator (nothing is left half done). ``argv[2]``: the
+    transport, ``mpi`` or ``torch`` (gloo)."""
+    t = mpidp.init(transport=sys.argv[2]).transport("world")
     # sizes: rank 1 believes it owns 2 rows, rank 0 believes it owns 3 (a short message)
     sizes = [2, 3] if ME == 0 else [2, 2]
     caught(lambda: t.all_gather_v(torch.zeros(2, 4), sizes))
@@ -68,6 +70,17 @@ def init_sizes() -> None:
     caught(lambda: mpidp.init(domain_parallel_size=2 if ME == 0 else 1))
 
 
+def second_init_on_one_rank() -> None:
+    """Rank 0 calls mpidp.init again with another layout, uncaught; rank 1 goes on to a
+    collective. The repeat call is local (it raises at once, naming both layouts) and an
+    uncaught error under ``python -m mpi4py`` aborts the whole job: rank 1 must not wait."""
+    manager = mpidp.init(domain_parallel_size=2)
+    if ME == 0:
+        mpidp.init(domain_parallel_size=1)
+    manager.transport("world").all_gather_v(torch.zeros(1, 2), [1, 1])
+    time.sleep(60)
+
+
 def skipped_collective() -> None:
     """Rank 1 never enters the all_gather_v: rank 0 must not wait forever."""
     t = mpidp.init().transport("world")
@@ -75,6 +88,15 @@ def skipped_collective() -> None:
         print(f"rank 0 enters at {time.time():.2f}", flush=True)
         t.all_gather_v(torch.zeros(1, 2), [1, 1])
     time.sleep(60)
+
+
+def skipped_collective_torch() -> None:
+    """The same over the torch transport (gloo), whose deadline is torch's own timeout."""
+    t = mpidp.init(transport="torch", timeout=3).transport("world")
+    if ME == 0:
+        caught(lambda: t.all_gather_v(torch.zeros(1, 2), [1, 1]))
+    else:
+        time.sleep(10)
 
 
 def skipped_halo_backward() -> None:
@@ -109,6 +131,37 @@ def killed_mid_write() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank 0 writes step 2 at {time.time():.2f}", flush=True)
         out.write(torch.ones(1, rows, 4))
+
+
+def rollout_fills_disk() -> None:
+    """A rollout over an existing file on a file system that fills up (a 2 MB tmpfs, or, where
+    mounting one is not allowed, a disk whose free space ``argv[3]`` bytes is injected):
+    every rank must raise a DataError naming the full disk, not crash inside HDF5."""
+    import shutil
+
+    from mpidp.io import RolloutWriter
+
+    path = sys.argv[2]
+    if len(sys.argv) > 3:  # no tmpfs here: the disk "has" this much room left
+        real = shutil.disk_usage
+        room = int(sys.argv[3])
+        shutil.disk_usage = lambda p: real(p)._replace(free=room - os.path.getsize(tmp_file()))
+
+        def tmp_file() -> str:
+            import glob
+
+            found = glob.glob(os.path.join(os.path.dirname(path), ".*.tmp-*"))
+            return found[0] if found else path
+
+    manager = mpidp.init(domain_parallel_size=2)
+    rows = manager.spec(64).sizes[manager.domain_rank]
+
+    def rollout() -> None:
+        with RolloutWriter(path, ["a", "b"], manager=manager) as out:
+            for _ in range(1000):
+                out.write(torch.ones(2, rows, 128))
+
+    caught(rollout)
 
 
 if __name__ == "__main__":

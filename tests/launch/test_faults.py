@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_launch import MPIEXEC, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,10 @@ def caught(out: str) -> list[tuple[int, float, str]]:
     return [(int(r), float(s), msg) for r, s, msg in found]
 
 
-def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives():
-    out = job("disagreements")
+# ids that are not "mpi": pytest-mpi would take that keyword for its marker and skip the test
+@pytest.mark.parametrize("transport", ["mpi", "torch"], ids=["mpi-transport", "gloo"])
+def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives(transport):
+    out = job("disagreements", transport)
     assert "NOT CAUGHT" not in out, out
     got = caught(out)
     assert sorted(r for r, _, _ in got) == [0] * 7 + [1] * 7, out
@@ -74,6 +77,17 @@ def test_init_with_different_layouts_is_an_error_on_every_rank():
     for _, _, msg in got:
         assert "ConfigError" in msg and "domain_parallel_size" in msg
         assert "rank 0: domain_parallel_size=2" in msg and "rank 1: domain_parallel_size=1" in msg
+
+
+def test_a_second_init_on_one_rank_ends_the_job_at_once():
+    start = time.monotonic()
+    out = job("second-init-on-one-rank")
+    assert time.monotonic() - start < 30, out  # rank 1 sleeps 60 s: the abort ended it
+    text = " ".join(out.split())
+    assert (
+        "ConfigError: rank 0 of 2: mpidp is already initialised with domain_parallel_size=2" in text
+    )
+    assert "called again with domain_parallel_size=1" in text and "shutdown() first" in text
 
 
 def _aborted_after_deadline(out: str) -> str:
@@ -120,6 +134,20 @@ def test_a_skipped_collective_aborts_the_job_at_the_deadline():
     assert msg.startswith("rank 0 of 2 (MPI group of 2): all_gather_v did not complete")
 
 
+def test_a_skipped_collective_on_the_torch_transport_names_the_call():
+    """gloo's own timeout (the manager's, 3 s) ends the wait; the error names the call, the
+    rank and what to look for, instead of gloo's bare message."""
+    got = caught(job("skipped-collective-torch"))
+    assert [r for r, _, _ in got] == [0], got
+    _, seconds, msg = got[0]
+    assert 2.5 < seconds < 10, msg
+    assert msg.startswith(
+        "CommError: rank 0 of 2 (torch.distributed, gloo): the argument check of all_gather_v "
+        "failed: Timed out waiting 3000ms"
+    ), msg
+    assert "another rank of the group did not enter the same call" in msg
+
+
 def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
     start = time.monotonic()
     out = job("skipped-halo-backward", MPIDP_TIMEOUT="2")
@@ -141,3 +169,33 @@ def test_a_rank_killed_mid_write_leaves_the_old_file_intact(tmp_path):
     assert path.read_bytes() == b"the previous forecast"
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".forecast.nc.tmp-")]
     assert len(left) == 1, (left, out)
+
+
+def test_a_rollout_that_fills_the_disk_raises_everywhere_and_leaves_nothing(tmp_path):
+    """A RolloutWriter on a 2 MB tmpfs (mounted here when the tests run as root; otherwise the
+    free space is injected): HDF5 out of space mid-write used to crash the process in h5py.
+    Now every rank raises a DataError naming the full disk, the temporary file is gone and the
+    previous file is intact."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        == 0
+    )
+    try:
+        path = disk / "forecast.nc"
+        path.write_bytes(b"the previous forecast")
+        out = job("rollout-fills-disk", str(path), *([] if mounted else [str(2 << 20)]))
+        got = caught(out)
+        assert sorted(r for r, _, _ in got) == [0, 1], out
+        for _, seconds, msg in got:
+            assert msg.startswith("DataError: rank ") and seconds < 60, msg
+            assert "No space left on device" in msg and "is the disk full?" in msg, msg
+        assert "Segmentation fault" not in out
+        assert sorted(p.name for p in disk.iterdir()) == ["forecast.nc"]
+        assert path.read_bytes() == b"the previous forecast"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)

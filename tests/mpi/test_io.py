@@ -541,6 +541,18 @@ def test_checkpoint_bad_files_fail_everywhere(manager, shared):
         load_checkpoint(garbage, _model(), manager=manager)
     with pytest.raises(DataError, match="does not fit the model"):
         load_checkpoint(good, torch.nn.Linear(2, 2), manager=manager)
+    # damaged metadata beside a good model: named, with the rank and the fix
+    damaged = shared / "damaged.pt"
+    state = torch.load(good, weights_only=False)
+    state.update(step="7", layout={"world": 0}, format="mpidp-checkpoint-9")
+    _on_rank0(torch.save, state, damaged)
+    with pytest.raises(DataError) as err:
+        load_checkpoint(damaged, _model(), manager=manager)
+    text = str(err.value)
+    assert f"rank {manager.rank}: load_checkpoint" in text and "fix: " in text, text
+    assert "its metadata is damaged or from another program" in text
+    assert "format='mpidp-checkpoint-9'" in text and "step is a str" in text
+    assert "layout={'world': 0}" in text
 
 
 # -- bad input: the same clear error on every rank ----------------------------------------
@@ -556,6 +568,20 @@ def test_missing_file_on_one_rank(manager, sample, shared):
     path = shared / "nowhere.h5" if ME == P - 1 else sample
     text = _expect_everywhere(f"rank {P - 1}: .*nowhere.h5: no such file", path, manager=manager)
     assert f"rank {ME}:" in text and "fix:" in text
+
+
+def test_a_file_deleted_after_the_dataset_was_built(manager, sample, shared):
+    """The files are opened lazily, per DataLoader worker: one that vanished since (a scratch
+    purge) is a DataError naming the rank, the file and what to do, not h5py's bare one."""
+    copy = shared / "vanishing.h5"
+    _on_rank0(shutil.copy, sample, copy)
+    ds = ShardedH5Dataset(copy, manager=manager)
+    _on_rank0(copy.unlink)
+    with pytest.raises(DataError) as err:
+        ds[0]
+    text = str(err.value)
+    assert text.startswith(f"rank {manager.domain_rank}: {copy} (time index 0) cannot be opened")
+    assert "deleted or purged" in text and "fix:" in text
 
 
 def test_missing_variable_and_wrong_rank(manager, sample, shared):
