@@ -1,0 +1,182 @@
+"""The dispatch registry: which torch function runs how on a ShardedTensor.
+
+Every torch function called with a :class:`~mpidp.ShardedTensor` argument arrives at
+:func:`dispatch` (``__torch_function__``, so ``F.conv2d`` is seen whole, before torch splits it
+into kernels). Its handler computes this rank's band of the serial result; a function without
+a handler raises :class:`UnsupportedOp` naming it, the shapes and the fixes -- never a result
+computed on the band as if it were the whole field. Register your own with
+:func:`register`::
+
+    @mpidp.sharded.register(my_op)
+    def _(func, args, kwargs):
+        x = args[0]                      # a ShardedTensor
+        return ShardedTensor(my_op(x.local), x.spec, x.shard_dim, x.manager)
+
+The opt-in fallback (:func:`allow_fallback`, or ``MPIDP_SHARDED_FALLBACK=1`` on every rank)
+gathers the whole tensors, runs the serial function on every rank and cuts the result back
+into bands: slow (it moves every tensor to every rank) and warned once per function, but a
+model runs first and is made fast op by op.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mpidp.errors import MpidpError
+from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+
+__all__ = [
+    "UnsupportedOp",
+    "allow_fallback",
+    "dispatch",
+    "handled",
+    "has_sharded",
+    "register",
+]
+
+Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
+_HANDLERS: dict[Any, Handler] = {}
+_FALLBACK = {"on": os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0")}
+_WARNED: set[str] = set()
+
+
+class UnsupportedOp(MpidpError, NotImplementedError):
+    """A torch function that mpidp cannot compute exactly on bands (and no fallback)."""
+
+
+def key(func: Any) -> Any:
+    """The registry key of ``func``: the function itself, or ``("__get__", name)`` for a
+    tensor property (a new method-wrapper object at every access)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__") and hasattr(func, "__self__"):
+        return (name, getattr(func.__self__, "__name__", ""))
+    return func
+
+
+def register(*funcs: Any) -> Callable[[Handler], Handler]:
+    """Decorator: the handler of ``funcs`` (torch functions, Tensor methods, or
+    ``("__get__", "name")`` for properties) on ShardedTensors. A later registration wins."""
+
+    def deco(handler: Handler) -> Handler:
+        for f in funcs:
+            _HANDLERS[key(f)] = handler
+        return handler
+
+    return deco
+
+
+def handled(func: Any) -> bool:
+    """Whether ``func`` has a handler."""
+    return key(func) in _HANDLERS
+
+
+def allow_fallback(on: bool = True) -> None:
+    """Let functions without a handler run by gathering (see the module doc). Set it the same
+    on every rank."""
+    _FALLBACK["on"] = on
+
+
+def has_sharded(args: Any, kwargs: Any) -> bool:
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(a, ShardedTensor) for a in leaves)
+
+
+def first_sharded(args: Any, kwargs: Any = None) -> ShardedTensor:
+    leaves, _ = tree_flatten((args, kwargs or {}))
+    return next(a for a in leaves if isinstance(a, ShardedTensor))
+
+
+def name_of(func: Any) -> str:
+    k = key(func)
+    if isinstance(k, tuple):
+        return f"Tensor.{k[1]} ({k[0]})"
+    mod = str(getattr(func, "__module__", None) or "")
+    qual = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    if mod.startswith("torch.nn.functional"):
+        return f"F.{qual}"
+    if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
+        return f"Tensor.{qual.split('.', 1)[1]}"
+    return f"{mod}.{qual}" if mod and not mod.startswith("torch._C") else f"torch.{qual}"
+
+
+def describe(args: Any, kwargs: Any) -> str:
+    def one(a: Any) -> str:
+        if isinstance(a, ShardedTensor):
+            return (
+                f"ShardedTensor{tuple(a.shape)} sharded along dim {a.shard_dim} "
+                f"{list(a.spec.sizes)}"
+            )
+        if isinstance(a, torch.Tensor):
+            return f"{'Replicated' if isinstance(a, Replicated) else 'tensor'}{tuple(a.shape)}"
+        return repr(a) if len(repr(a)) < 40 else type(a).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
+
+
+def refuse(func: Any, args: Any, kwargs: Any, why: str, fix: str) -> UnsupportedOp:
+    x = first_sharded(args, kwargs)
+    return UnsupportedOp(
+        f"rank {x.manager.rank}: {name_of(func)}({describe(args, kwargs)}) on a ShardedTensor: "
+        f"{why}; fix: {fix}"
+    )
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``func`` on ShardedTensor arguments through its handler (or refuse)."""
+    handler = _HANDLERS.get(key(func))
+    if handler is not None:
+        return handler(func, args, kwargs)
+    if _FALLBACK["on"]:
+        return _gather_fallback(func, args, kwargs)
+    raise refuse(
+        func,
+        args,
+        kwargs,
+        "mpidp has no band form of this function, and computing it on this rank's band "
+        "alone could mix in (or miss) other ranks' rows",
+        "register a handler (mpidp.sharded.register), call .full_tensor() before it, or "
+        "let mpidp gather for it (mpidp.sharded.allow_fallback(), or "
+        "MPIDP_SHARDED_FALLBACK=1: slow, every rank runs the serial op)",
+    )
+
+
+def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from mpidp.sharded.tensor import shard
+
+    ref = first_sharded(args, kwargs)
+    name = name_of(func)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        nbytes = sum(
+            a.numel() * a.element_size()
+            for a in tree_flatten((args, kwargs))[0]
+            if isinstance(a, ShardedTensor)
+        )
+        warnings.warn(
+            f"mpidp: {name} has no band form; gathering {nbytes} bytes to every rank and "
+            f"running it whole (mpidp.sharded.allow_fallback is on). Register a handler to "
+            f"make it fast",
+            stacklevel=3,
+        )
+    full_args, full_kwargs = tree_map(
+        lambda a: a.full_tensor() if isinstance(a, ShardedTensor) else a, (args, kwargs)
+    )
+    out = func(*full_args, **full_kwargs)
+    d, n = ref.shard_dim, ref.spec.total
+
+    def back(o: Any) -> Any:
+        if isinstance(o, torch.Tensor) and o.dim() == ref.dim() and o.size(d) == n:
+            return shard(o, d, ref.manager, ref.spec)
+        if isinstance(o, torch.Tensor) and not isinstance(o, Replicated):
+            return replicated(o, ref.transport)
+        return o
+
+    return tree_map(back, out)

@@ -1,0 +1,354 @@
+"""Handlers: a ShardedTensor's metadata and autograd methods, and element-wise functions.
+
+Element-wise functions run on the bands. Their other tensor arguments broadcast as in serial:
+a ShardedTensor of the same global shape (moved to this one's partition when its partition
+differs: only boundary rows travel); a plain tensor whose length along the sharded dim is the
+global length (latitude weights of shape (H, 1)) is cut to this rank's rows, one of length 1 or
+without that dim is used whole; a Replicated value enters through ``copy_to`` (its gradient
+is the sum of the ranks' shares). Anything else along the sharded dim is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mpidp.collectives import copy_to
+from mpidp.errors import ConfigError
+from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.tensor import Replicated, ShardedTensor
+
+__all__ = ["POINTWISE", "pointwise", "local_like"]
+
+
+def local_like(x: ShardedTensor, local: torch.Tensor) -> ShardedTensor:
+    """``local`` as a ShardedTensor on ``x``'s partition and dim."""
+    return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+
+
+# -- metadata ----------------------------------------------------------------------------------
+
+_GLOBAL_GETTERS = (
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "layout",
+    "is_cuda",
+    "is_cpu",
+    "is_sparse",
+    "is_quantized",
+    "is_meta",
+    "is_mkldnn",
+    "is_nested",
+    "itemsize",
+    "nbytes",
+    "names",
+)
+_GLOBAL_METHODS = (
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.ndimension,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.is_signed,
+    torch.Tensor.get_device,
+    torch.Tensor.__len__,
+    torch.numel,
+    torch.is_floating_point,
+    torch.is_complex,
+)
+
+
+@register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS)
+def _global_meta(func: Any, args: Any, kwargs: Any) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+@register(("__get__", "requires_grad"))
+def _requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
+    return args[0].local.requires_grad
+
+
+@register(("__get__", "is_leaf"))
+def _is_leaf(func: Any, args: Any, kwargs: Any) -> Any:
+    return args[0].local.is_leaf
+
+
+@register(("__get__", "grad_fn"))
+def _grad_fn(func: Any, args: Any, kwargs: Any) -> Any:
+    return args[0].local.grad_fn
+
+
+@register(("__get__", "grad"))
+def _grad(func: Any, args: Any, kwargs: Any) -> Any:
+    x = args[0]
+    g = x.local.grad
+    return None if g is None else local_like(x, g)
+
+
+@register(("__set__", "grad"))
+def _set_grad(func: Any, args: Any, kwargs: Any) -> Any:
+    x, g = args
+    x.local.grad = g.local if isinstance(g, ShardedTensor) else g
+
+
+@register(("__set__", "requires_grad"))
+def _set_requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
+    args[0].local.requires_grad = args[1]
+
+
+@register(("__get__", "data"))
+def _data(func: Any, args: Any, kwargs: Any) -> Any:
+    return local_like(args[0], args[0].local.data)
+
+
+@register(torch.Tensor.requires_grad_)
+def _requires_grad_(func: Any, args: Any, kwargs: Any) -> Any:
+    x = args[0]
+    x.local.requires_grad_(*args[1:], **kwargs)
+    return x
+
+
+@register(torch.Tensor.retain_grad)
+def _retain_grad(func: Any, args: Any, kwargs: Any) -> Any:
+    args[0].local.retain_grad()
+
+
+@register(torch.Tensor.backward)
+def _backward(func: Any, args: Any, kwargs: Any) -> Any:
+    x = args[0]
+    gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
+    if gradient is None:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "backward() without a gradient needs a scalar, and a band is never one",
+            "reduce it first (y.sum(), a loss: a replicated scalar), or pass a ShardedTensor "
+            "gradient",
+        )
+    g = gradient.local if isinstance(gradient, ShardedTensor) else gradient
+    x.local.backward(g, *args[2:], **kwargs)
+
+
+@register(torch.Tensor.register_hook)
+def _register_hook(func: Any, args: Any, kwargs: Any) -> Any:
+    x, hook = args[0], args[1]
+
+    def on_band(g: torch.Tensor) -> Any:
+        out = hook(local_like(x, g))
+        return out.local if isinstance(out, ShardedTensor) else out
+
+    return x.local.register_hook(on_band)
+
+
+@register(
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.data_ptr,
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
+    torch.Tensor.untyped_storage,
+)
+def _no_band_value(func: Any, args: Any, kwargs: Any) -> Any:
+    raise refuse(
+        func,
+        args,
+        kwargs,
+        "a band has no value, storage or strides of the global tensor",
+        "reduce it (x.sum(), a replicated value) or gather it (x.full_tensor()) first",
+    )
+
+
+_SAME_LAYOUT = (
+    torch.Tensor.detach,
+    torch.detach,
+    torch.Tensor.detach_,
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.contiguous,
+    torch.Tensor.to,
+    torch.Tensor.type,
+    torch.Tensor.type_as,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.int,
+    torch.Tensor.long,
+    torch.Tensor.bool,
+    torch.Tensor.cpu,
+    torch.Tensor.cuda,
+    torch.Tensor.pin_memory,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.Tensor.zero_,
+    torch.Tensor.fill_,
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+)
+
+
+@register(*_SAME_LAYOUT)
+def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
+    """Functions of the band alone whose result has the band's shape (a copy, a cast, a
+    tensor like it): run on the band, same partition."""
+    x = args[0]
+    rest = tree_map(_plain_arg, (args[1:], kwargs))
+    out = func(x.local, *rest[0], **rest[1])
+    if out is x.local:  # in place
+        return x
+    return local_like(x, out) if isinstance(out, torch.Tensor) else out
+
+
+def _plain_arg(a: Any) -> Any:
+    """A non-input argument (``type_as(other)``, ``to(other)``): a ShardedTensor stands for
+    its dtype and device, its band does the same."""
+    return a.local if isinstance(a, ShardedTensor) else a
+
+
+# -- element-wise -------------------------------------------------------------------------------
+
+_NAMES = """
+abs absolute acos arccos acosh add addcdiv addcmul angle asin arcsin asinh atan arctan atan2
+arctan2 atanh bitwise_and bitwise_not bitwise_or bitwise_xor ceil clamp clamp_max clamp_min
+clip conj copysign cos cosh deg2rad digamma div divide eq erf erfc erfinv exp exp2 expm1
+float_power floor floor_divide fmax fmin fmod frac ge greater greater_equal gt heaviside
+hypot i0 igamma igammac imag isclose isfinite isinf isnan isneginf isposinf isreal
+ldexp le lerp less less_equal lgamma log log10 log1p log2 logaddexp logaddexp2 logical_and
+logical_not logical_or logical_xor logit lt masked_fill maximum minimum mul multiply mvlgamma
+nan_to_num ne neg negative nextafter not_equal polygamma positive pow rad2deg real reciprocal
+relu remainder round rsqrt sgn sigmoid sign signbit sin sinc sinh sqrt square sub subtract
+tan tanh true_divide trunc fix where xlogy
+celu elu gelu hardshrink hardsigmoid hardswish hardtanh leaky_relu logsigmoid
+mish prelu relu6 rrelu selu silu softplus softshrink softsign tanhshrink threshold dropout
+alpha_dropout
+""".split()
+
+_DUNDERS = """
+__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__
+__rtruediv__ __itruediv__ __div__ __rdiv__ __idiv__ __floordiv__ __rfloordiv__
+__ifloordiv__ __mod__ __rmod__ __imod__ __pow__ __rpow__ __ipow__ __neg__ __pos__ __abs__
+__invert__ __and__ __rand__ __iand__ __or__ __ror__ __ior__ __xor__ __rxor__ __ixor__
+__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __lshift__ __rshift__
+""".split()
+
+
+def _collect() -> set[Any]:
+    found: set[Any] = set()
+    spaces = (torch, torch.Tensor, F, torch.special)
+    for name in _NAMES:
+        for space in spaces:
+            for n in (name, name + "_"):
+                f = getattr(space, n, None)
+                if f is not None and callable(f) and not isinstance(f, type):
+                    found.add(f)
+    for name in _DUNDERS:
+        f = getattr(torch.Tensor, name, None)
+        if f is not None:
+            found.add(f)
+    return found
+
+
+POINTWISE = _collect()
+# element-wise in the values but not in the arguments' roles: (input, dim)-style functions
+# whose dim could be the sharded one are handled elsewhere (softmax, cumsum)
+
+
+@register(*POINTWISE)
+def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An element-wise function on the bands (see the module doc for its arguments)."""
+    ref = first_sharded(args, kwargs)
+    leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    out_ndim = max(a.dim() for a in leaves)
+    axis = out_ndim - ref.dim() + ref.shard_dim  # the sharded dim, counted in the result
+    spec, n, t = ref.spec, ref.spec.total, ref.transport
+    start, rows = ref.start, ref.spec.sizes[ref.rank]
+
+    def band_of(a: Any) -> Any:
+        if isinstance(a, ShardedTensor):
+            if a.dim() - (out_ndim - axis) != a.shard_dim or a.spec.total != n:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    "two ShardedTensors sharded along different dims (or of different global "
+                    "lengths along it) meet",
+                    "redistribute one of them (x.redistribute(dim=...))",
+                )
+            if a.spec != spec:
+                from mpidp.sharded.rows import to_spec
+
+                a = to_spec(a, spec)
+            return a.local
+        if not isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, Replicated):
+            a = copy_to(a.as_subclass(torch.Tensor), t)
+        i = a.dim() - (out_ndim - axis)
+        if i < 0 or a.size(i) == 1:
+            return a
+        if a.size(i) == n:
+            return a.narrow(i, start, rows)
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            f"a tensor of shape {tuple(a.shape)} has {a.size(i)} entries along the sharded "
+            f"dim, which is neither the global length {n} nor 1",
+            "pass a tensor of the global shape (it is cut to each rank's rows) or one that "
+            "broadcasts along the sharded dim",
+        )
+
+    local_args, local_kwargs = tree_map(band_of, (args, kwargs))
+    out = func(*local_args, **local_kwargs)
+    first = args[0] if args else None
+    if isinstance(first, ShardedTensor) and out is local_args[0]:
+        return first  # in place on the band
+    return tree_map(lambda o: _wrap_out(o, out_ndim, axis, ref), out)
+
+
+def _wrap_out(o: Any, ndim: int, axis: int, ref: ShardedTensor) -> Any:
+    if isinstance(o, torch.Tensor) and o.dim() == ndim:
+        if o.size(axis) != ref.spec.sizes[ref.rank]:
+            raise ConfigError(
+                f"rank {ref.manager.rank}: internal error: an element-wise result of shape "
+                f"{tuple(o.shape)} does not have this rank's {ref.spec.sizes[ref.rank]} rows "
+                f"along dim {axis}"
+            )
+        return ShardedTensor(o, ref.spec, axis, ref.manager)
+    return o
+
+
+@register(F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout)
+def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Channel dropout draws one mask entry per (sample, channel): each rank would draw its
+    own and drop a channel on some bands only. Identity when it is off."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    if not training or p == 0:
+        return args[0]
+    raise refuse(
+        func,
+        args,
+        kwargs,
+        "in training it would drop a channel on some ranks' bands and keep it on others",
+        "use element-wise F.dropout, or draw the channel mask once (the same seed on every "
+        "rank) and multiply",
+    )

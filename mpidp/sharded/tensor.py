@@ -1,0 +1,318 @@
+"""ShardedTensor: a band that knows it is a band, and Replicated: a value every rank holds.
+
+A :class:`ShardedTensor` is this rank's band of a global tensor cut along one dim
+(``shard_dim``) by a :class:`~mpidp.ShardSpec`, over a manager's domain group. It reports the
+GLOBAL shape, so a model written for one process sees the sizes it expects; every torch
+function called on it goes through :func:`mpidp.sharded.dispatch.dispatch`, which computes the
+band of the serial result or raises.
+
+Gradients, the rule (docs/sharded_tensor.md):
+
+* a ShardedTensor's gradient is the gradient of its own rows, exact;
+* a :class:`Replicated` value (a reduction over the sharded dim, ``full_tensor()``) holds the
+  same value on every rank and the same, whole gradient (every rank seeds ``loss.backward()``
+  with 1: that is the gradient, counted once);
+* a plain tensor (a parameter, a constant) holds this rank's share of its gradient:
+  ``mpidp.sync_gradients`` sums the shares over the domain group. Used on a band its share is
+  what the band contributes; used in a replicated computation (``F.linear`` of a pooled
+  vector) the whole gradient goes to rank 0 of the group and zeros to the others;
+* a Replicated value that meets a band (``conv(x) * g``) enters through
+  :func:`mpidp.copy_to`: its gradient is the sum of every rank's share, whole again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from mpidp.collectives import _call, _Shard, all_gather_v_replicated
+from mpidp.comm import Transport
+from mpidp.errors import ConfigError, MpidpError
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import PartitionPolicy, ShardSpec
+
+__all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
+
+
+class ShardedTensor(torch.Tensor):
+    """This rank's band (``.local``) of a global tensor cut along ``shard_dim`` by ``spec``.
+
+    Build one with :func:`mpidp.shard` (from the full tensor, no communication) or
+    :meth:`from_local` (from the band). ``shape``, ``size()``, ``dim()`` and ``numel()`` are
+    the global ones.
+    """
+
+    _local: torch.Tensor
+    _spec: ShardSpec
+    _dim: int
+    _manager: DistributedManager
+
+    @staticmethod
+    def __new__(
+        cls, local: torch.Tensor, spec: ShardSpec, dim: int, manager: DistributedManager
+    ) -> ShardedTensor:
+        shape = list(local.shape)
+        shape[dim] = spec.total
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
+        return out
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    # -- what it is -------------------------------------------------------------------------
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's band (a plain tensor, with its autograd history)."""
+        return self._local
+
+    @property
+    def spec(self) -> ShardSpec:
+        """Every rank's extent along :attr:`shard_dim`."""
+        return self._spec
+
+    @property
+    def shard_dim(self) -> int:
+        """The sharded dim (non-negative)."""
+        return self._dim
+
+    @property
+    def manager(self) -> DistributedManager:
+        return self._manager
+
+    @property
+    def transport(self) -> Transport:
+        return self._manager.transport(None, self._local.device)
+
+    @property
+    def rank(self) -> int:
+        return self._manager.domain_rank
+
+    @property
+    def start(self) -> int:
+        """This rank's first global row."""
+        return self._spec.start(self.rank)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        return (
+            f"ShardedTensor(shape={tuple(self.shape)}, shard_dim={self._dim}, "
+            f"spec={list(self._spec.sizes)}, rank={self.rank}, local=\n{self._local!r})"
+        )
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_local(
+        cls,
+        band: torch.Tensor,
+        dim: int = -2,
+        spec: ShardSpec | Sequence[int] | None = None,
+        manager: DistributedManager | None = None,
+    ) -> ShardedTensor:
+        """Wrap this rank's ``band`` (no copy: a leaf band's own ``.grad`` is the gradient).
+        Without ``spec`` the ranks' extents are learned in one small all-gather (collective);
+        a given ``spec`` is checked against the band's length here."""
+        m = manager if manager is not None else get_manager()
+        d = _dim(band, dim)
+        if spec is None:
+            t = m.transport(None, band.device)
+            spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([band.size(d)])))
+        spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+        _check_spec(spec, m, band.size(d), "from_local")
+        return cls(band, spec, d, m)
+
+    def full_tensor(self) -> Replicated:
+        """The whole tensor on every rank (an all-gather; differentiable: the gradient of
+        every rank's use comes back to the band once, the replicated rule)."""
+        t = self.transport
+        whole = all_gather_v_replicated(self._local, self._spec, self._dim, group=t)
+        return replicated(whole, t)
+
+    def redistribute(
+        self,
+        target: ShardSpec | Sequence[int] | PartitionPolicy | None = None,
+        dim: int | None = None,
+    ) -> ShardedTensor:
+        """The same global tensor on another partition (``ShardSpec`` or sizes, or a policy
+        applied to the length), or sharded along another ``dim`` (to the manager's policy):
+        only the rows that change owner travel (one ``all_to_all_v``). Collective."""
+        from mpidp.sharded.rows import move_to_dim, to_spec
+
+        x = self
+        if dim is not None and _dim(self._local, dim) != self._dim:
+            x = move_to_dim(self, _dim(self._local, dim))
+        if target is None:
+            return x
+        n, p = x.spec.total, x.spec.parts
+        if isinstance(target, PartitionPolicy):
+            spec = target.spec(n, p)
+        else:
+            spec = target if isinstance(target, ShardSpec) else ShardSpec(tuple(target))
+        if spec.total != n or spec.parts != p:
+            raise ConfigError(
+                f"rank {x.rank}: redistribute to {list(spec.sizes)}: the tensor has {n} rows "
+                f"along dim {x.shard_dim} over {p} ranks; pass sizes that add up to {n}"
+            )
+        return to_spec(x, spec)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        from mpidp.sharded.dispatch import dispatch
+
+        return dispatch(func, tuple(args), kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        raise MpidpError(
+            f"internal error: {func} reached torch's dispatcher with a ShardedTensor (an op "
+            f"ran with __torch_function__ disabled); report it with the traceback"
+        )
+
+
+class Replicated(torch.Tensor):
+    """A value every rank of the domain group holds, the same (a reduction over the sharded
+    dim, ``full_tensor()``). A real tensor: ``loss.backward()``, ``loss.item()`` work. Ops on
+    it stay Replicated; a plain tensor that requires grad and joins it gives its gradient to
+    rank 0 only (the shares rule: ``sync_gradients`` sums them)."""
+
+    _t: Transport
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        from mpidp.sharded.dispatch import dispatch, has_sharded
+
+        if has_sharded(args, kwargs):
+            return dispatch(func, tuple(args), kwargs)
+        t = _first_transport(args, kwargs)
+        if func not in _NO_SHARES and torch.is_grad_enabled():
+            args, kwargs = tree_map(lambda a: _share(a, t), (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in _KEEP_PLAIN:
+            return out
+        return tree_map(lambda o: replicated(o, t) if _is_plain(o) else o, out)
+
+
+def _is_plain(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and not isinstance(o, (Replicated, ShardedTensor))
+
+
+# functions whose tensor arguments are not values of the computation
+_NO_SHARES = {torch.Tensor.backward, torch.Tensor.detach, torch.Tensor.copy_}
+_KEEP_PLAIN = {torch.Tensor.detach}
+
+
+def replicated(x: torch.Tensor, t: Transport) -> Replicated:
+    """``x`` (the same on every rank of ``t``'s group) marked as Replicated (no copy, the
+    autograd history kept)."""
+    if isinstance(x, Replicated):
+        return x
+    out = x.as_subclass(Replicated)
+    out._t = t
+    return out
+
+
+def _first_transport(args: Any, kwargs: Any) -> Transport:
+    found: list[Transport] = []
+
+    def look(a: Any) -> Any:
+        if isinstance(a, Replicated) and not found:
+            found.append(a._t)
+        return a
+
+    tree_map(look, (args, kwargs))
+    return found[0]
+
+
+class _RankZeroGrad(torch.autograd.Function):
+    """Identity forward; backward keeps the gradient on rank 0 of the group, zeros elsewhere:
+    a plain tensor's share of a computation every rank repeats identically."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rank: int) -> torch.Tensor:
+        ctx.rank = rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return (g if ctx.rank == 0 else torch.zeros_like(g)), None
+
+
+def _share(a: Any, t: Transport) -> Any:
+    plain = isinstance(a, torch.Tensor) and not isinstance(a, (Replicated, ShardedTensor))
+    if plain and a.requires_grad and t.size > 1:
+        return _RankZeroGrad.apply(a, t.rank)
+    return a
+
+
+def shard(
+    x: torch.Tensor,
+    dim: int = -2,
+    manager: DistributedManager | None = None,
+    spec: ShardSpec | Sequence[int] | None = None,
+) -> ShardedTensor:
+    """This rank's band of the full tensor ``x`` (the same on every rank) as a ShardedTensor:
+    cut along ``dim`` by ``spec`` (default: the manager's partition policy). No communication.
+    When ``x`` requires grad the band stays attached to it (``x.grad`` then holds this rank's
+    rows of the gradient); otherwise the band is a new leaf."""
+    if isinstance(x, ShardedTensor):
+        raise ConfigError(f"rank {x.rank}: shard() of a ShardedTensor; use .redistribute()")
+    m = manager if manager is not None else get_manager()
+    whole = isinstance(x, Replicated)  # its gradient must come back whole: all-gathered
+    if whole:
+        x = x.as_subclass(torch.Tensor)
+    d = _dim(x, dim)
+    n = x.size(d)
+    if spec is None:
+        s = m.partition.spec(n, m.domain_world_size)
+    else:
+        s = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+    _check_spec(s, m, None, "shard")
+    if s.total != n:
+        raise ConfigError(
+            f"rank {m.rank}: shard: spec {list(s.sizes)} covers {s.total} rows, the tensor has "
+            f"{n} along dim {d} (shape {tuple(x.shape)}); pass a spec that adds up to {n}"
+        )
+    r = m.domain_rank
+    if whole:
+        t = m.transport(None, x.device)
+        band = _call(_Shard, x, t, list(s.sizes), d)
+    else:
+        band = x.narrow(d, s.start(r), s.sizes[r])
+        band = band if x.requires_grad else band.contiguous().clone()
+    return ShardedTensor(band, s, d, m)
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ConfigError(f"dim {dim} is out of range for a {x.dim()}-d tensor {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: str) -> None:
+    if spec.parts != m.domain_world_size:
+        raise ConfigError(
+            f"rank {m.rank}: {what}: spec {list(spec.sizes)} has {spec.parts} parts but the "
+            f"domain group has {m.domain_world_size} ranks; pass one size per rank"
+        )
+    if rows is not None and spec.sizes[m.domain_rank] != rows:
+        raise ConfigError(
+            f"rank {m.rank}: {what}: the band has {rows} rows but spec {list(spec.sizes)} "
+            f"gives domain rank {m.domain_rank} {spec.sizes[m.domain_rank]}; pass this band's "
+            f"own spec, or none (then it is learned)"
+        )
