@@ -79,8 +79,9 @@ def handled(func: Any) -> bool:
 
 def allow_fallback(on: bool = True) -> None:
     """Let functions without a handler run by gathering (see the module doc). Set it the same
-    on every rank."""
+    on every rank. Each function warns once after it is turned on."""
     _FALLBACK["on"] = on
+    _WARNED.clear()
 
 
 def has_sharded(args: Any, kwargs: Any) -> bool:
@@ -101,6 +102,8 @@ def name_of(func: Any) -> str:
     qual = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
     if mod.startswith("torch.nn.functional"):
         return f"F.{qual}"
+    if qual.startswith("_VariableFunctionsClass."):
+        return f"torch.{qual.split('.', 1)[1]}"
     if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
         return f"Tensor.{qual.split('.', 1)[1]}"
     return f"{mod}.{qual}" if mod and not mod.startswith("torch._C") else f"torch.{qual}"

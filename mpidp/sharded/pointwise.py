@@ -271,6 +271,9 @@ POINTWISE = _collect()
 # whose dim could be the sharded one are handled elsewhere (softmax, cumsum)
 
 
+POINTWISE |= {("__get__", "real"), ("__get__", "imag")}
+
+
 @register(*POINTWISE)
 def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An element-wise function on the bands (see the module doc for its arguments)."""
