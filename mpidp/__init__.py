@@ -55,6 +55,8 @@ from mpidp.layers import (
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
+from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
+from mpidp.sharded import Replicated, ShardedTensor, shard
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
 from mpidp.training import (
     broadcast_parameters,
@@ -137,6 +139,9 @@ __all__ = [
     "scatter_v",
     "shard_batch",
     "shard_tensor",
+    "shard",
+    "ShardedTensor",
+    "Replicated",
     "start_halo_exchange",
     "sync_gradients",
     "validate_sharding_constraints",

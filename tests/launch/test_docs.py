@@ -71,6 +71,7 @@ def test_code_blocks_run(page, ranks, tmp_path):
 MODULES = [
     "mpidp",
     "mpidp.fft",
+    "mpidp.sharded",
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.plan",

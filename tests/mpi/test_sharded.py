@@ -226,9 +226,10 @@ def test_patch_reshape_moves_only_to_an_aligned_partition(m):
 
     y = check(m, patches, full)
     assert y.shard_dim == 1
-    back = lambda x: (
-        patches(x).reshape(2, h // 4, 4, 3, 4, 2).permute(0, 3, 1, 4, 2, 5).reshape(2, 3, h, 8)
-    )  # noqa: E731
+    def back(x):
+        p = patches(x).reshape(2, h // 4, 4, 3, 4, 2).permute(0, 3, 1, 4, 2, 5)
+        return p.reshape(2, 3, h, 8)
+
     check(m, back, full)
 
 
