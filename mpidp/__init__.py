@@ -2,6 +2,7 @@
 
 from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
 from mpidp import parallel as parallel  # mpidp.parallel without a second import
+from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
 from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.collectives import (
     all_gather_v,
@@ -55,7 +56,6 @@ from mpidp.layers import (
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
-from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
 from mpidp.sharded import Replicated, ShardedTensor, shard
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
 from mpidp.training import (

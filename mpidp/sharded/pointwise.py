@@ -235,7 +235,7 @@ ldexp le lerp less less_equal lgamma log log10 log1p log2 logaddexp logaddexp2 l
 logical_not logical_or logical_xor logit lt masked_fill maximum minimum mul multiply mvlgamma
 nan_to_num ne neg negative nextafter not_equal polygamma positive pow rad2deg real reciprocal
 relu remainder round rsqrt sgn sigmoid sign signbit sin sinc sinh sqrt square sub subtract
-tan tanh true_divide trunc fix where xlogy
+tan tanh true_divide trunc fix where xlogy complex polar
 celu elu gelu hardshrink hardsigmoid hardswish hardtanh leaky_relu logsigmoid
 mish prelu relu6 rrelu selu silu softplus softshrink softsign tanhshrink threshold dropout
 alpha_dropout

@@ -254,8 +254,8 @@ def _one_row(x: ShardedTensor, i: int) -> Replicated:
 def _index_parts(x: ShardedTensor, index: Any) -> list[Any]:
     parts = list(index) if isinstance(index, tuple) else [index]
     used = sum(1 for p in parts if p is not None and p is not Ellipsis and not isinstance(p, bool))
-    if Ellipsis in parts:
-        at = parts.index(Ellipsis)
+    at = next((i for i, p in enumerate(parts) if p is Ellipsis), None)
+    if at is not None:
         parts[at : at + 1] = [slice(None)] * (x.dim() - used)
     return parts + [slice(None)] * (x.dim() - sum(1 for p in parts if p is not None))
 
@@ -567,19 +567,34 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _wrap(x, torch.matmul(la, lb), axis)
 
 
+def _expand_ellipsis(eq: str, ops: Sequence[Any]) -> str:
+    """``eq`` with each '...' spelled out in letters the equation does not use (right-aligned
+    broadcasting dims, as torch aligns them)."""
+    if "..." not in eq and "->" in eq:
+        return eq
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widths = [op.dim() - len(term.replace("...", "")) for term, op in zip(terms, ops, strict=True)]
+    most = max((w for t, w in zip(terms, widths, strict=True) if "..." in t), default=0)
+    fill = "".join(spare[:most])
+    terms = [t.replace("...", fill[most - w :]) for t, w in zip(terms, widths, strict=True)]
+    if arrow:
+        rhs = rhs.replace("...", fill)
+    else:
+        counted = "".join(t for t in terms)
+        rhs = fill + "".join(sorted(c for c in set(counted) - set(fill) if counted.count(c) == 1))
+    return ",".join(terms) + "->" + rhs
+
+
 @register(torch.einsum)
 def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    eq = args[0].replace(" ", "")
     ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    if "..." in eq:
-        raise refuse(func, args, kwargs, "an einsum with '...'", "spell the dims out")
+    eq = _expand_ellipsis(args[0].replace(" ", ""), ops)
     lhs, _, rhs = eq.partition("->")
     terms = lhs.split(",")
-    if not _:
-        letters = [c for c in sorted(set(lhs) - {","}) if lhs.count(c) == 1]
-        rhs = "".join(letters)
     ref = first_sharded(ops)
-    letter = terms[ops.index(ref)][ref.shard_dim]
+    letter = terms[next(i for i, o in enumerate(ops) if o is ref)][ref.shard_dim]
     t = ref.transport
     local_ops = []
     for term, op in zip(terms, ops, strict=True):
@@ -610,3 +625,20 @@ def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if letter in rhs:
         return _wrap(ref, out, rhs.index(letter))
     return replicated(reduce_from(out, t), t)
+
+
+@register(torch.view_as_complex, torch.view_as_real)
+def _view_complex(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The last dim of two (real, imaginary) taken away or added: the sharded dim stays."""
+    x = args[0]
+    if func is torch.view_as_complex and x.shard_dim == x.dim() - 1:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "the (real, imaginary) dim is the sharded one",
+            "shard along another dim",
+        )
+    return _wrap(
+        x, func(x.local.contiguous() if func is torch.view_as_complex else x.local), x.shard_dim
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import mpidp
+from mpidp.sharded import Replicated, ShardedTensor, shard
 
 
 def rand(shape, seed, dtype=torch.float64):
@@ -60,3 +61,39 @@ def adjoint_gap(t, f, x, replicated_out=False, replicated_in=False, seed=70):
     lhs_all = lhs if replicated_out else sum(t.all_gather_object(lhs))
     rhs_all = rhs if replicated_in else sum(t.all_gather_object(rhs))
     return abs(lhs_all - rhs_all) / max(1.0, abs(lhs_all))
+
+
+def check_sharded(m, fn, full, dim=2, module=None, rtol=1e-10, atol=1e-12):
+    """``fn(shard(full))`` against ``fn(full)``: values, shape, the input's gradient and the
+    module's parameter gradients (summed by sync_gradients)."""
+    if module is not None:
+        module.zero_grad()
+    xr = full.clone().requires_grad_()
+    yr = fn(xr)
+    w = rand(tuple(yr.shape), 5)
+    (yr * w).sum().backward()
+    refs = {}
+    if module is not None:
+        refs = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        module.zero_grad()
+    x = shard(full, dim, m).requires_grad_()
+    y = fn(x)
+    assert tuple(y.shape) == tuple(yr.shape)
+    got = y.full_tensor() if isinstance(y, ShardedTensor) else y
+    assert isinstance(got, Replicated), type(got)
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), yr.detach(), rtol=rtol, atol=atol)
+    loss = (y * w).sum()
+    assert isinstance(loss, Replicated)
+    torch.testing.assert_close(
+        float(loss.detach()), float((yr * w).sum().detach()), rtol=rtol, atol=atol
+    )
+    loss.backward()
+    s = x.spec
+    want = xr.grad.narrow(dim, s.start(x.rank), s.sizes[x.rank])
+    torch.testing.assert_close(x.grad.local, want, rtol=rtol, atol=atol)
+    if module is not None:
+        mpidp.sync_gradients(module, m)
+        for n, p in module.named_parameters():
+            if n in refs:
+                torch.testing.assert_close(p.grad, refs[n], rtol=rtol, atol=atol, msg=n)
+    return y

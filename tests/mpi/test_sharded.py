@@ -17,7 +17,8 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.sharded import Replicated, ShardedTensor, UnsupportedOp, shard
+from mpidp.sharded import ShardedTensor, UnsupportedOp, shard
+from tests.mpi.helpers import check_sharded as check
 from tests.mpi.helpers import rand
 
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -57,40 +58,6 @@ def m(request, managers):
     old, sm.partition = sm.partition, cuts(WORLD)[cut]
     yield sm
     sm.partition = old
-
-
-def check(m, fn, full, dim=2, module=None, rtol=1e-10, atol=1e-12):
-    """``fn(shard(full))`` against ``fn(full)``: values, shape, the input's gradient and the
-    module's parameter gradients (summed by sync_gradients)."""
-    if module is not None:
-        module.zero_grad()
-    xr = full.clone().requires_grad_()
-    yr = fn(xr)
-    w = rand(tuple(yr.shape), 5)
-    (yr * w).sum().backward()
-    refs = {}
-    if module is not None:
-        refs = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
-        module.zero_grad()
-    x = shard(full, dim, m).requires_grad_()
-    y = fn(x)
-    assert tuple(y.shape) == tuple(yr.shape)
-    got = y.full_tensor() if isinstance(y, ShardedTensor) else y
-    assert isinstance(got, Replicated), type(got)
-    torch.testing.assert_close(got.as_subclass(torch.Tensor), yr.detach(), rtol=rtol, atol=atol)
-    loss = (y * w).sum()
-    assert isinstance(loss, Replicated)
-    torch.testing.assert_close(float(loss.detach()), float((yr * w).sum()), rtol=rtol, atol=atol)
-    loss.backward()
-    s = x.spec
-    want = xr.grad.narrow(dim, s.start(x.rank), s.sizes[x.rank])
-    torch.testing.assert_close(x.grad.local, want, rtol=rtol, atol=atol)
-    if module is not None:
-        mpidp.sync_gradients(module, m)
-        for n, p in module.named_parameters():
-            if n in refs:
-                torch.testing.assert_close(p.grad, refs[n], rtol=rtol, atol=atol, msg=n)
-    return y
 
 
 def _layer(make):
@@ -226,6 +193,7 @@ def test_patch_reshape_moves_only_to_an_aligned_partition(m):
 
     y = check(m, patches, full)
     assert y.shard_dim == 1
+
     def back(x):
         p = patches(x).reshape(2, h // 4, 4, 3, 4, 2).permute(0, 3, 1, 4, 2, 5)
         return p.reshape(2, 3, h, 8)
