@@ -34,7 +34,7 @@ from mpidp.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
 from mpidp.halo_plan import layout as layout_for
 from mpidp.halo_plan import plan as plan_for
 from mpidp.manager import DistributedManager
-from mpidp.partition import ShardSpec
+from mpidp.partition import ShardSpec, known_for
 
 __all__ = [
     "BOUNDARY_KINDS",
@@ -285,7 +285,17 @@ def _resolve(
     grad = torch.is_grad_enabled() and x.requires_grad
     others = tuple(s for i, s in enumerate(x.shape) if i != d)
     facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
-    sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
+    if spec is not None and not problems and known_for(x, d) == spec:
+        # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
+        agreed = t.__dict__.setdefault("_halo_agreed", set())
+        if facts not in agreed:
+            _agree(t, x.size(d), problems, facts)
+            if len(agreed) > 4096:
+                agreed.clear()
+            agreed.add(facts)
+        sizes = list(spec.sizes)
+    else:
+        sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
     plan = plan_for(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
     if not strips:
         windows: tuple[tuple[int, int], ...] = ((0, plan.length),)

@@ -11,10 +11,13 @@ Balanced rule: the first ``n mod parts`` parts get one extra row (721 over 4 -> 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
+from typing import Any
 
 from mpidp.errors import ConfigError
 
@@ -260,3 +263,32 @@ class Aligned(PartitionPolicy):
             ) from None
         sizes[-1] += rest
         return ShardSpec.from_sizes(sizes)
+
+
+# -- partitions that travel with a tensor -----------------------------------------------------
+
+#: (the band, its dim, its spec) of a ShardedTensor a layer is running on
+_KNOWN: contextvars.ContextVar[tuple[Any, int, ShardSpec] | None] = contextvars.ContextVar(
+    "mpidp_known_spec", default=None
+)
+
+
+@contextlib.contextmanager
+def known_spec(band: Any, dim: int, spec: ShardSpec) -> Iterator[None]:
+    """Inside this block, code given ``band`` takes its partition along ``dim`` from ``spec``
+    instead of learning it in an all-gather (the ShardedTensor front end: the spec travels
+    with the tensor): the layers' :func:`~mpidp.layers.base.learn_spec`, and the halo
+    exchange, which then agrees on its arguments once per distinct call instead of per call."""
+    token = _KNOWN.set((band, dim % band.dim(), spec))
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
+def known_for(x: Any, dim: int) -> ShardSpec | None:
+    """The partition :func:`known_spec` declared for ``x`` along ``dim``, else None."""
+    known = _KNOWN.get()
+    if known is not None and known[0] is x and known[1] == dim % max(x.dim(), 1):
+        return known[2]
+    return None

@@ -12,26 +12,11 @@ import torch
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import ShardSpec
+from mpidp.partition import ShardSpec, known_for, known_spec
 
 __all__ = ["DomainParallel", "known_spec", "learn_spec", "torch_path", "with_rows"]
 
 _TORCH_PATH = contextvars.ContextVar("mpidp_torch_path", default=False)
-#: (the band, its dim, its spec) of a ShardedTensor a layer is running on: no all-gather
-_KNOWN: contextvars.ContextVar[tuple[torch.Tensor, int, ShardSpec] | None] = contextvars.ContextVar(
-    "mpidp_known_spec", default=None
-)
-
-
-@contextlib.contextmanager
-def known_spec(band: torch.Tensor, dim: int, spec: ShardSpec) -> Iterator[None]:
-    """Inside this block a layer given ``band`` takes its partition along ``dim`` from
-    ``spec`` instead of learning it (the ShardedTensor front end: the spec travels with it)."""
-    token = _KNOWN.set((band, dim, spec))
-    try:
-        yield
-    finally:
-        _KNOWN.reset(token)
 
 
 @contextlib.contextmanager
@@ -50,9 +35,9 @@ def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     one integer. Nothing is cached on the local shape (two global sizes can give a rank the
     same local size). Collective over the transport's group, except inside :func:`known_spec`
     for its band."""
-    known = _KNOWN.get()
-    if known is not None and known[0] is x and known[1] == dim % x.dim():
-        return known[2]
+    known = known_for(x, dim)
+    if known is not None:
+        return known
     return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
 
 

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 from mpidp.collectives import copy_to, reduce_from
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.rows import fetch_rows as _fetch
 from mpidp.sharded.rows import remap, to_spec
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 
@@ -429,15 +430,44 @@ def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ref = first_sharded(tensors)
     dim = int(dim) % ref.dim()
     if dim == ref.shard_dim:
-        raise refuse(
-            func,
-            args,
-            kwargs,
-            "concatenation along the sharded dim",
-            "concatenate along another dim, or gather (full_tensor) first",
-        )
+        return _cat_rows(func, args, kwargs, tensors, ref)
     locals_ = _bands(func, args, kwargs, tensors, ref.dim(), ref.shard_dim, ref)
     return _wrap(ref, torch.cat(locals_, dim), ref.shard_dim)
+
+
+def _cat_rows(
+    func: Any, args: Any, kwargs: Any, tensors: Sequence[Any], ref: ShardedTensor
+) -> ShardedTensor:
+    """Concatenation along the sharded dim (pole rows around a band, a padded border): the
+    result is cut by the manager's policy of the total length, and each rank fetches its rows
+    from every piece (one all-to-all per ShardedTensor piece; a plain piece is whole on every
+    rank and is cut locally)."""
+    d, m, t = ref.shard_dim, ref.manager, ref.transport
+    lengths = [int(a.shape[d]) for a in tensors]
+    spec = m.partition.spec(sum(lengths), m.domain_world_size)
+    me = ref.rank
+    parts = []
+    at = 0
+    for a, n in zip(tensors, lengths, strict=True):
+        lo, hi = at, at + n
+
+        def mine(q: int, lo: int = lo, hi: int = hi) -> list[tuple[int, int]]:
+            s, e = max(spec.start(q), lo), min(spec.stop(q), hi)
+            return [(s - lo, e - lo)] if e > s else []
+
+        if isinstance(a, ShardedTensor):
+            if a.dim() != ref.dim() or a.shard_dim != d:
+                raise refuse(
+                    func, args, kwargs, "pieces sharded along different dims", "redistribute"
+                )
+            parts.append(_fetch(a, [mine(q) for q in range(spec.parts)]))
+        else:
+            a = _plain(a, t)
+            runs = mine(me)
+            s, e = runs[0] if runs else (0, 0)
+            parts.append(a.narrow(d, s, e - s))
+        at = hi
+    return ShardedTensor(torch.cat(parts, d), spec, d, m)
 
 
 @register(torch.stack)
@@ -642,3 +672,96 @@ def _view_complex(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return _wrap(
         x, func(x.local.contiguous() if func is torch.view_as_complex else x.local), x.shard_dim
     )
+
+
+@register(
+    torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full
+)
+def _new(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A new tensor of a global shape whose length along the sharded dim is the global one is
+    a band of the same partition (zeros to fill with ``out[..., :k] = ...``); any other shape
+    is a plain tensor, the same on every rank."""
+    x = args[0]
+    if func is torch.Tensor.new_full:
+        size, rest = list(args[1]), args[2:]
+    else:
+        size, rest = _shape_arg(args[1:] or [kwargs.pop("size")]), ()
+    if len(size) == x.dim() and size[x.shard_dim] == x.spec.total:
+        size[x.shard_dim] = x.spec.sizes[x.rank]
+        return _wrap(x, func(x.local, size, *rest, **kwargs), x.shard_dim)
+    return func(x.local, size, *rest, **kwargs)
+
+
+def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedTensor:
+    """``out = torch.zeros(global shape); out[..., :k, :m] = band`` (FNO's spectral
+    convolution): the plain target becomes, in place, a band of the dim the value is sharded
+    along, cut by the manager's policy (its whole storage stays allocated, unused)."""
+    x, index, value = args
+    if not isinstance(value, ShardedTensor) or isinstance(x, Replicated) or x.requires_grad:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "a band written into a tensor that is not a band and cannot become one",
+            "make the target from the band (x.new_zeros(global shape)) so it is a band too",
+        )
+    parts = _index_parts(x, index)
+    slices = [i for i, p in enumerate(parts) if not isinstance(p, int)]
+    at = value.shard_dim + (len(slices) - value.dim())
+    if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts) or not (
+        0 <= at < len(slices)
+    ):
+        raise refuse(func, args, kwargs, "this index with a band value", "use ints and slices")
+    d = slices[at]
+    m = value.manager
+    spec = m.partition.spec(x.shape[d], m.domain_world_size)
+    band = x.narrow(d, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).clone()
+    x.__class__ = ShardedTensor
+    x._local, x._spec, x._dim, x._manager = band, spec, d, m
+    return x
+
+
+@register(torch.Tensor.__setitem__)
+def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x[index] = value`` with GLOBAL indices along the sharded dim: each rank writes the
+    part of the selection it holds; a value that is a band is moved to the selection's
+    partition first, a plain one of the selection's length is cut to this rank's part."""
+    x, index, value = args
+    if not isinstance(x, ShardedTensor):
+        x = _adopt(func, args, kwargs)
+    parts = _index_parts(x, index)
+    if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts):
+        raise refuse(
+            func, args, kwargs, "tensor, list, bool or None indices", "use ints and slices"
+        )
+    d, n = x.shard_dim, x.spec.total
+    local_idx: list[Any] = []
+    axis = 0
+    spec = None
+    for dim, p in enumerate(parts):
+        if dim == d:
+            if isinstance(p, int):
+                i = p % n
+                if not x.spec.start(x.rank) <= i < x.spec.stop(x.rank):
+                    return None  # another rank holds that row
+                local_idx.append(i - x.start)
+                continue
+            start, stop, step = p.indices(n)
+            spec, mine = _keep(x, start, stop, step)
+            local_idx.append(mine)
+            axis = sum(1 for q in parts[:dim] if not isinstance(q, int))
+        else:
+            local_idx.append(p)
+    ndim = sum(1 for q in parts if not isinstance(q, int))
+    v = value
+    if isinstance(v, ShardedTensor):
+        if spec is None or v.dim() - (ndim - axis) != v.shard_dim:
+            raise refuse(func, args, kwargs, "a band written across the sharded dim", "align them")
+        v = to_spec(v, spec).local
+    elif isinstance(v, torch.Tensor):
+        v = _plain(v, x.transport)
+        i = v.dim() - (ndim - axis)
+        if spec is not None and i >= 0 and v.size(i) == spec.total and spec.total != 1:
+            v = v.narrow(i, sum(spec.sizes[: x.rank]), spec.sizes[x.rank])
+    x.local[tuple(local_idx)] = v
+    return None

@@ -10,6 +10,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
+from mpidp import models as M
 from mpidp.sharded import UnsupportedOp, shard
 from tests.mpi import zoo_models as zoo
 from tests.mpi.helpers import check_sharded, rand
@@ -32,6 +33,14 @@ MODELS = {
     "patch_embedding_pos_embed_einops": (lambda: zoo.PatchMixer((H, 12)), (2, 3, H, 12), 2),
     "global_mean_film": (lambda: zoo.FiLMNet(), (2, 3, H, 8), 2),
     "afno_plain_fft": (lambda: zoo.AFNO((H, 12)), (2, 3, H, 12), 2),
+    "fno_zeros_then_setitem": (lambda: zoo.FNOSpectral(), (2, 3, H, 12), 2),
+    "mpidp_weather_unet": (lambda: M.WeatherUNet(3, 2, (H, 12), width=4), (1, 3, H, 12), 2),
+    "mpidp_afnonet": (
+        lambda: M.AFNONet(3, 2, (H, 12), patch=2, embed_dim=8, depth=1, num_blocks=2),
+        (1, 3, H, 12),
+        2,
+    ),
+    "mpidp_periodic_resblock_polar": (lambda: M.PeriodicResBlock(4), (1, 4, H, 12), 2),
     "superres_pixelshuffle": (lambda: zoo.SuperRes(), (1, 3, H, 6), 2),
 }
 
@@ -96,3 +105,27 @@ def test_training_dp_by_domain_reproduces_the_serial_losses():
                 float(m.transport("dp").all_reduce(loss.detach().as_subclass(torch.Tensor), "avg"))
             )
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-10, (got, want)
+
+
+def test_the_spec_travels_no_all_gather_after_the_first_step(m):
+    """A converted layer learns its input partition in an all-gather at every call, and its
+    halo exchange agrees on its arguments at every call; with a ShardedTensor the partition
+    travels with the tensor and the halo agrees once per distinct call: the second step of the
+    U-Net sends no all-gather of ints at all."""
+    from mpidp.testing import count_traffic
+
+    model = build("unet_interpolate_to_skip")
+    full = rand((2, 3, H, 12), 3)
+
+    def step():
+        y = model(shard(full, 2, m))
+        (y * y).mean().backward()
+
+    with count_traffic(m) as traffic:
+        step()
+        first = {k: list(v) for k, v in traffic.ops.items()}
+        step()
+    second = {k: traffic.ops[k][0] - first.get(k, [0])[0] for k in traffic.ops}
+    if WORLD > 1:
+        assert first["all_gather_ints"][0] > 0 and second["all_gather_ints"] == 0, second
+        assert second["exchange"] == first["exchange"][0]  # the halo traffic itself

@@ -185,3 +185,34 @@ class SuperRes(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tail(self.up(F.relu(self.head(x))))
+
+
+class FNOSpectral(nn.Module):
+    """neuraloperator / PhysicsNeMo FNO style: the kept modes written into a zero spectrum
+    made with torch.zeros of the global shape, complex weights, compl_mul2d as an einsum."""
+
+    def __init__(self, c: int = 3, modes1: int = 3, modes2: int = 3):
+        super().__init__()
+        self.modes1, self.modes2 = modes1, modes2
+        scale = 1 / (c * c)
+        self.weights1 = nn.Parameter(scale * torch.rand(c, c, modes1, modes2, 2))
+        self.weights2 = nn.Parameter(scale * torch.rand(c, c, modes1, modes2, 2))
+        self.w = nn.Conv2d(c, c, 1)
+
+    @staticmethod
+    def compl_mul2d(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bixy,ioxy->boxy", x, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(b, c, h, w // 2 + 1, dtype=x_ft.dtype, device=x.device)
+        w1 = torch.view_as_complex(self.weights1)
+        w2 = torch.view_as_complex(self.weights2)
+        out_ft[:, :, : self.modes1, : self.modes2] = self.compl_mul2d(
+            x_ft[:, :, : self.modes1, : self.modes2], w1
+        )
+        out_ft[:, :, -self.modes1 :, : self.modes2] = self.compl_mul2d(
+            x_ft[:, :, -self.modes1 :, : self.modes2], w2
+        )
+        return F.gelu(torch.fft.irfft2(out_ft, s=(h, w)) + self.w(x))
