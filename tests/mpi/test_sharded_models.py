@@ -126,6 +126,7 @@ def test_the_spec_travels_no_all_gather_after_the_first_step(m):
         first = {k: list(v) for k, v in traffic.ops.items()}
         step()
     second = {k: traffic.ops[k][0] - first.get(k, [0])[0] for k in traffic.ops}
-    if WORLD > 1:
-        assert first["all_gather_ints"][0] > 0 and second["all_gather_ints"] == 0, second
+    assert second.get("all_gather_ints", 0) == 0, second
+    if WORLD > 1:  # (one rank runs torch's own layers: nothing to agree on)
+        assert first["all_gather_ints"][0] > 0, first
         assert second["exchange"] == first["exchange"][0]  # the halo traffic itself
