@@ -161,6 +161,48 @@ class ShardedTensor(torch.Tensor):
             )
         return to_spec(x, spec)
 
+    # -- DTensor -----------------------------------------------------------------------------
+
+    def to_dtensor(self) -> Any:
+        """A DTensor ``Shard(shard_dim)`` on the manager's domain mesh. DTensor cuts a dim as
+        ``torch.chunk`` does (``ceil(n / P)`` rows per rank, the last ranks short or empty) and
+        its uneven ``from_local`` is not reliable, so the rows first move to exactly that cut
+        (only boundary rows travel); differentiable. Collective."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        n, p = self._spec.total, self._spec.parts
+        x = self.redistribute(chunk_spec(n, p))
+        mesh = self._manager.mesh["domain"]
+        return DTensor.from_local(
+            x.local,
+            mesh,
+            [Shard(self._dim)],
+            run_check=False,
+            shape=self.shape,
+            stride=_contiguous_strides(tuple(self.shape)),
+        )
+
+    @classmethod
+    def from_dtensor(
+        cls, dt: Any, manager: DistributedManager | None = None, spec: Any = None
+    ) -> ShardedTensor:
+        """The ShardedTensor of a DTensor ``Shard(d)`` on a 1-D mesh over the domain group,
+        moved to ``spec`` (a ShardSpec, sizes or policy; default: the manager's policy).
+        Differentiable. Collective."""
+        from torch.distributed.tensor import Shard
+
+        m = manager if manager is not None else get_manager()
+        placements = tuple(dt.placements)
+        if len(placements) != 1 or not isinstance(placements[0], Shard):
+            raise ConfigError(
+                f"rank {m.rank}: from_dtensor needs one Shard(dim) placement on a 1-D mesh; got "
+                f"{placements}: redistribute the DTensor to Shard(dim) first"
+            )
+        d = placements[0].dim % dt.dim()
+        n = dt.shape[d]
+        x = cls(dt.to_local(), chunk_spec(n, m.domain_world_size), d, m)
+        return x.redistribute(spec if spec is not None else m.partition)
+
     # -- dispatch ----------------------------------------------------------------------------
 
     @classmethod
@@ -296,6 +338,21 @@ def shard(
         band = x.narrow(d, s.start(r), s.sizes[r])
         band = band if x.requires_grad else band.contiguous().clone()
     return ShardedTensor(band, s, d, m)
+
+
+def chunk_spec(n: int, parts: int) -> ShardSpec:
+    """``torch.chunk``'s (and DTensor's) cut of ``n`` rows: ``ceil(n / parts)`` each, the
+    remainder on the last non-empty rank, empty ranks after it."""
+    size = -(-n // parts) if n else 0
+    return ShardSpec(tuple(max(0, min(size, n - i * size)) for i in range(parts)))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:

@@ -359,3 +359,22 @@ def test_unhandled_ops_raise_everywhere_and_the_fallback_gathers(m):
             check(m, lambda t: torch.cumsum(t, 2), field())
     finally:
         mpidp.sharded.allow_fallback(False)
+
+
+def test_dtensor_round_trip_on_torch_chunk_sizes(m):
+    """to_dtensor moves the rows to DTensor's own (torch.chunk) cut first: full_tensor of the
+    DTensor is the field; from_dtensor comes back to the manager's cut; gradients flow."""
+    from torch.distributed.tensor import Shard
+
+    full = field()
+    x = shard(full, 2, m).requires_grad_()
+    dt = x.to_dtensor()
+    assert dt.placements == (Shard(2),) and tuple(dt.shape) == tuple(full.shape)
+    assert dt.to_local().shape[2] == min(-(-H // WORLD), max(0, H - m.domain_rank * -(-H // WORLD)))
+    torch.testing.assert_close(dt.full_tensor(), full)
+    back = ShardedTensor.from_dtensor(dt * 3, m)
+    assert back.spec == m.spec(H)
+    (back * LAT).sum().backward()
+    torch.testing.assert_close(
+        x.grad.local, (3 * LAT).expand_as(full)[:, :, m.spec(H).slice(m.domain_rank)]
+    )
