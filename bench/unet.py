@@ -53,11 +53,18 @@ def worker(args: argparse.Namespace) -> None:
     x = torch.randn(1, args.channels, rows, w)
     y = torch.randn_like(x)
     lat = mpidp.latitude_weights(h, manager=m).float()
+    if args.mode == "sharded":  # the serial model, fed ShardedTensors; plain (H, 1) weights
+        x = mpidp.ShardedTensor.from_local(x, -2, spec, m)
+        y = mpidp.ShardedTensor.from_local(y, -2, spec, m)
+        lat = mpidp.latitude_weights(h, spec=[h]).float()
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         out = model(x)
-        if args.mode == "mpidp":
+        if args.mode == "sharded":
+            ((out - y).square() * lat).mean().backward()
+            mpidp.sync_gradients(model, m)
+        elif args.mode == "mpidp":
             loss = mpidp.global_mean((out - y).square(), lat, manager=m)
             loss.backward()
             mpidp.sync_gradients(model, m)
@@ -75,8 +82,16 @@ def worker(args: argparse.Namespace) -> None:
     peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     med = world.allreduce(statistics.median(times), op=MPI.MAX)
     peak = world.allreduce(peak_mb, op=MPI.MAX)
+    calls = {}
+    if args.mode in ("mpidp", "sharded"):  # what one step sends, per primitive: calls
+        from mpidp.testing import count_traffic
+
+        with count_traffic(m) as traffic:
+            step()
+        calls = {k: v[0] for k, v in sorted(traffic.ops.items())}
     if world.Get_rank() == 0:
-        print(json.dumps({"ranks": world.Get_size(), "mode": args.mode, "s": med, "peak_mb": peak}))
+        row = {"ranks": world.Get_size(), "mode": args.mode, "s": med, "peak_mb": peak}
+        print(json.dumps({**row, "calls_per_step": calls}))
     m.shutdown()
 
 
@@ -124,7 +139,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--mode", choices=["torch", "mpidp", "band"], default="mpidp")
+    parser.add_argument("--mode", choices=["torch", "mpidp", "band", "sharded"], default="mpidp")
     args = parser.parse_args()
     worker(args) if args.worker else driver(args)
 

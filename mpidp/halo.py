@@ -287,7 +287,8 @@ def _resolve(
     facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
     if spec is not None and not problems and known_for(x, d) == spec:
         # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
-        agreed = t.__dict__.setdefault("_halo_agreed", set())
+        # (kept on the real transport: a counting wrapper around it shares what was agreed)
+        agreed = getattr(t, "inner", t).__dict__.setdefault("_halo_agreed", set())
         if facts not in agreed:
             _agree(t, x.size(d), problems, facts)
             if len(agreed) > 4096:

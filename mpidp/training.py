@@ -136,7 +136,8 @@ def latitude_weights(
     ``lat`` is the global latitude in degrees (any order), or a row count for an equiangular
     grid from 90 to -90 with the poles on the first and last rows (``poles="rows"``, e.g. 721)
     or half a row beyond them (``poles="half"``, e.g. 720). ``spec``: the partition of the rows
-    (default: the manager's policy). Local: no communication.
+    (default: the manager's policy); ``spec=[n]`` gives the whole column, for a loss on
+    ShardedTensors (which cuts it to each band). Local: no communication.
     """
     if isinstance(lat, int):
         n = lat
@@ -156,7 +157,8 @@ def latitude_weights(
         rank = m.domain_rank
     else:
         spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_sizes(spec)
-        rank = (manager or get_manager()).domain_rank
+        # one part: the whole column (a ShardedTensor loss cuts it to the bands itself)
+        rank = 0 if spec.parts == 1 else (manager or get_manager()).domain_rank
     if spec.total != w.numel():
         raise ConfigError(
             f"latitude_weights: {w.numel()} latitudes but the partition covers {spec.total} rows"
