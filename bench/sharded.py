@@ -49,9 +49,8 @@ def main() -> None:
         for r in range(args.rounds):
             pair = {x["mode"]: x for x in rows if x["ranks"] == ranks and x["round"] == r}
             ratio = pair["sharded"]["s"] / pair["mpidp"]["s"]
-            print(
-                f"{ranks:>3} {r:>5} {pair['mpidp']['s']:>9.3f} {pair['sharded']['s']:>10.3f} {ratio:>7.3f}"
-            )
+            a, b = pair["mpidp"]["s"], pair["sharded"]["s"]
+            print(f"{ranks:>3} {r:>5} {a:>9.3f} {b:>10.3f} {ratio:>7.3f}")
     for ranks in (2, 4):
         for mode in ("mpidp", "sharded"):
             one = next(x for x in rows if x["ranks"] == ranks and x["mode"] == mode)
