@@ -8,7 +8,9 @@ A (1, 64, 721, 1440) float32 field cut into latitude bands (721 rows: uneven), h
 3 rows at both ends. "band" rows: the baseline (ratio 1.00) is what a hand-written exchange
 costs, raw mpi4py Sendrecv of the packed halo rows with both neighbours then one ``torch.cat``
 of the extended band (edge ranks pad zeros), against ``mpidp.halo_exchange`` returning the same
-band through the MPI transport and through torch.distributed (gloo); "reused" is the raw
+band through the MPI transport and through torch.distributed (gloo), and as a ShardedTensor's
+layers call it ("known spec": the partition travels with the tensor, the arguments are agreed
+once instead of at every call); "reused" is the raw
 exchange concatenating into one preallocated buffer (mpidp's MPI transport takes its output
 from a buffer cache, reused once the caller drops the previous result). "strips" rows: the raw
 Sendrecv alone (rows packed, nothing concatenated) against ``mpidp.halo_strips``, which returns
@@ -31,6 +33,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.comm import TorchTransport
+from mpidp.partition import known_spec
 
 SHAPE = (1, 64, 721, 1440)
 
@@ -74,6 +77,18 @@ def cases(
             ),
         }
 
+    def known(boundary: str) -> Callable[[], object]:
+        """As a ShardedTensor's layers call it: the spec travels with the band, so the
+        exchange agrees on its arguments once, not at every call."""
+
+        def run() -> object:
+            with known_spec(x, 2, spec):
+                return mpidp.halo_exchange(
+                    x, width, width, spec=spec, boundary=boundary, group=t_mpi
+                )
+
+        return run
+
     def interior() -> torch.Tensor:
         return torch.mul(x, 1.0001)
 
@@ -92,6 +107,7 @@ def cases(
             "raw Sendrecv + cat": raw("new"),
             "raw Sendrecv + cat, reused": raw("reused"),
             **ours(mpidp.halo_exchange, "zeros"),
+            "mpidp mpi zeros, known spec": known("zeros"),
             **ours(mpidp.halo_exchange, "polar"),
         },
         f"strips {width}": {

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 import mpidp.fft as dfft
 from mpidp.collectives import copy_to
@@ -38,11 +38,33 @@ def _meta(a: Any) -> Any:
     return a
 
 
+_META: dict[Any, Any] = {}
+
+
+def _key(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), a.dtype)
+    try:
+        hash(a)
+    except TypeError:
+        return repr(a)
+    return a
+
+
 def meta_result(func: Any, args: Any, kwargs: Any) -> Any:
-    """What ``func`` returns for the global shapes (run on meta tensors)."""
-    margs, mkwargs = tree_map(_meta, (args, kwargs))
-    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        return func(*margs, **mkwargs)
+    """The shape ``func`` returns for the global shapes (run on meta tensors once per
+    distinct call: a layer called at every step asks once)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    key = (func, str(spec), tuple(_key(a) for a in leaves))
+    found = _META.get(key)
+    if found is None:
+        margs, mkwargs = tree_map(_meta, (args, kwargs))
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            found = func(*margs, **mkwargs).shape
+        if len(_META) > 4096:
+            _META.clear()
+        _META[key] = found
+    return found
 
 
 def _weight(a: Any, x: ShardedTensor) -> Any:
@@ -64,7 +86,7 @@ def _run(
     dp = wrapper.from_module(module, m, x.shard_dim - x.dim())
     with known_spec(x.local, x.shard_dim, x.spec):
         y = dp(x.local, *call)
-    n_out = meta_result(func, args, kwargs).shape[x.shard_dim]
+    n_out = meta_result(func, args, kwargs)[x.shard_dim]
     spec = m.partition.spec(n_out, m.domain_world_size)
     return ShardedTensor(y, spec, x.shard_dim, m)
 
@@ -272,7 +294,7 @@ def _interpolate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     m = x.manager
     n_out = meta_result(
         F.interpolate, (x,), {k: a[k] for k in ("size", "scale_factor", "mode", "align_corners")}
-    ).shape[x.shard_dim]
+    )[x.shard_dim]
     return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), x.shard_dim, m)
 
 
@@ -606,7 +628,7 @@ def _fft2(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if forward:
         lay = dfft.layout(y)
         return ShardedTensor(y, lay.spec, y.dim() + lay.dim, m)
-    n_out = meta_result(func, args, kwargs).shape[dims[0]]
+    n_out = meta_result(func, args, kwargs)[dims[0]]
     return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), dims[0], m)
 
 
@@ -620,5 +642,5 @@ def _fft1(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
     m = x.manager
     y = _FFT1[func](x.local, a["n"], d, a["norm"], manager=m, spec=x.spec, shard_dim=d)
-    n_out = meta_result(func, args, kwargs).shape[d]
+    n_out = meta_result(func, args, kwargs)[d]
     return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), d, m)

@@ -212,11 +212,17 @@ def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Where the sharded dim goes: the op applied to a meta tensor whose only dim of size 2 is
     the sharded one."""
     x = args[0]
-    marker = [1] * x.dim()
-    marker[x.shard_dim] = 2
-    probe = func(torch.empty(marker, device="meta"), *args[1:], **kwargs)
-    axis = list(probe.shape).index(2)
+    key = (func, x.dim(), x.shard_dim, repr(args[1:]), repr(kwargs))
+    axis = _MOVED.get(key)
+    if axis is None:
+        marker = [1] * x.dim()
+        marker[x.shard_dim] = 2
+        probe = func(torch.empty(marker, device="meta"), *args[1:], **kwargs)
+        axis = _MOVED.setdefault(key, list(probe.shape).index(2))
     return _wrap(x, func(x.local, *args[1:], **kwargs), axis)
+
+
+_MOVED: dict[Any, int] = {}
 
 
 # -- selecting rows --------------------------------------------------------------------------------

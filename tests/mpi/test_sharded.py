@@ -87,6 +87,7 @@ POINTWISE = {
     "two_bands": lambda x: torch.maximum(x, x.sin()) * x.exp(),
     "in_place": lambda x: (x * 1).mul_(2).add_(LAT),
     "rsub_rdiv": lambda x: 1 - 2 / (3 + x * x),
+    "lerp_complex": lambda x: torch.lerp(x, x.cos(), 0.3) + torch.complex(x, x.sin()).abs(),
 }
 
 
@@ -107,6 +108,7 @@ REDUCTIONS = {
     "sum": lambda x: x.sum(),
     "mean": lambda x: x.mean(),
     "sum_h": lambda x: x.sum(dim=2),
+    "nansum_nanmean": lambda x: x.nansum((1, 2)) + x.nanmean(),
     "mean_hw_keepdim": lambda x: x.mean((2, 3), keepdim=True),
     "sum_local": lambda x: x.sum(dim=1),
     "mean_local": lambda x: x.mean(-1, keepdim=True),
@@ -170,6 +172,7 @@ SHAPES = {
     ),
     "expand_repeat": lambda x: x[:, :1].expand(B, 4, H, W) + x.repeat(1, 2, 1, 1)[:, :4],
     "squeeze": lambda x: x[:, :1].squeeze(1).unsqueeze(0).squeeze(),
+    "tensor_split_unbind": lambda x: torch.stack(x.unbind(1), 3).tensor_split(2, dim=3)[1],
     "unflatten": lambda x: (
         x.flatten(2, 3).unflatten(2, (H, W)) + x.flatten(0, 1).unflatten(0, (B, C))
     ),
@@ -247,6 +250,15 @@ LAYERS = {
         (2, 3, H, 8),
     ),
     "conv1d": (lambda: nn.Conv1d(3, 2, 5, padding=2), (2, 3, 3 * H)),
+    "conv_transpose1d_pools1d": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose1d(3, 2, 4, stride=2),
+            nn.MaxPool1d(3, 2),
+            nn.AvgPool1d(2),
+            nn.AdaptiveAvgPool1d(H),
+        ),
+        (2, 3, 3 * H),
+    ),
     "conv3d": (lambda: nn.Conv3d(3, 2, 3, padding=1), (1, 3, 3, H, 6)),
     "reflection_pad": (lambda: nn.ReflectionPad2d((1, 2, 2, 1)), (2, 3, H, 8)),
     "replication_pad": (lambda: nn.ReplicationPad2d(2), (2, 3, H, 8)),
