@@ -237,7 +237,7 @@ nan_to_num ne neg negative nextafter not_equal polygamma positive pow rad2deg re
 relu remainder round rsqrt sgn sigmoid sign signbit sin sinc sinh sqrt square sub subtract
 tan tanh true_divide trunc fix where xlogy complex polar
 celu elu gelu hardshrink hardsigmoid hardswish hardtanh leaky_relu logsigmoid
-mish prelu relu6 rrelu selu silu softplus softshrink softsign tanhshrink threshold dropout
+mish relu6 rrelu selu silu softplus softshrink softsign tanhshrink threshold dropout
 alpha_dropout
 """.split()
 
@@ -355,3 +355,17 @@ def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         "use element-wise F.dropout, or draw the channel mask once (the same seed on every "
         "rank) and multiply",
     )
+
+
+@register(F.prelu, torch.prelu, torch.Tensor.prelu)
+def _prelu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """PReLU's weight runs along dim 1 (the channels), not right-aligned: bands along any
+    other dim use it whole; bands along the channels are refused."""
+    x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+    if not isinstance(x, ShardedTensor) or isinstance(weight, ShardedTensor):
+        raise refuse(func, args, kwargs, "a sharded PReLU weight", "shard the input only")
+    if x.shard_dim == 1 and weight.numel() > 1:
+        raise refuse(func, args, kwargs, "bands along the channel dim", "shard along H")
+    if isinstance(weight, Replicated):
+        weight = copy_to(weight.as_subclass(torch.Tensor), x.transport)
+    return local_like(x, func(x.local, weight))

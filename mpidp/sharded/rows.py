@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from mpidp.collectives import all_to_all_v
+from mpidp.errors import ConfigError
 from mpidp.partition import ShardSpec
 from mpidp.sharded.tensor import ShardedTensor
 
@@ -29,6 +30,12 @@ def fetch_rows(x: ShardedTensor, wanted: Ranges) -> torch.Tensor:
     Collective (one all-to-all; none when every rank wants exactly its own rows)."""
     spec, d, t = x.spec, x.shard_dim, x.transport
     me, p = t.rank, t.size
+    bad = [(q, a, b) for q in range(p) for a, b in wanted[q] if not 0 <= a <= b <= spec.total]
+    if bad:
+        raise ConfigError(
+            f"rank {x.manager.rank}: internal error: rows {bad[:4]} asked of a tensor of "
+            f"{spec.total} rows along dim {d}"
+        )
     if all(wanted[q] == [(spec.start(q), spec.stop(q))] for q in range(p)):
         return x.local
     lo, hi = spec.start(me), spec.stop(me)
@@ -79,6 +86,12 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
     """``x`` on the partition ``spec`` (same global rows)."""
     if spec == x.spec:
         return x
+    if spec.total != x.spec.total or spec.parts != x.spec.parts:
+        raise ConfigError(
+            f"rank {x.manager.rank}: a tensor of {x.spec.total} rows along dim {x.shard_dim} "
+            f"cannot take the partition {list(spec.sizes)} ({spec.total} rows): the shapes "
+            f"differ along the sharded dim"
+        )
     return remap(x, spec, lambda a, b: [(a, b)] if b > a else [])
 
 

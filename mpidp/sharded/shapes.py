@@ -598,9 +598,26 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     axis = out_ndim - x.dim() + x.shard_dim
     if b.dim() == 1 and x is a:
         axis = x.shard_dim  # the last dim is dropped, the sharded dim is before it
-    la = a.local if isinstance(a, ShardedTensor) else _plain(a, t)
-    lb = b.local if isinstance(b, ShardedTensor) else _plain(b, t)
-    return _wrap(x, torch.matmul(la, lb), axis)
+
+    def band_of(op: Any) -> torch.Tensor:
+        if isinstance(op, ShardedTensor):
+            return op.local
+        op = _plain(op, t)
+        i = op.dim() - (x.dim() - x.shard_dim)  # the plain operand's dim beside the bands'
+        if op.dim() > 2 and i >= 0 and i < op.dim() - 2 and op.size(i) != 1:
+            if op.size(i) != x.spec.total:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    f"a plain operand of shape {tuple(op.shape)} has {op.size(i)} entries "
+                    f"along the batch dim the bands are cut along ({x.spec.total} rows)",
+                    "pass the global length or 1 there",
+                )
+            op = op.narrow(i, x.start, x.spec.sizes[x.rank])
+        return op
+
+    return _wrap(x, torch.matmul(band_of(a), band_of(b)), axis)
 
 
 def _expand_ellipsis(eq: str, ops: Sequence[Any]) -> str:

@@ -231,6 +231,24 @@ def test_a_product_over_the_sharded_dim_of_two_bands_is_refused(m):
         x.transpose(2, 3) @ x
 
 
+def test_products_check_the_plain_operands_batch_dims(m):
+    """A plain operand's batch dim beside the bands must be the global length (cut to the
+    rows) or 1: a length that happens to fit a band would otherwise pass silently."""
+    full = field()
+    check(m, lambda x: rand((1, C, H, 2, W), 17) @ x.unsqueeze(-1), full)
+    x = shard(full, 2, m)
+    with pytest.raises(UnsupportedOp, match=rf"has {H - 1} entries along the batch dim"):
+        rand((1, C, H - 1, 2, W), 18) @ x.unsqueeze(-1)
+
+
+def test_prelu_along_the_channels_is_refused(m):
+    """PReLU's weight runs along the channels: bands cut along them are refused."""
+    full = rand((2, 8, H, 4), 19)
+    x = shard(full, 1, m, spec=mpidp.ShardSpec.balanced(8, WORLD))
+    with pytest.raises(UnsupportedOp, match="bands along the channel dim"):
+        F.prelu(x, torch.full((8,), 0.2, dtype=F64))
+
+
 # -- layers ---------------------------------------------------------------------------------------
 
 
