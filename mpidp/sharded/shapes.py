@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from mpidp.collectives import copy_to, reduce_from
+from mpidp.collectives import all_gather_v, copy_to, reduce_from
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
 from mpidp.sharded.rows import fetch_rows as _fetch
@@ -561,6 +561,12 @@ def _linear(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _wrap(x, F.linear(x.local, *rest[0], **rest[1]), x.shard_dim)
 
 
+def whole(x: ShardedTensor) -> torch.Tensor:
+    """``x`` gathered on every rank for a computation that differs by rank (the partial
+    rule: the backward sums every rank's gradient and hands each band its rows)."""
+    return all_gather_v(x.local, list(x.spec.sizes), x.shard_dim, group=x.transport)
+
+
 @register(
     torch.matmul,
     torch.Tensor.matmul,
@@ -575,17 +581,28 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a, b = args[0], args[1]
     if func is torch.Tensor.__rmatmul__:
         a, b = b, a
-    ref = first_sharded((a, b))
-    t = ref.transport
     out_ndim = max(a.dim(), b.dim())
     ok = True
     if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
-        ok = a.shard_dim < a.dim() - 2 and a.dim() - a.shard_dim == b.dim() - b.shard_dim
-        b = to_spec(b, a.spec) if ok else b
+        na, nb = a.dim(), b.dim()
+        if a.shard_dim < na - 2 and na - a.shard_dim == nb - b.shard_dim:  # a batch dim of both
+            b = to_spec(b, a.spec)
+        elif a.shard_dim == na - 2 and nb >= 2:  # a's rows: b whole on every rank (k, v)
+            b = whole(b)
+        elif nb >= 2 and b.shard_dim == nb - 1 and na >= 2:  # b's columns: a whole
+            a = whole(a)
+        elif a.shard_dim == na - 1 and nb >= 2 and b.shard_dim == nb - 2:  # both contracted
+            t = a.transport
+            partial = torch.matmul(a.local, to_spec(b, a.spec).local)
+            return replicated(reduce_from(partial, t), t)
+        else:
+            ok = False
     elif isinstance(a, ShardedTensor):
         ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
     else:
         ok = b.dim() >= 2 and b.shard_dim != b.dim() - 2
+    ref = first_sharded((a, b))
+    t = ref.transport
     if not ok:
         raise refuse(
             func,
@@ -788,3 +805,44 @@ def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             v = v.narrow(i, sum(spec.sizes[: x.rank]), spec.sizes[x.rank])
     x.local[tuple(local_idx)] = v
     return None
+
+
+@register(F.scaled_dot_product_attention)
+def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Attention with the queries cut along the sequence (dim -2): every rank gathers the keys
+    and values whole and attends its own queries to all of them (exact: torch's kernel on
+    every query row; K and V whole on every rank, the attention matrix only for its rows). An
+    additive or boolean mask of the global (L, S) shape is cut to the rows; ``is_causal``
+    becomes the mask of the rows' global positions. Queries cut along a batch or head dim
+    (keys and values cut the same way) attend locally."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    a = dict(zip(names, args, strict=False))
+    a.update(kwargs)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    if not isinstance(q, ShardedTensor):
+        raise refuse(func, args, kwargs, "keys or values cut but not the queries", "shard q")
+    t, n = q.transport, q.dim()
+    if q.shard_dim < n - 2:  # heads or batch: independent problems
+        k2, v2 = (to_spec(z, q.spec).local if isinstance(z, ShardedTensor) else z for z in (k, v))
+        mask = a.get("attn_mask")
+        if isinstance(mask, ShardedTensor):
+            a["attn_mask"] = to_spec(mask, q.spec).local
+        return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
+    if q.shard_dim != n - 2:
+        raise refuse(func, args, kwargs, "queries cut along the head dim size", "cut the sequence")
+    k2, v2 = (whole(z) if isinstance(z, ShardedTensor) else _plain(z, t) for z in (k, v))
+    rows, start = q.spec.sizes[q.rank], q.start
+    mask = a.get("attn_mask")
+    if isinstance(mask, ShardedTensor):
+        mask = to_spec(mask, q.spec).local if mask.shard_dim == mask.dim() - 2 else whole(mask)
+    elif isinstance(mask, torch.Tensor):
+        mask = _plain(mask, t)
+        if mask.dim() >= 2 and mask.size(-2) == q.spec.total and q.spec.total != 1:
+            mask = mask.narrow(-2, start, rows)
+    if a.pop("is_causal", False):
+        s = k2.size(-2)
+        r = torch.arange(start, start + rows, device=q.local.device).unsqueeze(-1)
+        causal = torch.arange(s, device=q.local.device) <= r
+        mask = causal if mask is None else mask & causal
+    a["attn_mask"] = mask
+    return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)

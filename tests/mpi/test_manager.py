@@ -59,7 +59,7 @@ def test_init_twice():
         assert mpidp.DistributedManager.initialize(domain_parallel_size=1) is m
         with pytest.raises(
             ConfigError,
-            match=rf"rank {RANK} of \\d+: mpidp is already initialised with "
+            match=rf"rank {RANK} of \d+: mpidp is already initialised with "
             r"domain_parallel_size=1.*called again with "
             r"domain_parallel_size=2.*shutdown\(\) first",
         ):

@@ -215,7 +215,27 @@ PRODUCTS = {
     "matmul_rows": lambda x: rand((4, C), 16) @ x.transpose(1, 2),
     "einsum_channels": lambda x: torch.einsum("bchw,cd->bdhw", x, WC),
     "einsum_contracts_h": lambda x: torch.einsum("bchw,h->bcw", x, WH),
+    "gram_over_tokens": lambda x: x.flatten(2) @ x.flatten(2).transpose(1, 2),
+    "attention_written_out": lambda x: _attention(x, explicit=True),
+    "sdpa": lambda x: _attention(x),
+    "sdpa_causal": lambda x: _attention(x, is_causal=True),
+    "sdpa_additive_mask": lambda x: _attention(x, mask=rand((H * W, H * W), 20)),
 }
+
+WQKV = rand((C, 3 * 4), 21)
+
+
+def _attention(x, explicit=False, **kw):
+    """Global attention over the tokens of a field (ViT / ClimaX style): tokens cut by rows."""
+    t = x.flatten(2).transpose(1, 2)  # (B, H * W, C)
+    q, k, v = (t @ WQKV).reshape(B, H * W, 3, 2, 2).permute(2, 0, 3, 1, 4)  # (B, 2, N, 2)
+    if explicit:
+        y = (q @ k.transpose(-2, -1) * 0.7).softmax(-1) @ v
+    else:
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=kw.get("mask"), is_causal=kw.get("is_causal", False)
+        )
+    return y.transpose(1, 2).reshape(B, H * W, 4)
 
 
 @pytest.mark.parametrize("name", list(PRODUCTS))
