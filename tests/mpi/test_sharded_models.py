@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mpi4py import MPI
+from torch import nn
 
 import mpidp
 from mpidp import models as M
@@ -41,6 +42,14 @@ MODELS = {
         2,
     ),
     "mpidp_periodic_resblock_polar": (lambda: M.PeriodicResBlock(4), (1, 4, H, 12), 2),
+    "swin_shifted_windows": (
+        lambda: nn.Sequential(
+            zoo.SwinBlock(8, 2, 4, 0, 4 * (WORLD + 2), 8),
+            zoo.SwinBlock(8, 2, 4, 2, 4 * (WORLD + 2), 8),
+        ),
+        (1, 4 * (WORLD + 2), 8, 8),
+        1,
+    ),
     "superres_pixelshuffle": (lambda: zoo.SuperRes(), (1, 3, H, 6), 2),
 }
 

@@ -216,3 +216,73 @@ class FNOSpectral(nn.Module):
             x_ft[:, :, -self.modes1 :, : self.modes2], w2
         )
         return F.gelu(torch.fft.irfft2(out_ft, s=(h, w)) + self.w(x))
+
+
+def window_partition(x, ws):
+    B, H, W, C = x.shape
+    x = x.view(B, H // ws, ws, W // ws, ws, C)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, ws * ws, C)
+
+
+def window_reverse(w, ws, H, W):
+    B = int(w.shape[0] / (H * W / ws / ws))
+    x = w.view(B, H // ws, W // ws, ws, ws, -1)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(B, H, W, -1)
+
+
+class SwinBlock(nn.Module):
+    """A Swin V1 block as the reference code writes it: shifted windows by torch.roll, window
+    partition by view/permute, relative position bias, the -100 mask of shifted windows."""
+
+    def __init__(self, dim, heads, ws, shift, H, W):
+        super().__init__()
+        self.ws, self.shift, self.heads, self.H, self.W = ws, shift, heads, H, W
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.rpb = nn.Parameter(torch.randn((2 * ws - 1) ** 2, heads) * 0.1)
+        c = torch.stack(torch.meshgrid(torch.arange(ws), torch.arange(ws), indexing="ij")).flatten(
+            1
+        )
+        rel = (c[:, :, None] - c[:, None, :]).permute(1, 2, 0) + ws - 1
+        self.register_buffer("rpi", rel[..., 0] * (2 * ws - 1) + rel[..., 1])
+        if shift:
+            img = torch.zeros(1, H, W, 1)
+            cnt = 0
+            for h in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+                for w in (slice(0, -ws), slice(-ws, -shift), slice(-shift, None)):
+                    img[:, h, w, :] = cnt
+                    cnt += 1
+            mw = window_partition(img, ws).squeeze(-1)
+            mask = mw.unsqueeze(1) - mw.unsqueeze(2)
+            self.register_buffer(
+                "mask", mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+            )
+        else:
+            self.mask = None
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):  # (B, H, W, C)
+        _, H, W, C = x.shape
+        s = x
+        x = self.norm1(x)
+        if self.shift:
+            x = torch.roll(x, shifts=(-self.shift, -self.shift), dims=(1, 2))
+        xw = window_partition(x, self.ws)  # (nW*B, N, C)
+        Bw, N, _ = xw.shape
+        qkv = self.qkv(xw).reshape(Bw, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = (q * (C // self.heads) ** -0.5) @ k.transpose(-2, -1)
+        attn = attn + self.rpb[self.rpi.view(-1)].view(N, N, -1).permute(2, 0, 1).unsqueeze(0)
+        if self.mask is not None:
+            nW = self.mask.shape[0]
+            attn = attn.view(Bw // nW, nW, self.heads, N, N) + self.mask.unsqueeze(1).unsqueeze(0)
+            attn = attn.view(-1, self.heads, N, N)
+        attn = attn.softmax(-1)
+        y = (attn @ v).transpose(1, 2).reshape(Bw, N, C)
+        y = window_reverse(self.proj(y), self.ws, H, W)
+        if self.shift:
+            y = torch.roll(y, shifts=(self.shift, self.shift), dims=(1, 2))
+        x = s + y
+        return x + self.mlp(self.norm2(x))
