@@ -95,12 +95,12 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
     return remap(x, spec, lambda a, b: [(a, b)] if b > a else [])
 
 
-def move_to_dim(x: ShardedTensor, new_dim: int) -> ShardedTensor:
-    """``x`` sharded along ``new_dim`` (by the manager's policy) instead: the distributed
-    transpose (every rank sends its band's part of each new band)."""
+def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -> ShardedTensor:
+    """``x`` sharded along ``new_dim`` (cut by ``spec``, default the manager's policy)
+    instead: the distributed transpose (every rank sends its band's part of each new band)."""
     m = x.manager
     n = x.local.size(new_dim)
-    new = m.partition.spec(n, m.domain_world_size)
+    new = spec if spec is not None else m.partition.spec(n, m.domain_world_size)
     local = all_to_all_v(
         x.local, list(new.sizes), list(x.spec.sizes), new_dim, x.shard_dim, group=x.transport
     )

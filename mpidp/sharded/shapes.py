@@ -31,7 +31,7 @@ from mpidp.collectives import all_gather_v, copy_to, reduce_from
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
 from mpidp.sharded.rows import fetch_rows as _fetch
-from mpidp.sharded.rows import remap, to_spec
+from mpidp.sharded.rows import move_to_dim, remap, to_spec
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 
 __all__: list[str] = []
@@ -807,6 +807,36 @@ def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _ulysses(
+    func: Any, q: ShardedTensor, k: Any, v: Any, a: dict[str, Any]
+) -> ShardedTensor | None:
+    """DeepSpeed-Ulysses on uneven cuts: one all-to-all each takes q, k and v from
+    sequence-cut to head-cut (7 heads over 4 ranks: 2, 2, 2, 1), every rank attends its heads
+    over the whole sequence with torch's kernel, one all-to-all takes the result back to q's
+    rows. K and V are never whole on a rank. None when it does not apply (fewer heads than
+    ranks, grouped-query heads, keys not cut along the sequence, a mask cut into bands):
+    then the keys and values are gathered instead."""
+    p, n = q.spec.parts, q.dim()
+    mask = a.get("attn_mask")
+    if (
+        n != 4
+        or q.shape[1] < p
+        or not all(isinstance(z, ShardedTensor) and z.shard_dim == n - 2 for z in (k, v))
+        or k.shape[1] != q.shape[1]
+        or isinstance(mask, ShardedTensor)
+    ):
+        return None
+    heads = ShardSpec.balanced(q.shape[1], p)
+    qh, kh, vh = (move_to_dim(z, 1, heads) for z in (q, k, v))
+    if isinstance(mask, torch.Tensor):
+        mask = _plain(mask, q.transport)
+        if mask.dim() == 4 and mask.size(1) == q.shape[1] and q.shape[1] != 1:
+            mask = mask.narrow(1, heads.start(q.rank), heads.sizes[q.rank])
+    kw = {**a, "attn_mask": mask}
+    y = ShardedTensor(func(qh.local, kh.local, vh.local, **kw), heads, 1, q.manager)
+    return move_to_dim(y, n - 2, q.spec)
+
+
 @register(F.scaled_dot_product_attention)
 def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Attention with the queries cut along the sequence (dim -2): every rank gathers the keys
@@ -830,6 +860,9 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
     if q.shard_dim != n - 2:
         raise refuse(func, args, kwargs, "queries cut along the head dim size", "cut the sequence")
+    ulysses = _ulysses(func, q, k, v, a)
+    if ulysses is not None:
+        return ulysses
     k2, v2 = (whole(z) if isinstance(z, ShardedTensor) else _plain(z, t) for z in (k, v))
     rows, start = q.spec.sizes[q.rank], q.start
     mask = a.get("attn_mask")

@@ -220,22 +220,27 @@ PRODUCTS = {
     "sdpa": lambda x: _attention(x),
     "sdpa_causal": lambda x: _attention(x, is_causal=True),
     "sdpa_additive_mask": lambda x: _attention(x, mask=rand((H * W, H * W), 20)),
+    "sdpa_ulysses_uneven_heads": lambda x: _attention(x, heads=WORLD + 3),
+    "sdpa_ulysses_causal_per_head_mask": lambda x: _attention(
+        x, heads=WORLD + 1, is_causal=False, mask=rand((1, WORLD + 1, H * W, H * W), 22)
+    ),
 }
 
-WQKV = rand((C, 3 * 4), 21)
 
-
-def _attention(x, explicit=False, **kw):
-    """Global attention over the tokens of a field (ViT / ClimaX style): tokens cut by rows."""
+def _attention(x, explicit=False, heads=2, **kw):
+    """Global attention over the tokens of a field (ViT / ClimaX style): tokens cut by rows.
+    With at least as many heads as ranks SDPA runs Ulysses-style (heads moved, uneven), with
+    fewer it gathers the keys and values."""
     t = x.flatten(2).transpose(1, 2)  # (B, H * W, C)
-    q, k, v = (t @ WQKV).reshape(B, H * W, 3, 2, 2).permute(2, 0, 3, 1, 4)  # (B, 2, N, 2)
+    wqkv = rand((C, 3 * 2 * heads), 21)
+    q, k, v = (t @ wqkv).reshape(B, H * W, 3, heads, 2).permute(2, 0, 3, 1, 4)  # (B, h, N, 2)
     if explicit:
         y = (q @ k.transpose(-2, -1) * 0.7).softmax(-1) @ v
     else:
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=kw.get("mask"), is_causal=kw.get("is_causal", False)
         )
-    return y.transpose(1, 2).reshape(B, H * W, 4)
+    return y.transpose(1, 2).reshape(B, H * W, 2 * heads)
 
 
 @pytest.mark.parametrize("name", list(PRODUCTS))
@@ -245,10 +250,12 @@ def test_products(m, name):
     check(m, PRODUCTS[name], field(), module=WLIN if name == "linear_last_dim" else None)
 
 
-def test_a_product_over_the_sharded_dim_of_two_bands_is_refused(m):
+def test_a_product_of_bands_cut_along_unrelated_dims_is_refused(m):
+    """Two bands whose product would be cut along two dims at once: refused, never guessed.
+    (Contracting the sharded dim of both is the global sum: test_products' gram case.)"""
     x = shard(field(), 2, m)
-    with pytest.raises(UnsupportedOp, match="contracts the sharded dim"):
-        x.transpose(2, 3) @ x
+    with pytest.raises(UnsupportedOp, match="a product that contracts the sharded dim"):
+        x.transpose(2, 3) @ x.movedim(2, 0)
 
 
 def test_products_check_the_plain_operands_batch_dims(m):
@@ -428,3 +435,22 @@ def test_dtensor_round_trip_on_torch_chunk_sizes(m):
     torch.testing.assert_close(
         x.grad.local, (3 * LAT).expand_as(full)[:, :, m.spec(H).slice(m.domain_rank)]
     )
+
+
+def test_attention_moves_heads_when_there_are_enough_and_gathers_otherwise(m):
+    """Ulysses when heads >= ranks: four all-to-alls (q, k, v there, the result back), no
+    gather; with fewer heads the keys and values are gathered (two all-gathers)."""
+    from mpidp.testing import count_traffic
+
+    x = shard(field(), 2, m)
+    with count_traffic(m) as traffic:
+        _attention(x, heads=WORLD + 1)
+    moved = dict(traffic.ops)
+    with count_traffic(m) as traffic:
+        _attention(x, heads=1)
+    gathered = dict(traffic.ops)
+    if WORLD > 1:
+        assert moved.get("all_to_all_v", [0])[0] == 4 and "all_gather_v" not in moved, moved
+        assert gathered.get("all_gather_v", [0])[0] == 2, gathered
+    else:  # one rank: nothing to move
+        assert moved.get("all_to_all_v", [0, 0])[1] == 0, moved
