@@ -443,58 +443,45 @@ def _group_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return _run(func, args, kwargs, mod, x)
 
 
-@register(F.batch_norm)
-def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    names = (
-        "input",
-        "running_mean",
-        "running_var",
-        "weight",
-        "bias",
-        "training",
-        "momentum",
-        "eps",
-    )
-    a = _bind(
-        args,
-        kwargs,
-        names,
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "training": False,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    )
+def _statistics_norm(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flag: str, flag_default: bool
+) -> tuple[ShardedTensor, dict[str, Any], dict[str, Any]]:
+    """F.batch_norm / F.instance_norm's arguments (``flag``: ``training`` or
+    ``use_input_stats``) and the attributes of the module that computes them."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", flag, "momentum", "eps")
+    defaults = {"running_mean": None, "running_var": None, "weight": None, "bias": None}
+    a = _bind(args, kwargs, names, {**defaults, flag: flag_default, "momentum": 0.1, "eps": 1e-5})
     x = a["input"]
     if x.dim() not in (4, 5) or x.shard_dim < 2:
         raise refuse(
             func,
             args,
             kwargs,
-            "batch norm of this layout on bands",
+            "a normalisation of this layout on bands",
             "use (B, C, H, W) or (B, C, T, H, W) bands along H",
         )
-    cls = nn.BatchNorm2d if x.dim() == 4 else nn.BatchNorm3d
-    track = a["running_mean"] is not None
     w = _weight(a["weight"], x)
-    mod = _module(
-        cls,
-        num_features=x.shape[1],
-        eps=a["eps"],
-        momentum=a["momentum"],
-        affine=w is not None,
-        track_running_stats=track,
-        weight=w,
-        bias=_weight(a["bias"], x),
-        running_mean=a["running_mean"],
-        running_var=a["running_var"],
-        # F.batch_norm is called with the momentum already resolved (no counter to update)
-        num_batches_tracked=torch.zeros((), dtype=torch.long) if track else None,
-    )
+    attrs = {
+        "num_features": x.shape[1],
+        "eps": a["eps"],
+        "momentum": a["momentum"],
+        "affine": w is not None,
+        "track_running_stats": a["running_mean"] is not None,
+        "weight": w,
+        "bias": _weight(a["bias"], x),
+        "running_mean": a["running_mean"],
+        "running_var": a["running_var"],
+    }
+    return x, a, attrs
+
+
+@register(F.batch_norm)
+def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, a, attrs = _statistics_norm(func, args, kwargs, "training", False)
+    # F.batch_norm gets the momentum already resolved: the counter is the module's, not ours
+    track = attrs["track_running_stats"]
+    attrs["num_batches_tracked"] = torch.zeros((), dtype=torch.long) if track else None
+    mod = _module(nn.BatchNorm2d if x.dim() == 4 else nn.BatchNorm3d, **attrs)
     mod.training = bool(a["training"])
     if mod.momentum is None:
         mod.momentum = 0.0
@@ -503,53 +490,8 @@ def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 @register(F.instance_norm)
 def _instance_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    names = (
-        "input",
-        "running_mean",
-        "running_var",
-        "weight",
-        "bias",
-        "use_input_stats",
-        "momentum",
-        "eps",
-    )
-    a = _bind(
-        args,
-        kwargs,
-        names,
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "use_input_stats": True,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    )
-    x = a["input"]
-    if x.dim() not in (4, 5) or x.shard_dim < 2:
-        raise refuse(
-            func,
-            args,
-            kwargs,
-            "instance norm of this layout on bands",
-            "use (B, C, H, W) bands along H",
-        )
-    cls = nn.InstanceNorm2d if x.dim() == 4 else nn.InstanceNorm3d
-    w = _weight(a["weight"], x)
-    mod = _module(
-        cls,
-        num_features=x.shape[1],
-        eps=a["eps"],
-        momentum=a["momentum"],
-        affine=w is not None,
-        track_running_stats=a["running_mean"] is not None,
-        weight=w,
-        bias=_weight(a["bias"], x),
-        running_mean=a["running_mean"],
-        running_var=a["running_var"],
-    )
+    x, a, attrs = _statistics_norm(func, args, kwargs, "use_input_stats", True)
+    mod = _module(nn.InstanceNorm2d if x.dim() == 4 else nn.InstanceNorm3d, **attrs)
     mod.training = bool(a["use_input_stats"])
     return _run(func, args, kwargs, mod, x)
 
