@@ -3,6 +3,7 @@
 from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
 from mpidp import parallel as parallel  # mpidp.parallel without a second import
 from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
+from mpidp.attention import shard_heads, shard_sequence
 from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.collectives import (
     all_gather_v,
@@ -140,6 +141,8 @@ __all__ = [
     "shard_batch",
     "shard_tensor",
     "shard",
+    "shard_heads",
+    "shard_sequence",
     "ShardedTensor",
     "Replicated",
     "start_halo_exchange",

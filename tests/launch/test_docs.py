@@ -72,6 +72,7 @@ MODULES = [
     "mpidp",
     "mpidp.fft",
     "mpidp.sharded",
+    "mpidp.attention",
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.plan",

@@ -1,0 +1,69 @@
+"""Attention over a latitude-sharded token sequence: anemoi's head/sequence exchange.
+
+For users migrating from anemoi's distributed transformer: :func:`shard_heads` takes q, k or v
+from a cut of the sequence to a cut of the heads (every rank then holds the whole sequence for
+its heads), :func:`shard_sequence` takes the attention's result back. Unlike anemoi's, both
+take uneven sequence cuts AND uneven head counts (7 heads over 4 ranks: 2, 2, 2, 1, the cut
+``torch.tensor_split`` makes) and any batch size. Each is one differentiable ``all_to_all_v``
+whose backward is the reverse exchange. A ShardedTensor's ``F.scaled_dot_product_attention``
+does the same by itself (docs/sharded_tensor.md).
+
+Layout, as anemoi's: ``(batch, ..., heads, sequence, channels)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpidp.collectives import all_to_all_v, resolve_transport
+from mpidp.errors import ConfigError
+from mpidp.partition import ShardSpec
+
+__all__ = ["head_spec", "shard_heads", "shard_sequence"]
+
+
+def head_spec(num_heads: int, parts: int) -> ShardSpec:
+    """How ``num_heads`` heads are cut over ``parts`` ranks: ``torch.tensor_split``'s cut
+    (the first ``num_heads % parts`` ranks one more); ranks beyond the heads hold none."""
+    return ShardSpec.balanced(num_heads, parts, allow_empty=True)
+
+
+def _sizes(shapes: Sequence[Any], what: str) -> list[int]:
+    """Per-rank sequence lengths from anemoi's ``shapes`` (a shape per rank: its dim -2) or
+    plain ints."""
+    out = []
+    for s in shapes:
+        if isinstance(s, int):
+            out.append(s)
+        elif isinstance(s, (tuple, list, torch.Size)) and len(s) >= 2:
+            out.append(int(s[-2]))
+        else:
+            raise ConfigError(f"{what}: {s!r} is neither a length nor a shape (..., seq, ch)")
+    return out
+
+
+def shard_heads(x: torch.Tensor, shapes: Sequence[Any], group: Any = None) -> torch.Tensor:
+    """``(batch, ..., heads, seq_r, ch)`` with this rank's part of the sequence ->
+    ``(batch, ..., heads_r, seq, ch)``: the whole sequence for this rank's heads
+    (:func:`head_spec`). ``shapes``: every rank's sequence length (or its shard's shape).
+    Collective over ``group`` (default: the domain group)."""
+    t = resolve_transport(group, x.device)
+    seq = _sizes(shapes, "shard_heads")
+    if x.dim() < 3:
+        raise ConfigError(f"shard_heads: expects (..., heads, seq, ch), got {tuple(x.shape)}")
+    heads = head_spec(x.size(-3), t.size)
+    return all_to_all_v(x, list(heads.sizes), seq, x.dim() - 3, x.dim() - 2, group=t)
+
+
+def shard_sequence(
+    x: torch.Tensor, shapes: Sequence[Any], num_heads: int, group: Any = None
+) -> torch.Tensor:
+    """The inverse of :func:`shard_heads`: ``(batch, ..., heads_r, seq, ch)`` ->
+    ``(batch, ..., heads, seq_r, ch)``, the sequence cut by ``shapes`` again. Collective."""
+    t = resolve_transport(group, x.device)
+    seq = _sizes(shapes, "shard_sequence")
+    heads = head_spec(num_heads, t.size)
+    return all_to_all_v(x, seq, list(heads.sizes), x.dim() - 2, x.dim() - 3, group=t)
