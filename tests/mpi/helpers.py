@@ -3,6 +3,8 @@ global function, and the adjoint identity summed over ranks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import mpidp
@@ -43,11 +45,28 @@ def gradcheck_global(t, local_shapes, f, replicated_out=False, second=True):
     as the replicated output needs (gradgradcheck's own draw would differ between ranks)."""
     g, n = global_fn(t, local_shapes, f, replicated_out)
     xg = rand((n,), 60).requires_grad_()
-    assert torch.autograd.gradcheck(g, (xg,), eps=1e-6, atol=1e-8, rtol=1e-6)
-    if not second or t.name != "mpi":  # the Functions are the transport's clients: once
-        return
-    seeded = rand(tuple(g(xg).shape), 64).requires_grad_()
-    assert torch.autograd.gradgradcheck(g, (xg,), (seeded,), eps=1e-6, atol=1e-8, rtol=1e-6)
+    with _unchecked(t):
+        assert torch.autograd.gradcheck(g, (xg,), eps=1e-6, atol=1e-8, rtol=1e-6)
+        if not second or t.name != "mpi":  # the Functions are the transport's clients: once
+            return
+        seeded = rand(tuple(g(xg).shape), 64).requires_grad_()
+        assert torch.autograd.gradgradcheck(g, (xg,), (seeded,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@contextlib.contextmanager
+def _unchecked(t):
+    """The transport's always-on argument checks off while gradcheck evaluates the function
+    hundreds of times: the checks have their own tests (tests/launch/test_faults.py); here
+    they would only add a collective to every collective of every evaluation (on gloo a
+    blocking one: the torch-transport gradchecks took twice as long)."""
+    old = getattr(t, "_checks", None)
+    if old is not None:
+        t._checks = False
+    try:
+        yield
+    finally:
+        if old is not None:
+            t._checks = old
 
 
 def adjoint_gap(t, f, x, replicated_out=False, replicated_in=False, seed=70):
