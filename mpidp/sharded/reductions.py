@@ -37,7 +37,7 @@ def _dims(x: ShardedTensor, dim: Any) -> list[int]:
     return sorted({int(d) % x.dim() for d in dim})
 
 
-def _finish(x: ShardedTensor, dims: list[int], keepdim: bool, local: Any, kept_shape: bool) -> Any:
+def _finish(x: ShardedTensor, dims: list[int], keepdim: bool, local: Any) -> Any:
     """A band reduction's result as a ShardedTensor (the sharded dim survived)."""
     d = x.shard_dim
     axis = d if keepdim else d - sum(1 for i in dims if i < d)
@@ -108,7 +108,7 @@ def _sum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if x.shard_dim in dims:
         return global_sum(x, dims, keepdim, dtype, nan)
     local = func(x.local, dims, keepdim, dtype=dtype)
-    return _finish(x, dims, keepdim, local, True)
+    return _finish(x, dims, keepdim, local)
 
 
 @register(torch.mean, torch.Tensor.mean, torch.nanmean, torch.Tensor.nanmean)
@@ -118,7 +118,7 @@ def _mean(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     dtype = kwargs.get("dtype")
     if x.shard_dim not in dims:
-        return _finish(x, dims, keepdim, func(x.local, dims, keepdim, dtype=dtype), True)
+        return _finish(x, dims, keepdim, func(x.local, dims, keepdim, dtype=dtype))
     if func in (torch.nanmean, torch.Tensor.nanmean):
         total = global_sum(x, dims, keepdim, dtype, nan=True)
         count = global_sum(
@@ -134,7 +134,7 @@ def _amax(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dims = _dims(x, _arg(args, kwargs, 1, "dim", ()))
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     if x.shard_dim not in dims:
-        return _finish(x, dims, keepdim, func(x.local, dims, keepdim), True)
+        return _finish(x, dims, keepdim, func(x.local, dims, keepdim))
     return global_amax(x, dims, keepdim, 1 if func in (torch.amax, torch.Tensor.amax) else -1)
 
 
@@ -159,9 +159,7 @@ def _max(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
     values, indices = func(x.local, dim, keepdim)
     d = [int(dim) % x.dim()]
-    return torch.return_types.max(
-        (_finish(x, d, keepdim, values, True), _finish(x, d, keepdim, indices, True))
-    )
+    return torch.return_types.max((_finish(x, d, keepdim, values), _finish(x, d, keepdim, indices)))
 
 
 def _correction(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float, bool]:
@@ -185,7 +183,7 @@ def _var(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dims = _dims(x, dim)
     if x.shard_dim not in dims:
         kw = {"correction": correction, "keepdim": keepdim}
-        return _finish(x, dims, keepdim, func(x.local, dims, **kw), True)
+        return _finish(x, dims, keepdim, func(x.local, dims, **kw))
     n = _count(x, dims)
     mean = global_sum(x, dims, True) / n
     dev = x - mean
@@ -210,7 +208,7 @@ def _norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     p, dim, keepdim = _norm_args(func, args, kwargs)
     dims = _dims(x, dim)
     if x.shard_dim not in dims:
-        return _finish(x, dims, keepdim, func(x.local, p, dims, keepdim), True)
+        return _finish(x, dims, keepdim, func(x.local, p, dims, keepdim))
     a = x.abs()
     if p in ("fro", 2, 2.0, None):
         return global_sum(a * a, dims, keepdim).sqrt()
@@ -248,7 +246,7 @@ def _lse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     if x.shard_dim not in dims:
-        return _finish(x, dims, keepdim, func(x.local, dims, keepdim), True)
+        return _finish(x, dims, keepdim, func(x.local, dims, keepdim))
     return _logsumexp(x, dims, keepdim)
 
 
@@ -283,7 +281,7 @@ def _all(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     if x.shard_dim not in dims:
-        return _finish(x, dims, keepdim, func(x.local, tuple(dims), keepdim), True)
+        return _finish(x, dims, keepdim, func(x.local, tuple(dims), keepdim))
     is_all = func in (torch.all, torch.Tensor.all)
     part = (x.local.all if is_all else x.local.any)(tuple(dims), keepdim=True).to(torch.int32)
     t = x.transport
@@ -296,7 +294,7 @@ def _count_nonzero(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     x = args[0]
     dims = _dims(x, _arg(args, kwargs, 1, "dim", None))
     if x.shard_dim not in dims:
-        return _finish(x, dims, False, func(x.local, tuple(dims)), True)
+        return _finish(x, dims, False, func(x.local, tuple(dims)))
     part = torch.count_nonzero(x.local, tuple(dims))
     t = x.transport
     return replicated(t.all_reduce(part, "sum"), t)

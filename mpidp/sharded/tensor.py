@@ -336,7 +336,7 @@ def shard(
         band = _call(_Shard, x, t, list(s.sizes), d)
     else:
         band = x.narrow(d, s.start(r), s.sizes[r])
-        band = band if x.requires_grad else band.contiguous().clone()
+        band = band if x.requires_grad else band.clone(memory_format=torch.contiguous_format)
     return ShardedTensor(band, s, d, m)
 
 
