@@ -1,4 +1,4 @@
-"""Train a small weather model (U-Net, AFNO or FNO) domain-parallel on the sample data set.
+"""Train a small weather model (U-Net, AFNO, FNO or Swin) domain-parallel on the sample data set.
 
     mpiexec -n 4 python examples/train.py                # dp 2 x domain 2 (the default)
     python examples/train.py                             # one process: the same numbers
@@ -9,6 +9,7 @@
     mpiexec -n 4 python examples/train.py --mlp 16 --tensor 2 --domain 2     # TP x domain
     mpiexec -n 4 python examples/train.py --model afno   # FourCastNet-style, through mpidp.fft
     mpiexec -n 4 python examples/train.py --model fno    # Fourier neural operator
+    mpiexec -n 4 python examples/train.py --model swin   # Pangu-style shifted windows
 
 Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
 replicas see different samples. The loss is the latitude-weighted MSE of the whole global
@@ -45,7 +46,7 @@ from mpidp.io import (
     load_checkpoint,
     save_checkpoint,
 )
-from mpidp.models import AFNONet, FNO2d, WeatherUNet
+from mpidp.models import AFNONet, FNO2d, SwinNet, WeatherUNet
 from mpidp.parallel import (
     ParallelMesh,
     apply_ddp,
@@ -63,8 +64,8 @@ class Config:
     """Everything a run depends on; a YAML file may set any field, flags win over it."""
 
     data: str = ""  # default: examples/data/sample-<lat>x<lon>.h5, generated when missing
-    model: str = "unet"  # unet, afno (FourCastNet-style AFNO) or fno (Fourier neural operator)
-    lat: int = 0  # 0: 91, or 92 for afno (a multiple of its patch)
+    model: str = "unet"  # unet, afno (FourCastNet-style AFNO), fno (Fourier neural operator), swin
+    lat: int = 0  # 0: 91, or 92 for afno and swin (a multiple of their patch)
     lon: int = 180
     times: int = 64
     domain: str = "auto"  # ranks per domain group; auto: 2 when world/tensor is even, else all
@@ -74,9 +75,9 @@ class Config:
     steps: int = 40
     batch: int = 2  # global batch: split over the data-parallel replicas
     lr: float = 2e-3
-    width: int = 8  # U-Net width; AFNO embeds 4 x width channels, FNO has 2 x width
+    width: int = 8  # U-Net width; AFNO and Swin embed 4 x width channels, FNO has 2 x width
     groups: int = 2
-    patch: int = 4  # AFNO patch size (lat and lon must be multiples of it)
+    patch: int = 4  # AFNO / Swin patch size (lat and lon must be multiples of it)
     modes: int = 12  # FNO modes kept along each dim
     precision: str = "float32"  # or float64
     val_samples: int = 8
@@ -116,10 +117,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if cfg.model not in MODELS:
         parser.error(f"--model {cfg.model!r}: use one of {', '.join(MODELS)}")
     if cfg.lat == 0:
-        cfg.lat = 92 if cfg.model == "afno" else 91
-    if cfg.model == "afno" and (cfg.lat % cfg.patch or cfg.lon % cfg.patch):
+        cfg.lat = 92 if cfg.model in ("afno", "swin") else 91
+    if cfg.model in ("afno", "swin") and (cfg.lat % cfg.patch or cfg.lon % cfg.patch):
         parser.error(
-            f"--model afno: the grid {cfg.lat} x {cfg.lon} must be a multiple of --patch "
+            f"--model {cfg.model}: the grid {cfg.lat} x {cfg.lon} must be a multiple of --patch "
             f"{cfg.patch} (e.g. --lat 92 --lon 180)"
         )
     if cfg.model != "unet" and (cfg.mlp or cfg.tensor > 1):
@@ -128,7 +129,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 #: the models --model names, built from the spec that model_spec() writes into checkpoints
-MODELS: dict[str, type[torch.nn.Module]] = {"unet": WeatherUNet, "afno": AFNONet, "fno": FNO2d}
+MODELS: dict[str, type[torch.nn.Module]] = {
+    "unet": WeatherUNet,
+    "afno": AFNONet,
+    "fno": FNO2d,
+    "swin": SwinNet,
+}
 
 
 def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
@@ -136,6 +142,9 @@ def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
     spec: dict[str, Any] = dict(in_channels=channels, out_channels=channels)
     if cfg.model == "afno":
         spec.update(grid=(cfg.lat, cfg.lon), patch=cfg.patch, embed_dim=4 * cfg.width, depth=2)
+    elif cfg.model == "swin":  # 23 x 45 tokens in windows of 4 x 5 (padded to 24 rows)
+        spec.update(grid=(cfg.lat, cfg.lon), patch=cfg.patch, embed_dim=4 * cfg.width, depth=2)
+        spec.update(heads=4, window=(4, 5))
     elif cfg.model == "fno":
         spec.update(modes1=cfg.modes, modes2=cfg.modes, width=2 * cfg.width, depth=3)
     else:
@@ -147,8 +156,9 @@ def build_model(spec: dict[str, Any]) -> torch.nn.Module:
     """The serial model of a saved spec (checkpoints from before --model hold a U-Net's)."""
     args = dict(spec)
     name = args.pop("name", "unet")
-    if "grid" in args:
-        args["grid"] = tuple(args["grid"])
+    for key in ("grid", "window"):
+        if key in args:
+            args[key] = tuple(args[key])
     return MODELS[name](**args)
 
 

@@ -52,7 +52,9 @@ from mpidp.layers import (
     DomainParallelInterpolate,
     DomainParallelLayerNorm,
     DomainParallelMaxPool2d,
+    DomainParallelMultiheadAttention,
     DomainParallelPeriodicConv2d,
+    DomainParallelWindowAttention,
     PeriodicConv2d,
 )
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
@@ -88,6 +90,8 @@ __all__ = [
     "DomainParallelBatchNorm3d",
     "DomainParallelConv1d",
     "DomainParallelConv2d",
+    "DomainParallelMultiheadAttention",
+    "DomainParallelWindowAttention",
     "DomainParallelConv3d",
     "DomainParallelConvTranspose1d",
     "DomainParallelConvTranspose2d",

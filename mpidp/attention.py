@@ -67,3 +67,38 @@ def shard_sequence(
     seq = _sizes(shapes, "shard_sequence")
     heads = head_spec(num_heads, t.size)
     return all_to_all_v(x, seq, list(heads.sizes), x.dim() - 2, x.dim() - 3, group=t)
+
+
+def query_rows_masks(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    rows: ShardSpec,
+    rank: int,
+    keys: int,
+    where: str,
+) -> torch.Tensor | None:
+    """The part of a global ``(..., L, S)`` attention mask for this rank's queries (rows
+    ``rows.start(rank):rows.stop(rank)`` of the sequence, against all ``keys`` keys). A mask
+    of another shape would be a band's own mask (built from local shapes), not the serial one:
+    refused, with the fix. ``key_padding_mask`` must cover every key."""
+    problems = []
+    if attn_mask is not None and (
+        attn_mask.dim() < 2 or attn_mask.size(-2) != rows.total or attn_mask.size(-1) != keys
+    ):
+        problems.append(
+            f"attn_mask of shape {tuple(attn_mask.shape)}: expected the whole sequence's "
+            f"(..., {rows.total}, {keys})"
+        )
+    if key_padding_mask is not None and key_padding_mask.size(-1) != keys:
+        problems.append(
+            f"key_padding_mask of shape {tuple(key_padding_mask.shape)}: expected one entry "
+            f"per key of the whole sequence ({keys})"
+        )
+    if problems:
+        raise ConfigError(
+            f"rank {rank}: {where}: " + "; ".join(problems) + "; fix: pass the mask of the "
+            "serial model (global shapes); each rank takes its rows"
+        )
+    if attn_mask is None:
+        return None
+    return attn_mask.narrow(-2, rows.start(rank), rows.sizes[rank])

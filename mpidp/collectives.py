@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mpidp.comm import Transport
-from mpidp.errors import CommError
+from mpidp.errors import CommError, ConfigError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec, as_sizes
 
@@ -731,3 +731,58 @@ def _at(sizes: list[int], t: Transport) -> int:
 
 def _grad_flows(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
+
+
+def fetch_global_rows(
+    local: torch.Tensor,
+    spec: ShardSpec,
+    dim: int,
+    wanted: Sequence[Sequence[tuple[int, int]]],
+    group: Any = None,
+) -> torch.Tensor:
+    """Rows of a field cut by ``spec`` along ``dim`` (this rank holds ``local``), wherever
+    they live: this rank gets ``wanted[rank]`` (``[lo, hi)`` runs of global rows, in that
+    order), concatenated. ``wanted`` is every rank's request and must be the same on every
+    rank (each rank computes it from the spec), so one ``all_to_all_v`` moves exactly the
+    rows asked for, and none when every rank asks for its own. The backward is the reverse
+    exchange and an index-add. Collective over ``group``."""
+    t = resolve_transport(group, local.device)
+    me, p = t.rank, t.size
+    bad = [(q, a, b) for q in range(p) for a, b in wanted[q] if not 0 <= a <= b <= spec.total]
+    if bad:
+        raise ConfigError(
+            f"rank {me}: internal error: rows {bad[:4]} asked of a field of {spec.total} rows "
+            f"along dim {dim}"
+        )
+    if all(list(wanted[q]) == [(spec.start(q), spec.stop(q))] for q in range(p)):
+        return local
+    lo, hi = spec.start(me), spec.stop(me)
+    send_idx: list[int] = []
+    send_counts = []
+    for q in range(p):
+        count = 0
+        for a, b in wanted[q]:
+            s, e = max(a, lo), min(b, hi)
+            if e > s:
+                send_idx.extend(range(s - lo, e - lo))
+                count += e - s
+        send_counts.append(count)
+    # where each received row goes: the rows from rank r arrive in my order of asking
+    recv_counts = [0] * p
+    places: list[list[int]] = [[] for _ in range(p)]
+    at = 0
+    for a, b in wanted[me]:
+        for r, s, e in spec.overlaps(a, b):
+            places[r].extend(range(at + s - a, at + e - a))
+            recv_counts[r] += e - s
+        at += b - a
+    device = local.device
+    send = local.index_select(dim, torch.tensor(send_idx, dtype=torch.long, device=device))
+    got = all_to_all_v(send, send_counts, recv_counts, dim, group=t)
+    order = [i for block in places for i in block]  # position of each received row
+    if order == list(range(len(order))):
+        return got
+    inverse = [0] * len(order)
+    for k, i in enumerate(order):
+        inverse[i] = k
+    return got.index_select(dim, torch.tensor(inverse, dtype=torch.long, device=device))

@@ -25,9 +25,11 @@ from mpidp.errors import ConfigError
 from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
+from mpidp.layers.mha import DomainParallelMultiheadAttention
 from mpidp.layers.pad import PAD_WRAPPERS
 from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
 from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
+from mpidp.layers.window import DomainParallelWindowAttention
 from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.probe import probe_band_locality
 
@@ -68,7 +70,6 @@ SAFE_MODULES: tuple[type[nn.Module], ...] = (
 
 #: Module types refused outright (their children would look harmless).
 _UNSAFE: tuple[type[nn.Module], ...] = (
-    nn.MultiheadAttention,
     nn.Transformer,
     nn.TransformerEncoder,
     nn.TransformerDecoder,
@@ -101,6 +102,8 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (M.SpectralConv2d, S.DomainParallelSpectralConv2d),
     (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
     (M.PatchRecovery, S.DomainParallelPatchRecovery),
+    (M.WindowAttention, DomainParallelWindowAttention),
+    (nn.MultiheadAttention, DomainParallelMultiheadAttention),
     *PAD_WRAPPERS.items(),
     (nn.PixelShuffle, DomainParallelPixelShuffle),
     (nn.PixelUnshuffle, DomainParallelPixelUnshuffle),
@@ -360,8 +363,7 @@ def convert_to_domain_parallel(
 def _why(module: nn.Module) -> str:
     if isinstance(
         module,
-        nn.MultiheadAttention
-        | nn.Transformer
+        nn.Transformer
         | nn.TransformerEncoder
         | nn.TransformerDecoder
         | nn.TransformerEncoderLayer

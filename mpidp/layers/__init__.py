@@ -16,6 +16,7 @@ from mpidp.layers.conv import (
     DomainParallelConvTranspose3d,
 )
 from mpidp.layers.interpolate import DomainParallelInterpolate, interpolate
+from mpidp.layers.mha import DomainParallelMultiheadAttention
 from mpidp.layers.norm import (
     DomainParallelBatchNorm2d,
     DomainParallelBatchNorm3d,
@@ -40,8 +41,11 @@ from mpidp.layers.pool import (
     DomainParallelMaxPool2d,
     DomainParallelMaxPool3d,
 )
+from mpidp.layers.window import DomainParallelWindowAttention
 
 __all__ = [
+    "DomainParallelMultiheadAttention",
+    "DomainParallelWindowAttention",
     "DomainParallelAdaptiveAvgPool1d",
     "DomainParallelAdaptiveAvgPool2d",
     "DomainParallelAdaptiveAvgPool3d",

@@ -225,6 +225,10 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if 2 * k + 1 >= len(pad) or (pad[2 * k] == 0 and pad[2 * k + 1] == 0):
         local = F.pad(x.local, pad, a["mode"], a["value"])
         return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+    if len(pad) > 2 * k + 2:  # pads of dims before the sharded one: local (padding is separable)
+        outer = [0] * (2 * k + 2) + pad[2 * k + 2 :]
+        local = F.pad(x.local, outer, a["mode"], a["value"])
+        x, pad = ShardedTensor(local, x.spec, x.shard_dim, x.manager), pad[: 2 * k + 2]
     n = len(pad) // 2
     cls = _PAD_CLASS.get((a["mode"], n))
     if cls is None:
@@ -232,8 +236,8 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             func,
             args,
             kwargs,
-            f"mode {a['mode']!r} along the sharded dim",
-            "use constant, reflect, replicate or circular",
+            f"mode {a['mode']!r} over the last {n} dims, the sharded one among them",
+            "use constant, reflect, replicate or circular padding of at most the last 3 dims",
         )
     attrs: dict[str, Any] = {"padding": tuple(pad)}
     if a["mode"] == "constant":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mpidp.collectives import all_to_all_v
+from mpidp.collectives import all_to_all_v, fetch_global_rows
 from mpidp.errors import ConfigError
 from mpidp.partition import ShardSpec
 from mpidp.sharded.tensor import ShardedTensor
@@ -28,46 +28,7 @@ def fetch_rows(x: ShardedTensor, wanted: Ranges) -> torch.Tensor:
     """This rank's ``wanted[rank]`` rows of ``x`` (global indices, in that order) along its
     sharded dim, as a plain tensor. ``wanted`` must be the same list on every rank.
     Collective (one all-to-all; none when every rank wants exactly its own rows)."""
-    spec, d, t = x.spec, x.shard_dim, x.transport
-    me, p = t.rank, t.size
-    bad = [(q, a, b) for q in range(p) for a, b in wanted[q] if not 0 <= a <= b <= spec.total]
-    if bad:
-        raise ConfigError(
-            f"rank {x.manager.rank}: internal error: rows {bad[:4]} asked of a tensor of "
-            f"{spec.total} rows along dim {d}"
-        )
-    if all(wanted[q] == [(spec.start(q), spec.stop(q))] for q in range(p)):
-        return x.local
-    lo, hi = spec.start(me), spec.stop(me)
-    send_idx: list[int] = []
-    send_counts = []
-    for q in range(p):
-        count = 0
-        for a, b in wanted[q]:
-            s, e = max(a, lo), min(b, hi)
-            if e > s:
-                send_idx.extend(range(s - lo, e - lo))
-                count += e - s
-        send_counts.append(count)
-    # where each received row goes: the rows from rank r arrive in my order of asking
-    recv_counts = [0] * p
-    places: list[list[int]] = [[] for _ in range(p)]
-    at = 0
-    for a, b in wanted[me]:
-        for r, s, e in spec.overlaps(a, b):
-            places[r].extend(range(at + s - a, at + e - a))
-            recv_counts[r] += e - s
-        at += b - a
-    device = x.local.device
-    send = x.local.index_select(d, torch.tensor(send_idx, dtype=torch.long, device=device))
-    got = all_to_all_v(send, send_counts, recv_counts, d, group=t)
-    order = [i for block in places for i in block]  # position of each received row
-    if order == list(range(len(order))):
-        return got
-    inverse = [0] * len(order)
-    for k, i in enumerate(order):
-        inverse[i] = k
-    return got.index_select(d, torch.tensor(inverse, dtype=torch.long, device=device))
+    return fetch_global_rows(x.local, x.spec, x.shard_dim, wanted, x.transport)
 
 
 def remap(

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from mpidp.attention import query_rows_masks
 from mpidp.collectives import all_gather_v, copy_to, reduce_from
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
@@ -879,3 +881,35 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mask = causal if mask is None else mask & causal
     a["attn_mask"] = mask
     return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
+
+
+_MHA_ARGS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+@register(F.multi_head_attention_forward)
+def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``nn.MultiheadAttention`` with the queries cut along the sequence (dim 0 of the
+    ``(L, B, E)`` or ``(L, E)`` torch's module passes): the keys and values are gathered whole
+    and each rank attends its queries to all of them with torch's code (as the converted
+    module does; exact for any heads, masks, ``bias_k``, ``need_weights``). Masks of the
+    global shapes are cut to the rows; output and weights are cut along L."""
+    a = dict(zip(_MHA_ARGS, args, strict=False))
+    a.update(kwargs)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    if not isinstance(q, ShardedTensor) or q.shard_dim != 0:
+        raise refuse(func, args, kwargs, "queries not cut along the sequence", "cut the tokens")
+    t = q.transport
+    k2 = whole(k) if isinstance(k, ShardedTensor) else _plain(k, t)
+    v2 = k2 if v is k else whole(v) if isinstance(v, ShardedTensor) else _plain(v, t)
+    kpm = a.get("key_padding_mask")
+    kpm = whole(kpm) if isinstance(kpm, ShardedTensor) else _plain(kpm, t)
+    a["key_padding_mask"] = kpm
+    mask = a.get("attn_mask")
+    mask = whole(mask) if isinstance(mask, ShardedTensor) else _plain(mask, t)
+    a["attn_mask"] = query_rows_masks(mask, kpm, q.spec, q.rank, k2.size(0), func.__name__)
+    if a.get("is_causal") and a["attn_mask"] is None:
+        raise refuse(func, args, kwargs, "is_causal without attn_mask", "pass the causal mask")
+    a["is_causal"] = False
+    a = {n: _plain(z, t) for n, z in a.items()}
+    out, weights = func(q.local, k2, v2, **a)
+    return _wrap(q, out, 0), None if weights is None else _wrap(q, weights, weights.dim() - 2)

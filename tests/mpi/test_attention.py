@@ -4,6 +4,8 @@ the q, k, v gradients of every rank's rows; the exchange's adjoint."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,9 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.attention import head_spec, shard_heads, shard_sequence
-from tests.mpi.helpers import adjoint_gap, rand
+from mpidp.layers.mha import DomainParallelMultiheadAttention
+from mpidp.testing import assert_matches_serial
+from tests.mpi.helpers import adjoint_gap, check_sharded, rand
 
 WORLD = MPI.COMM_WORLD.Get_size()
 ME = MPI.COMM_WORLD.Get_rank()
@@ -70,3 +74,71 @@ def test_anemoi_shapes_and_a_wrong_one(t):
     assert torch.equal(shard_heads(x, shapes, group=t), shard_heads(x, sizes, group=t))
     with pytest.raises(mpidp.ConfigError, match="neither a length nor a shape"):
         shard_heads(x, [(s,) for s in sizes], group=t)
+
+
+# -- nn.MultiheadAttention: converted, and on ShardedTensors --------------------------------
+
+
+def _mha_case(case: str):
+    """(module, masks) for a case; the sequence is 3 P + 2 tokens (uneven at every P)."""
+    n = 3 * WORLD + 2
+    heads = 1 if case == "one-head" else 3
+    mha = torch.nn.MultiheadAttention(
+        6, heads, batch_first=case != "seq-first", add_bias_kv=case == "bias-kv",
+        add_zero_attn=case == "bias-kv", dtype=torch.float64,
+    )  # fmt: skip
+    masks = {}
+    if case == "masks":
+        masks["attn_mask"] = rand((n, n), 11)
+        pad = torch.zeros(2, n, dtype=torch.bool)
+        pad[0, -2:] = True  # the last tokens of the first sample are padding
+        masks["key_padding_mask"] = pad
+    return mha, masks, n
+
+
+MHA_CASES = ["plain", "masks", "one-head", "seq-first", "bias-kv"]
+
+
+@pytest.mark.parametrize("case", MHA_CASES)
+def test_multihead_attention_converted_equals_serial(manager, case):
+    """Queries cut along the sequence (uneven; fewer heads than ranks too), keys and values
+    gathered: output, input gradient and every parameter gradient equal serial."""
+    mha, masks, n = _mha_case(case)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(mha), manager)
+    assert WORLD == 1 or isinstance(dist, DomainParallelMultiheadAttention)
+    shape, dim = ((n, 2, 6), -3) if case == "seq-first" else ((2, n, 6), -2)
+    x = rand(shape, 12)
+    assert_matches_serial(
+        lambda z: mha(z, z, z, need_weights=False, **masks)[0],
+        lambda z: dist(z, z, z, need_weights=False, **masks)[0],
+        [x],
+        manager=manager,
+        dim=dim,
+        modules=(mha, dist),
+    )
+
+
+def test_multihead_attention_weights_and_refusals(manager):
+    mha, masks, n = _mha_case("masks")
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(mha), manager)
+    x = rand((2, n, 6), 13)
+    spec = manager.spec(n)
+    band = x[:, spec.start(ME) : spec.stop(ME)]
+    out, weights = dist(band, band, band, **masks)
+    want, want_w = mha(x, x, x, **masks)
+    torch.testing.assert_close(weights, want_w[:, spec.start(ME) : spec.stop(ME)])
+    torch.testing.assert_close(out, want[:, spec.start(ME) : spec.stop(ME)])
+    if WORLD > 1:  # a band's own mask (local shapes) is not the serial model's
+        with pytest.raises(mpidp.ConfigError, match="expected the whole sequence"):
+            dist(band, band, band, attn_mask=masks["attn_mask"][: band.size(1)])
+        with pytest.raises(mpidp.ConfigError, match="is_causal=True needs attn_mask"):
+            dist(band, band, band, is_causal=True)
+
+
+@pytest.mark.parametrize("case", ["masks", "one-head", "seq-first"])
+def test_multihead_attention_on_sharded_tensors(manager, case):
+    """The unconverted module on ShardedTensor tokens (the route a third-party model takes)."""
+    mha, masks, n = _mha_case(case)
+    dim = 0 if case == "seq-first" else 1
+    x = rand((n, 2, 6) if case == "seq-first" else (2, n, 6), 14)
+    check_sharded(manager, lambda z: mha(z, z, z, **masks)[0], x, dim=dim, module=mha)

@@ -335,6 +335,12 @@ def test_layers(m, name):
     check(m, layer, rand(shape, 2), dim=dim, module=layer)
 
 
+def test_pad_of_more_dims_than_the_layers_have(m):
+    """F.pad of four dims of channels-last (B, Z, H, W, C) tokens, H sharded (Pangu pads Z,
+    H and W): the pads of the dims before H are local, H's go through the pad layer."""
+    check(m, lambda z: F.pad(z, [0, 0, 1, 0, 0, 2, 1, 1]), rand((1, 3, H, 6, 2), 3), dim=2)
+
+
 def test_batchnorm_running_statistics(m):
     bn, ref = _layer(lambda: nn.BatchNorm2d(3)), _layer(lambda: nn.BatchNorm2d(3))
     full = field()

@@ -118,7 +118,10 @@ def test_broadcast_parameters(manager):
 
 
 def _model(name, h, w):
-    from mpidp.models import AFNONet, FNO2d, WeatherUNet
+    from mpidp.models import AFNONet, FNO2d, SwinNet, WeatherUNet
+
+    if name == "swin":  # 6 x 4 tokens in windows of 4 x 2: padded to 8 rows, then shifted
+        return SwinNet(2, 2, (h, w), patch=4, embed_dim=8, depth=2, heads=2, window=(4, 2))
 
     if name == "afno":  # 6 token rows of patch 4, uneven over 4 ranks
         return AFNONet(2, 2, (h, w), patch=4, embed_dim=8, depth=2, num_blocks=2)
@@ -127,12 +130,12 @@ def _model(name, h, w):
     return WeatherUNet(2, 2, (h, w), width=4)
 
 
-@pytest.mark.parametrize("name", ["unet", "afno", "fno"])
+@pytest.mark.parametrize("name", ["unet", "afno", "fno", "swin"])
 def test_ten_training_steps_match_the_serial_run(manager, name):
     """dp x domain (2 x 2 at four ranks): 10 SGD steps of a converted model (the U-Net, the
-    AFNO network, the FNO) on a latitude-weighted loss give the serial run's losses and final
-    weights (float64)."""
-    (h, w), batch = ((24, 16) if name == "afno" else (19, 8)), 2 * manager.dp_world_size
+    AFNO network, the FNO, the Swin network) on a latitude-weighted loss give the serial
+    run's losses and final weights (float64)."""
+    (h, w), batch = ((24, 16) if name in ("afno", "swin") else (19, 8)), 2 * manager.dp_world_size
     serial = _model(name, h, w).to(F64)
     mpidp.broadcast_parameters(serial, manager)
     dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)

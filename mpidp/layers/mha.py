@@ -1,0 +1,72 @@
+"""``nn.MultiheadAttention`` over a sequence of tokens cut into bands (a latitude-sharded token
+grid flattened row by row: each rank's tokens are one contiguous run of the sequence).
+
+Every rank gathers the keys and values whole (one ``all_gather_v`` each, one when they are one
+tensor) and attends its own queries to all of them with torch's own code: every query row is
+the serial one, for any number of heads (fewer than the ranks too), any masks, ``bias_k`` /
+``add_zero_attn`` and ``need_weights``. The backward sums each key's gradient on its owner.
+Cost: K and V whole on every rank (2 S E values) and 2 (P - 1)/P of them received; the
+ShardedTensor route (``F.scaled_dot_product_attention``) uses the head all-to-all instead when
+there are at least as many heads as ranks (docs/attention.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mpidp.attention import query_rows_masks
+from mpidp.collectives import all_gather_v
+from mpidp.errors import ConfigError
+from mpidp.layers.base import DomainParallel, learn_spec
+
+__all__ = ["DomainParallelMultiheadAttention"]
+
+
+class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
+    """:class:`torch.nn.MultiheadAttention` on this rank's run of the sequence: the output
+    (and the weights, ``(B, L_r, S)``) for this rank's queries. ``keys``: ``"sharded"`` (the
+    keys and values are cut like the queries: self-attention over the field) or ``"whole"``
+    (every rank passes the same whole key sequence, e.g. a memory or a condition).
+    Masks are the serial model's (global shapes). Collective over the domain group."""
+
+    keys: str = "sharded"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._alone():
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask,
+                average_attn_weights, is_causal,
+            )  # fmt: skip
+        if self.keys not in ("sharded", "whole"):
+            raise ConfigError(f"{type(self).__name__}.keys={self.keys!r}: 'sharded' or 'whole'")
+        t = self._transport(query)
+        seq = 1 if self.batch_first and query.dim() == 3 else 0
+        rows = learn_spec(query, seq, t)
+        if self.keys == "sharded":
+            cut = rows if key is query else learn_spec(key, seq, t)
+            k = all_gather_v(key, list(cut.sizes), seq, group=t)
+            v = k if value is key else all_gather_v(value, list(cut.sizes), seq, group=t)
+        else:
+            k, v = key, value
+        mask = query_rows_masks(
+            attn_mask, key_padding_mask, rows, t.rank, k.size(seq), type(self).__name__
+        )
+        if is_causal and mask is None:
+            raise ConfigError(
+                f"rank {t.rank}: {type(self).__name__}: is_causal=True needs attn_mask, as in "
+                f"torch (the causal mask of the whole sequence)"
+            )
+        return super().forward(
+            query, k, v, key_padding_mask, need_weights, mask, average_attn_weights, False
+        )

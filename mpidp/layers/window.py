@@ -1,0 +1,114 @@
+"""Windowed attention (Swin, Pangu) on latitude bands, exact.
+
+Along the sharded H a window partition is a layer with kernel = stride = window, offset by
+the zero rows padded before the field and by the shift (the roll of shifted blocks wraps
+around, padded rows included). Each rank fetches the rows of every window that holds one of
+its rows (one ``all_to_all_v``: only rows another rank owns travel, none at all when the bands
+are whole windows and the block is not shifted), computes those windows whole, in their global
+positions, so the shifted-window mask and the earth-specific bias (indexed by the global window
+number) come out as in serial, and keeps its own rows. A window cut by a band boundary is
+computed by both ranks. The longitude and the pressure levels are not cut: they are padded
+and rolled as in serial. The backward is the reverse exchange (gradients of fetched rows are
+added on their owners).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from mpidp.collectives import fetch_global_rows
+from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.models import WindowAttention, _window_cut
+from mpidp.partition import ShardSpec
+
+__all__ = ["DomainParallelWindowAttention", "window_rows"]
+
+#: a run of the extended band: (first global row, count), or (None, count) for zero rows
+Run = tuple[int | None, int]
+
+
+@functools.lru_cache(maxsize=512)
+def window_rows(
+    sizes: tuple[int, ...], window: int, shift: int, rank: int
+) -> tuple[int, list[list[tuple[int, int]]], list[Run], int]:
+    """What rank ``rank`` computes for windows of ``window`` rows along a field cut into
+    ``sizes``, padded as :class:`~mpidp.models.WindowAttention` pads and rolled by ``-shift``:
+    ``(first, wanted, runs, keep)``. ``first`` is the global number of its first window (-1:
+    the last window, wrapped around); ``wanted`` every rank's data rows (for
+    :func:`~mpidp.collectives.fetch_global_rows`); ``runs`` its extended band, window after
+    window, as runs of data rows and zero rows; ``keep`` where its own rows start in it."""
+    spec = ShardSpec(sizes)
+    lo, hi = _window_cut(spec.total, window)
+    ring = spec.total + lo + hi
+
+    def plan(q: int) -> tuple[int, list[Run]]:
+        a, b = spec.start(q), spec.stop(q)
+        if a == b:
+            return 0, []
+        first = (a + lo - shift) // window
+        last = -(-(b + lo - shift) // window)
+        runs: list[Run] = []
+        for r in range(first * window, last * window):
+            d = (r + shift) % ring - lo
+            row = d if 0 <= d < spec.total else None
+            prev = runs[-1] if runs else None
+            if prev is not None and (
+                (row is None and prev[0] is None)
+                or (row is not None and prev[0] is not None and prev[0] + prev[1] == row)
+            ):
+                runs[-1] = (prev[0], prev[1] + 1)
+            else:
+                runs.append((row, 1))
+        return first, runs
+
+    wanted = [[(d, d + n) for d, n in plan(q)[1] if d is not None] for q in range(spec.parts)]
+    first, runs = plan(rank)
+    keep = spec.start(rank) + lo - shift - first * window
+    return first, wanted, runs, keep
+
+
+class DomainParallelWindowAttention(DomainParallel, WindowAttention):
+    """:class:`mpidp.models.WindowAttention` on bands of its channels-last tokens (H, the dim
+    before W, is cut): exact for every partition, thin and empty shards included, shifted or
+    not, padded or not. Collective over the domain group (one all-gather of one integer to
+    learn the partition, unless the input's spec is known, and one all-to-all)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return super().forward(x)
+        t = self._transport(x)
+        hd = x.dim() - 3  # H: the dim before W
+        spec = learn_spec(x, hd, t)
+        dims = tuple(range(1, x.dim() - 1))
+        others = [d for d in dims if d != hd]
+        cuts = {d: _window_cut(x.size(d), self.window[d - 1]) for d in others}
+        pad = [v for d in reversed(dims) for v in cuts.get(d, (0, 0))]
+        y = nn.functional.pad(x, [0, 0, *pad])
+        shifts = [self.shift[d - 1] for d in others]
+        if any(shifts):
+            y = torch.roll(y, [-s for s in shifts], others)
+        w, s = self.window[hd - 1], self.shift[hd - 1]
+        first, wanted, runs, keep = window_rows(spec.sizes, w, s, t.rank)
+        got = fetch_global_rows(y, spec, hd, wanted, t)
+        pieces, at = [], 0
+        for row, n in runs:
+            if row is None:
+                shape = list(got.shape)
+                shape[hd] = n
+                pieces.append(got.new_zeros(shape))
+            else:
+                pieces.append(got.narrow(hd, at, n))
+                at += n
+        ext = torch.cat(pieces, hd) if len(pieces) > 1 else got
+        lo, hi = _window_cut(spec.total, w)
+        grid = tuple(spec.total + lo + hi if d == hd else y.size(d) for d in dims)
+        start = tuple(first if d == hd else 0 for d in dims)
+        out = self._windows(ext, start, grid).narrow(hd, keep, spec.sizes[t.rank])
+        if any(shifts):
+            out = torch.roll(out, shifts, others)
+        for d in others:
+            out = out.narrow(d, cuts[d][0], x.size(d))
+        return out
