@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--model",
         default="unet",
-        help="an example model (unet, resblock, patch) or module:factory (default unet)",
+        help="an example model (unet, resblock, patch, afno, fno, swin) or module:factory "
+        "(default unet)",
     )
     plan.add_argument("--channels", type=int, default=6, help="input channels (default 6)")
     plan.add_argument("--batch", type=int, default=1, help="samples per rank (default 1)")

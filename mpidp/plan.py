@@ -70,6 +70,13 @@ def _fno(channels: int, grid: tuple[int, int]) -> nn.Module:
     return FNO2d(channels, channels, modes1=32, modes2=32, width=32, depth=4)
 
 
+def _swin(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import SwinNet
+
+    patch = 8 if grid[0] % 8 == 0 and grid[1] % 8 == 0 else 4
+    return SwinNet(channels, channels, grid, patch=patch, embed_dim=192, heads=6, window=(6, 12))
+
+
 def _patch(channels: int, grid: tuple[int, int]) -> nn.Module:
     from mpidp.models import PatchEmbedRecover
 
@@ -83,6 +90,7 @@ EXAMPLE_MODELS: dict[str, Callable[[int, tuple[int, int]], nn.Module]] = {
     "patch": _patch,
     "afno": _afno,
     "fno": _fno,
+    "swin": _swin,
 }
 
 
@@ -97,7 +105,8 @@ class RankCost:
     recv_bytes: int
     send_bytes: int
     activation_bytes: int
-    #: of ``send_bytes``: what the all-to-alls of spectral layers and patch heads send
+    #: of ``send_bytes``: what the all-to-alls of spectral layers, windowed attention and
+    #: patch heads send
     transpose_bytes: int = 0
 
 
@@ -207,6 +216,23 @@ def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
         # the backward sends what the forward received, the same count
         once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
         return 2 * once
+    if layer.window:  # the rows of the windows that straddle band boundaries, both ways
+        from mpidp.layers.window import window_rows
+
+        spec = ShardSpec.from_sizes(layer.rows_in)
+        wanted = window_rows(spec.sizes, *layer.window, rank)[1]
+        a, b = spec.start(rank), spec.stop(rank)
+        fetched = sum(
+            hi - lo for s, e in wanted[rank] for r, lo, hi in spec.overlaps(s, e) if r != rank
+        )
+        given = sum(
+            max(0, min(e, b) - max(s, a))
+            for q in range(spec.parts)
+            if q != rank
+            for s, e in wanted[q]
+        )
+        row = _spatial_elements(layer.shape_in, len(layer.shape_in) + layer.dim_in)
+        return (fetched + given) * row * itemsize  # forward fetches, backward gives back
     if layer.kind == "PatchRecovery":
         patch = sum(layer.rows_out) // max(sum(layer.rows_in), 1)
         pixels = ShardSpec.from_sizes([patch * n for n in layer.rows_in])

@@ -27,7 +27,13 @@ from mpidp.layers.pad import PAD_TYPES, _mode
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.layers.pool import _window_ranges
 from mpidp.manager import DistributedManager, get_manager
-from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
+from mpidp.models import (
+    AFNOFilter,
+    PatchRecovery,
+    PositionEmbedding,
+    SpectralConv2d,
+    WindowAttention,
+)
 from mpidp.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
@@ -49,10 +55,11 @@ _SPATIAL: tuple[type[nn.Module], ...] = (
     SpectralConv2d,
     PositionEmbedding,
     PatchRecovery,
+    WindowAttention,
 )
 
-#: channels-last modules: the sharded H is dim 1 of their (B, h, w, C) input
-_CHANNELS_LAST_IN = (AFNOFilter, PositionEmbedding, PatchRecovery)
+#: channels-last modules: the sharded H is dim -3 of their (B, h, w, C) or (B, z, h, w, C) input
+_CHANNELS_LAST_IN = (AFNOFilter, PositionEmbedding, PatchRecovery, WindowAttention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,8 @@ class LayerSharding:
     dim_out: int = -2
     #: a spectral layer (rfft2 and irfft2 through mpidp.fft): its W modes per rank
     modes: tuple[int, ...] = ()
+    #: windowed attention: (window rows, shift) along the sharded dim
+    window: tuple[int, ...] = ()
 
     @property
     def halo_rows(self) -> int:
@@ -488,6 +497,9 @@ def validate_sharding_constraints(
             k_modes = shape_in[module.fft_dims[1]] // 2 + 1
             cut = ShardSpec.balanced(k_modes, parts, allow_empty=True)
             modes = (cut if k_modes < parts else partition.spec(k_modes, parts)).sizes
+        window: tuple[int, ...] = ()
+        if isinstance(module, WindowAttention):
+            window = (module.window[d - 1], module.shift[d - 1])
         layers.append(
             LayerSharding(
                 path,
@@ -502,6 +514,7 @@ def validate_sharding_constraints(
                 dim_in,
                 dim_out,
                 modes,
+                window,
             )
         )
     return ShardingReport(parts, tuple(layers), tuple(problems))

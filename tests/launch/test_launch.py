@@ -90,8 +90,19 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cmd, env=clean_env(**extra), capture_output=True, text=True, timeout=TIMEOUT
+    try:
+        return subprocess.run(
+            cmd, env=clean_env(**extra), capture_output=True, text=True, timeout=TIMEOUT
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise timed_out(exc) from None
+
+
+def timed_out(exc: subprocess.TimeoutExpired) -> AssertionError:
+    """What a job that ran out of time printed, the stacks of hangdump included."""
+    out, err = (s.decode() if isinstance(s, bytes) else s or "" for s in (exc.stdout, exc.stderr))
+    return AssertionError(
+        f"{exc.cmd} timed out after {exc.timeout} s:\n{out[-3000:]}\n{err[-12000:]}"
     )
 
 

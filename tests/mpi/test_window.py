@@ -16,7 +16,7 @@ from zoo_models import SwinBlock as ReferenceSwin
 
 import mpidp
 from mpidp.layers.window import DomainParallelWindowAttention, window_rows
-from mpidp.models import SwinBlock, WindowAttention
+from mpidp.models import SwinBlock, SwinNet, WindowAttention
 from mpidp.sharded import UnsupportedOp, shard
 from mpidp.testing import assert_matches_serial
 
@@ -142,3 +142,30 @@ def test_serial_blocks_on_sharded_tensors(manager):
         x = shard(rand((1, 3, 11, 12, 8), 7), 2, manager)
         with pytest.raises(UnsupportedOp, match="merges dims before the sharded dim"):
             block(x)
+
+
+@pytest.mark.parametrize("cut", ["balanced", "thin"])
+def test_plan_prices_the_window_rows_that_move(manager, cut):
+    """``mpidp plan``'s bytes for the windows' row fetches (and the head's row move) equal what
+    each rank's all-to-alls send in one forward and backward of the converted SwinNet."""
+    from mpidp.plan import plan_model
+    from mpidp.testing import count_traffic
+
+    grid, shape = (52, 16), (2, 3, 52, 16)  # 13 token rows in windows of 4, padded to 16
+    serial = SwinNet(3, 2, grid, patch=4, embed_dim=8, depth=2, heads=2, window=(4, 2)).to(F64)
+    old = manager.partition
+    if cut == "thin":
+        manager.partition = mpidp.Weighted((1,) * (WORLD - 1) + (4 * WORLD,))
+    try:
+        priced = plan_model(serial, shape, WORLD, partition=manager.partition, dtype=F64)
+        dist = converted(serial, manager)
+        rows = manager.spec(grid[0])
+        me = manager.domain_rank
+        x = rand(shape, 9).narrow(-2, rows.start(me), rows[me]).requires_grad_()
+        with count_traffic(manager) as traffic:
+            dist(x).sum().backward()
+    finally:
+        manager.partition = old
+    sent = traffic.ops.get("all_to_all_v", [0, 0])[1]
+    assert sent == priced.ranks[me].transpose_bytes, (sent, priced.ranks[me])
+    assert (sent > 0) == (WORLD > 1)
