@@ -3,7 +3,7 @@
 from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
 from mpidp import parallel as parallel  # mpidp.parallel without a second import
 from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
-from mpidp.attention import shard_heads, shard_sequence
+from mpidp.attention import shard_heads, shard_sequence, sliding_window_attention
 from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.collectives import (
     all_gather_v,
@@ -147,6 +147,7 @@ __all__ = [
     "shard",
     "shard_heads",
     "shard_sequence",
+    "sliding_window_attention",
     "ShardedTensor",
     "Replicated",
     "start_halo_exchange",

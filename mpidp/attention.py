@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mpidp.collectives import all_to_all_v, resolve_transport
 from mpidp.errors import ConfigError
 from mpidp.partition import ShardSpec
 
-__all__ = ["head_spec", "shard_heads", "shard_sequence"]
+__all__ = ["head_spec", "shard_heads", "shard_sequence", "sliding_window_attention"]
 
 
 def head_spec(num_heads: int, parts: int) -> ShardSpec:
@@ -102,3 +103,37 @@ def query_rows_masks(
     if attn_mask is None:
         return None
     return attn_mask.narrow(-2, rows.start(rank), rows.sizes[rank])
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window_size: int | tuple[int, int],
+    group: Any = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Local attention over a sequence cut into bands along dim -2 (``(..., seq_r, ch)``):
+    each query attends the keys at most ``window_size`` positions before and after it
+    (anemoi's ``window_size``; a ``(left, right)`` pair as flash-attention's). Each rank
+    fetches the ``left`` keys and values before its band and the ``right`` after it (a halo
+    exchange, several ranks away on thin bands), and attends its queries with torch's SDPA
+    and its rows of the banded mask: the serial banded attention's rows, exact, with memory
+    ``seq_r x (seq_r + left + right)`` instead of a whole-sequence mask. Collective over
+    ``group`` (default: the domain group)."""
+    from mpidp.halo import halo_exchange
+
+    left, right = (window_size, window_size) if isinstance(window_size, int) else window_size
+    if min(left, right) < 0:
+        raise ConfigError(f"sliding_window_attention: window_size={window_size} must be >= 0")
+    t = resolve_transport(group, q.device)
+    rows = ShardSpec(tuple(r[0] for r in t.all_gather_ints([q.size(-2)])))
+    d = q.dim() - 2
+    kx = halo_exchange(k, left, right, d, rows, group=t)
+    vx = halo_exchange(v, left, right, d, rows, group=t)
+    a, b = rows.start(t.rank), rows.stop(t.rank)
+    i = torch.arange(a, b, device=q.device).unsqueeze(-1)
+    j = torch.arange(a - left, b + right, device=q.device)
+    allowed = (j >= i - left) & (j <= i + right) & (j >= 0) & (j < rows.total)
+    return F.scaled_dot_product_attention(q, kx, vx, attn_mask=allowed, scale=scale)

@@ -39,6 +39,18 @@ def global_fn(t, local_shapes, f, replicated_out=False):
     return g, sum(numels)
 
 
+def on_transports(cases, torch_cases):
+    """``(transport, *case)`` parameters for a gradcheck test: every case on the MPI transport,
+    ``torch_cases`` on torch.distributed (gloo) too. gradcheck checks the math of mpidp's
+    autograd Functions, which is one code over both transports (a transport only moves the
+    bytes); the forward, gradient-against-serial and adjoint tests run every case on both.
+    Use with ``indirect=["t"]``."""
+    wrap = [c if isinstance(c, tuple) else (c,) for c in cases]
+    return [("mpi", *c) for c in wrap] + [
+        ("torch", *(c if isinstance(c, tuple) else (c,))) for c in torch_cases
+    ]
+
+
 def gradcheck_global(t, local_shapes, f, replicated_out=False, second=True):
     """gradcheck, and with ``second`` gradgradcheck (every backward is a partner Function, so
     double backward works) with ``grad_outputs`` drawn from one seed: the same on every rank,

@@ -142,3 +142,30 @@ def test_multihead_attention_on_sharded_tensors(manager, case):
     dim = 0 if case == "seq-first" else 1
     x = rand((n, 2, 6) if case == "seq-first" else (2, n, 6), 14)
     check_sharded(manager, lambda z: mha(z, z, z, **masks)[0], x, dim=dim, module=mha)
+
+
+@pytest.mark.parametrize("cut", ["balanced", "thin"])
+@pytest.mark.parametrize("window", [2, (5, 1)], ids=["symmetric", "left-heavy"])
+def test_sliding_window_attention_equals_serial(t, cut, window):
+    """anemoi's window_size: each rank fetches only the keys within the window beyond its band
+    (several ranks away on thin bands); forward and q, k, v gradients equal serial SDPA with
+    the whole sequence's banded mask."""
+    from mpidp.attention import sliding_window_attention
+
+    b, heads, n, c = 2, 3, 3 * WORLD + 4, 4
+    left, right = (window, window) if isinstance(window, int) else window
+    sizes = cuts(n)[cut]
+    lo, hi = sum(sizes[:ME]), sum(sizes[: ME + 1])
+    q, k, v = (rand((b, heads, n, c), s) for s in (31, 32, 33))
+    i = torch.arange(n)
+    band_mask = (i[None, :] >= i[:, None] - left) & (i[None, :] <= i[:, None] + right)
+    w = rand((b, heads, n, c), 34)
+    ref = [z.clone().requires_grad_() for z in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, attn_mask=band_mask)
+    (want * w).sum().backward()
+    bands = [z[:, :, lo:hi].clone().requires_grad_() for z in (q, k, v)]
+    out = sliding_window_attention(*bands, window, group=t)
+    torch.testing.assert_close(out, want[:, :, lo:hi].detach(), rtol=1e-10, atol=1e-12)
+    (out * w[:, :, lo:hi]).sum().backward()
+    for mine, full in zip(bands, ref, strict=True):
+        torch.testing.assert_close(mine.grad, full.grad[:, :, lo:hi], rtol=1e-10, atol=1e-12)
