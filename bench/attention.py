@@ -125,25 +125,31 @@ def ulysses_bench(m, world, repeats: int) -> dict:  # type: ignore[no-untyped-de
     q, k, v = (torch.randn(1, heads, spec.sizes[me], ch) for _ in range(3))
     qs, ks, vs = (mpidp.ShardedTensor.from_local(t, 2, spec, m) for t in (q, k, v))
 
-    def to_heads(t: torch.Tensor) -> torch.Tensor:
-        send = np.concatenate([t[:, hs.slice(r)].numpy().ravel() for r in range(p)])
-        counts = [hs.sizes[r] * spec.sizes[me] * ch for r in range(p)]
-        rcounts = [hs.sizes[me] * spec.sizes[r] * ch for r in range(p)]
+    def exchange(t: torch.Tensor, split: int, cut, cat: int, into) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Part r of ``t`` along ``split`` (cut by ``cut``) to rank r; what arrives from the
+        ranks concatenated along ``cat`` (rank r's part has ``into.sizes[r]`` entries)."""
+        send = np.concatenate(
+            [t.narrow(split, cut.start(r), cut.sizes[r]).numpy().ravel() for r in range(p)]
+        )
+        shapes = []
+        for r in range(p):
+            shape = list(t.shape)
+            shape[split], shape[cat] = cut.sizes[me], into.sizes[r]
+            shapes.append(shape)
+        counts = [t.numel() // t.size(split) * cut.sizes[r] for r in range(p)]
+        rcounts = [int(np.prod(shape)) for shape in shapes]
         recv = np.empty(sum(rcounts), dtype=np.float32)
         world.Alltoallv([send, counts], [recv, rcounts])
         parts = np.split(recv, np.cumsum(rcounts)[:-1])
-        blocks = [z.reshape(1, hs.sizes[me], spec.sizes[r], ch) for r, z in enumerate(parts)]
-        return torch.from_numpy(np.concatenate(blocks, axis=2))
+        return torch.from_numpy(
+            np.concatenate([z.reshape(sh) for z, sh in zip(parts, shapes, strict=True)], cat)
+        )
+
+    def to_heads(t: torch.Tensor) -> torch.Tensor:
+        return exchange(t, 1, hs, 2, spec)
 
     def to_rows(t: torch.Tensor) -> torch.Tensor:
-        send = np.concatenate([t[:, :, spec.slice(r)].numpy().ravel() for r in range(p)])
-        counts = [hs.sizes[me] * spec.sizes[r] * ch for r in range(p)]
-        rcounts = [hs.sizes[r] * spec.sizes[me] * ch for r in range(p)]
-        recv = np.empty(sum(rcounts), dtype=np.float32)
-        world.Alltoallv([send, counts], [recv, rcounts])
-        parts = np.split(recv, np.cumsum(rcounts)[:-1])
-        blocks = [z.reshape(1, hs.sizes[r], spec.sizes[me], ch) for r, z in enumerate(parts)]
-        return torch.from_numpy(np.concatenate(blocks, axis=1))
+        return exchange(t, 2, spec, 1, hs)
 
     def raw() -> torch.Tensor:
         return to_rows(F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v)))

@@ -6,6 +6,7 @@ on a fixed grid, so no layer needs the (local) input shape to know the global on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -271,7 +272,43 @@ class AFNOBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class AFNONet(nn.Module):
+class _PatchNet(nn.Module):
+    """A token network on an (H, W) grid: a patch embedding (convolution with kernel = stride =
+    ``patch``), a learned position embedding, ``self.blocks`` on channels-last tokens,
+    LayerNorm and a linear head that un-patches to (out_channels, H, W)."""
+
+    blocks: nn.ModuleList
+
+    def _build(
+        self,
+        in_channels: int,
+        out_channels: int,
+        grid: tuple[int, int],
+        patch: int,
+        dim: int,
+        blocks: Callable[[tuple[int, int]], Iterable[nn.Module]],
+    ) -> None:
+        """The embeddings, ``blocks(token grid)``, the norm and the head, in that order."""
+        h, w = grid
+        if h % patch or w % patch:
+            raise ValueError(f"grid {grid} is not a multiple of patch {patch}")
+        tokens = (h // patch, w // patch)
+        self.grid, self.patch = grid, patch
+        self.patch_embed = nn.Conv2d(in_channels, dim, patch, patch)
+        self.pos_embed = PositionEmbedding(tokens, dim)
+        self.blocks = nn.ModuleList(blocks(tokens))
+        self.norm = nn.LayerNorm(dim)
+        self.head = PatchRecovery(dim, out_channels, patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x).permute(0, 2, 3, 1)  # (B, h, w, D) tokens, channels last
+        x = self.pos_embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class AFNONet(_PatchNet):
     """A FourCastNet-style AFNO network on an (H, W) grid: a patch embedding (convolution with
     kernel = stride = ``patch``), a learned position embedding, ``depth`` blocks of LayerNorm +
     AFNO filter + residual and LayerNorm + channel MLP + residual, and a linear head that
@@ -291,33 +328,21 @@ class AFNONet(nn.Module):
         hard_thresholding_fraction: float = 1.0,
     ) -> None:
         super().__init__()
-        h, w = grid
-        if h % patch or w % patch:
-            raise ValueError(f"grid {grid} is not a multiple of patch {patch}")
-        tokens = (h // patch, w // patch)
-        self.grid, self.patch = grid, patch
-        self.patch_embed = nn.Conv2d(in_channels, embed_dim, patch, patch)
-        self.pos_embed = PositionEmbedding(tokens, embed_dim)
-        self.blocks = nn.ModuleList(
-            AFNOBlock(
-                embed_dim,
-                tokens,
-                mlp_ratio,
-                num_blocks=num_blocks,
-                sparsity_threshold=sparsity_threshold,
-                hard_thresholding_fraction=hard_thresholding_fraction,
-            )
-            for _ in range(depth)
+        filter_args = dict(
+            num_blocks=num_blocks,
+            sparsity_threshold=sparsity_threshold,
+            hard_thresholding_fraction=hard_thresholding_fraction,
         )
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = PatchRecovery(embed_dim, out_channels, patch)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x).permute(0, 2, 3, 1)  # (B, h, w, D) tokens, channels last
-        x = self.pos_embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        self._build(
+            in_channels,
+            out_channels,
+            grid,
+            patch,
+            embed_dim,
+            lambda tokens: (
+                AFNOBlock(embed_dim, tokens, mlp_ratio, **filter_args) for _ in range(depth)
+            ),
+        )
 
 
 class SpectralConv2d(_Spectral):
@@ -585,7 +610,7 @@ class SwinBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class SwinNet(nn.Module):
+class SwinNet(_PatchNet):
     """A Pangu / Swin-style transformer on an (H, W) grid: a patch embedding (convolution with
     kernel = stride = ``patch``), a learned position embedding, ``depth`` :class:`SwinBlock`
     s alternating unshifted and shifted windows (the token grid padded to a multiple of
@@ -607,24 +632,21 @@ class SwinNet(nn.Module):
         earth_bias: bool = True,
     ) -> None:
         super().__init__()
-        h, w = grid
-        if h % patch or w % patch:
-            raise ValueError(f"grid {grid} is not a multiple of patch {patch}")
-        tokens = (h // patch, w // patch)
-        self.grid, self.patch = grid, patch
-        self.patch_embed = nn.Conv2d(in_channels, embed_dim, patch, patch)
-        self.pos_embed = PositionEmbedding(tokens, embed_dim)
-        earth = tokens if earth_bias else None
-        self.blocks = nn.ModuleList(
-            SwinBlock(embed_dim, heads, tuple(window), k % 2 == 1, earth, mlp_ratio)
-            for k in range(depth)
+        self._build(
+            in_channels,
+            out_channels,
+            grid,
+            patch,
+            embed_dim,
+            lambda tokens: (
+                SwinBlock(
+                    embed_dim,
+                    heads,
+                    tuple(window),
+                    k % 2 == 1,
+                    tokens if earth_bias else None,
+                    mlp_ratio,
+                )
+                for k in range(depth)
+            ),
         )
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = PatchRecovery(embed_dim, out_channels, patch)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x).permute(0, 2, 3, 1)  # (B, h, w, D) tokens, channels last
-        x = self.pos_embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))

@@ -66,7 +66,7 @@ def window_rows(
 
     wanted = [[(d, d + n) for d, n in plan(q)[1] if d is not None] for q in range(spec.parts)]
     first, runs = plan(rank)
-    keep = spec.start(rank) + lo - shift - first * window
+    keep = spec.start(rank) + lo - shift - first * window if runs else 0
     return first, wanted, runs, keep
 
 

@@ -73,6 +73,7 @@ MODULES = [
     "mpidp.fft",
     "mpidp.sharded",
     "mpidp.attention",
+    "mpidp.anemoi",
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.plan",

@@ -31,6 +31,7 @@ def cuts(h: int, window: int) -> dict[str, tuple[int, ...]]:
     if WORLD > 1:
         out["weighted"] = mpidp.ShardSpec.from_weights(range(WORLD, 0, -1), h).sizes
         out["thin"] = (1,) * (WORLD - 1) + (h - WORLD + 1,)
+        out["empty"] = (0,) + (1,) * (WORLD - 2) + (h - WORLD + 2,)
         if h // window >= WORLD:
             out["aligned"] = mpidp.Aligned(window).spec(h, WORLD).sizes
     return out
@@ -169,3 +170,25 @@ def test_plan_prices_the_window_rows_that_move(manager, cut):
     sent = traffic.ops.get("all_to_all_v", [0, 0])[1]
     assert sent == priced.ranks[me].transpose_bytes, (sent, priced.ranks[me])
     assert (sent > 0) == (WORLD > 1)
+
+
+def test_attention_layers_over_gloo():
+    """The converted window attention (3-D, shifted, thin cut) and MultiheadAttention (one
+    head) through the torch.distributed transport (gloo) too."""
+    with mpidp.DistributedManager(domain_parallel_size=WORLD, transport="torch") as gloo:
+        serial = WindowAttention(8, 2, (2, 3, 4), True, (3, 11, 12)).to(F64)
+        dist = converted(serial, gloo)
+        sizes = cuts(11, 3)["thin" if WORLD > 1 else "balanced"]
+        x = rand((1, 3, 11, 12, 8), 8)
+        kw = dict(manager=gloo, dim=-3, sizes=sizes, out_sizes=sizes)
+        assert_matches_serial(serial, dist, [x], modules=(serial, dist), **kw)
+        mha = torch.nn.MultiheadAttention(6, 1, batch_first=True, dtype=F64)
+        dmha = converted(mha, gloo)
+        assert_matches_serial(
+            lambda z: mha(z, z, z)[0],
+            lambda z: dmha(z, z, z)[0],
+            [rand((2, 11, 6), 9)],
+            manager=gloo,
+            dim=-2,
+            modules=(mha, dmha),
+        )
