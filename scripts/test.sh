@@ -5,7 +5,13 @@
 # MPIDP_TEST_PHDF5=1, the I/O tests again with parallel HDF5.
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
+#
+# `--quick`: the development tier (a few minutes): ruff, mypy, unit tests, and the MPI tests
+# at 3 ranks (uneven bands, an interior rank, both transports); no composition, one-rank,
+# launch or cluster stages. MPIDP_TEST_RANKS overrides the rank counts.
 set -euo pipefail
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
 cd "$(dirname "$0")/.."
 venv="${MPIDP_VENV:-.venv}"
 export PATH="$PWD/$venv/bin:$PATH"
@@ -23,6 +29,17 @@ step() { echo; echo "=== $*"; }
 step "ruff"; "$py" -m ruff check mpidp tests examples bench docs || fail=1
 step "mypy"; "$py" -m mypy || fail=1
 step "unit tests"; timeout "$per_run" "$py" -m pytest -q tests/unit || fail=1
+if [ "$quick" = 1 ]; then
+  for n in ${MPIDP_TEST_RANKS:-3}; do
+    step "MPI tests, $n ranks"
+    timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
+      --ignore=tests/mpi/test_parallel.py || { echo "MPI tests FAILED at $n ranks"; fail=1; }
+  done
+  echo
+  if [ "$fail" -ne 0 ]; then echo "quick tier: FAILED"; exit 1; fi
+  echo "quick tier: passed (the full suite: bash scripts/test.sh)"
+  exit 0
+fi
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   step "MPI tests, $n ranks"
   timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
