@@ -27,10 +27,12 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
     """:class:`torch.nn.MultiheadAttention` on this rank's run of the sequence: the output
     (and the weights, ``(B, L_r, S)``) for this rank's queries. ``keys``: ``"sharded"`` (the
     keys and values are cut like the queries: self-attention over the field) or ``"whole"``
-    (every rank passes the same whole key sequence, e.g. a memory or a condition).
+    (every rank passes the same whole key sequence, e.g. a memory or a condition). Left None,
+    keys that are the query tensor itself are sharded, and other keys are refused: a whole
+    memory and a band of the same length look alike, so it must be said which.
     Masks are the serial model's (global shapes). Collective over the domain group."""
 
-    keys: str = "sharded"
+    keys: str | None = None
 
     def forward(
         self,
@@ -48,12 +50,17 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
                 query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
             )  # fmt: skip
-        if self.keys not in ("sharded", "whole"):
-            raise ConfigError(f"{type(self).__name__}.keys={self.keys!r}: 'sharded' or 'whole'")
         t = self._transport(query)
+        keys = self.keys if self.keys is not None else "sharded" if key is query else None
+        if keys not in ("sharded", "whole"):
+            raise ConfigError(
+                f"rank {t.rank}: {type(self).__name__}.keys={self.keys!r} with keys that are not "
+                f"the queries: set module.keys = 'sharded' (cut like the queries) or 'whole' "
+                f"(every rank passes the whole key sequence)"
+            )
         seq = 1 if self.batch_first and query.dim() == 3 else 0
         rows = learn_spec(query, seq, t)
-        if self.keys == "sharded":
+        if keys == "sharded":
             cut = rows if key is query else learn_spec(key, seq, t)
             k = all_gather_v(key, list(cut.sizes), seq, group=t)
             v = k if value is key else all_gather_v(value, list(cut.sizes), seq, group=t)

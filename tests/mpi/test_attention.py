@@ -138,6 +138,16 @@ def test_multihead_attention_weights_and_refusals(manager):
             dist(band, band, band, attn_mask=masks["attn_mask"][: band.size(1)])
         with pytest.raises(mpidp.ConfigError, match="is_causal=True needs attn_mask"):
             dist(band, band, band, is_causal=True)
+    # keys that are not the queries: a band or a whole memory? it must be said
+    other = band.clone()
+    if WORLD > 1:
+        with pytest.raises(mpidp.ConfigError, match=r"set module\.keys = 'sharded'"):
+            dist(band, other, other, **masks)
+    dist.keys = "sharded"
+    torch.testing.assert_close(dist(band, other, other, **masks)[0], out)
+    dist.keys = "whole"
+    memory = x.clone()  # every rank passes the whole sequence as a memory
+    torch.testing.assert_close(dist(band, memory, memory, **masks)[0], out)
 
 
 @pytest.mark.parametrize("case", ["masks", "one-head", "seq-first"])
