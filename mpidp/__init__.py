@@ -1,6 +1,7 @@
 """mpidp: domain parallelism for PyTorch models on latitude bands, launched by MPI."""
 
 from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
+from mpidp import graph as graph  # mpidp.graph.Graph without a second import
 from mpidp import parallel as parallel  # mpidp.parallel without a second import
 from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
 from mpidp.attention import shard_heads, shard_sequence, sliding_window_attention

@@ -22,6 +22,7 @@ from torch import nn
 from mpidp import layers as L
 from mpidp import models as M
 from mpidp.errors import ConfigError
+from mpidp.graph.module import Graph, ShardedGraph
 from mpidp.layers import spectral as S
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
@@ -104,6 +105,7 @@ _WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
     (M.PatchRecovery, S.DomainParallelPatchRecovery),
     (M.WindowAttention, DomainParallelWindowAttention),
     (nn.MultiheadAttention, DomainParallelMultiheadAttention),
+    (Graph, ShardedGraph),
     *PAD_WRAPPERS.items(),
     (nn.PixelShuffle, DomainParallelPixelShuffle),
     (nn.PixelUnshuffle, DomainParallelPixelUnshuffle),

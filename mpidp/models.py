@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,11 +15,18 @@ from torch import nn
 from mpidp.geometry import conv_output_size
 from mpidp.layers.periodic import PeriodicConv2d
 
+if TYPE_CHECKING:  # imported on first use (module __getattr__ below)
+    from mpidp.graph.graphcast import GraphCastNet
+    from mpidp.graph.layers import GraphTransformerLayer, InteractionNetwork
+
 __all__ = [
     "AFNOBlock",
     "AFNOFilter",
     "AFNONet",
     "FNO2d",
+    "GraphCastNet",
+    "GraphTransformerLayer",
+    "InteractionNetwork",
     "PatchEmbedRecover",
     "PatchRecovery",
     "PeriodicResBlock",
@@ -29,6 +37,21 @@ __all__ = [
     "WeatherUNet",
     "WindowAttention",
 ]
+
+#: the graph models live in mpidp.graph (which imports the layers, which import this module)
+_GRAPH_MODELS = {
+    "GraphCastNet": "mpidp.graph.graphcast",
+    "GraphTransformerLayer": "mpidp.graph.layers",
+    "InteractionNetwork": "mpidp.graph.layers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GRAPH_MODELS:
+        import importlib
+
+        return getattr(importlib.import_module(_GRAPH_MODELS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _block(c_in: int, c_out: int, groups: int) -> nn.Sequential:

@@ -74,6 +74,7 @@ MODULES = [
     "mpidp.sharded",
     "mpidp.attention",
     "mpidp.anemoi",
+    "mpidp.graph",
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.plan",
