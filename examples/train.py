@@ -1,4 +1,4 @@
-"""Train a small weather model (U-Net, AFNO, FNO or Swin) domain-parallel on the sample data set.
+"""Train a small weather model (U-Net, AFNO, FNO, Swin, graph) domain-parallel on sample data.
 
     mpiexec -n 4 python examples/train.py                # dp 2 x domain 2 (the default)
     python examples/train.py                             # one process: the same numbers
@@ -10,6 +10,7 @@
     mpiexec -n 4 python examples/train.py --model afno   # FourCastNet-style, through mpidp.fft
     mpiexec -n 4 python examples/train.py --model fno    # Fourier neural operator
     mpiexec -n 4 python examples/train.py --model swin   # Pangu-style shifted windows
+    mpiexec -n 4 python examples/train.py --model graph  # GraphCast-style grid -> mesh -> grid
 
 Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
 replicas see different samples. The loss is the latitude-weighted MSE of the whole global
@@ -46,7 +47,7 @@ from mpidp.io import (
     load_checkpoint,
     save_checkpoint,
 )
-from mpidp.models import AFNONet, FNO2d, SwinNet, WeatherUNet
+from mpidp.models import AFNONet, FNO2d, GraphCastNet, SwinNet, WeatherUNet
 from mpidp.parallel import (
     ParallelMesh,
     apply_ddp,
@@ -64,7 +65,7 @@ class Config:
     """Everything a run depends on; a YAML file may set any field, flags win over it."""
 
     data: str = ""  # default: examples/data/sample-<lat>x<lon>.h5, generated when missing
-    model: str = "unet"  # unet, afno (FourCastNet-style AFNO), fno (Fourier neural operator), swin
+    model: str = "unet"  # unet, afno (FourCastNet-style), fno (Fourier neural op.), swin, graph
     lat: int = 0  # 0: 91, or 92 for afno and swin (a multiple of their patch)
     lon: int = 180
     times: int = 64
@@ -134,6 +135,7 @@ MODELS: dict[str, type[torch.nn.Module]] = {
     "afno": AFNONet,
     "fno": FNO2d,
     "swin": SwinNet,
+    "graph": GraphCastNet,
 }
 
 
@@ -145,6 +147,8 @@ def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
     elif cfg.model == "swin":  # 23 x 45 tokens in windows of 4 x 5 (padded to 24 rows)
         spec.update(grid=(cfg.lat, cfg.lon), patch=cfg.patch, embed_dim=4 * cfg.width, depth=2)
         spec.update(heads=4, window=(4, 5))
+    elif cfg.model == "graph":  # grid -> a 512-node mesh -> 2 processor layers -> grid
+        spec.update(grid=(cfg.lat, cfg.lon), mesh_nodes=512, hidden=4 * cfg.width, layers=2)
     elif cfg.model == "fno":
         spec.update(modes1=cfg.modes, modes2=cfg.modes, width=2 * cfg.width, depth=3)
     else:

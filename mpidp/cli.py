@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument(
         "--model",
         default="unet",
-        help="an example model (unet, resblock, patch, afno, fno, swin) or module:factory "
+        help="an example model (unet, resblock, patch, afno, fno, swin, graph) or module:factory "
         "(default unet)",
     )
     plan.add_argument("--channels", type=int, default=6, help="input channels (default 6)")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from mpidp.errors import ConfigError
+from mpidp.graph.module import GraphExchange
 from mpidp.halo_plan import Boundary, plan
 from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.validate import LayerSharding, ShardingReport, validate_sharding_constraints
@@ -77,6 +78,12 @@ def _swin(channels: int, grid: tuple[int, int]) -> nn.Module:
     return SwinNet(channels, channels, grid, patch=patch, embed_dim=192, heads=6, window=(6, 12))
 
 
+def _graph(channels: int, grid: tuple[int, int]) -> nn.Module:
+    from mpidp.models import GraphCastNet
+
+    return GraphCastNet(channels, channels, grid, mesh_nodes=2562, hidden=128, layers=4)
+
+
 def _patch(channels: int, grid: tuple[int, int]) -> nn.Module:
     from mpidp.models import PatchEmbedRecover
 
@@ -91,6 +98,7 @@ EXAMPLE_MODELS: dict[str, Callable[[int, tuple[int, int]], nn.Module]] = {
     "afno": _afno,
     "fno": _fno,
     "swin": _swin,
+    "graph": _graph,
 }
 
 
@@ -108,6 +116,9 @@ class RankCost:
     #: of ``send_bytes``: what the all-to-alls of spectral layers, windowed attention and
     #: patch heads send
     transpose_bytes: int = 0
+    #: of ``send_bytes``: what this rank hands to the halo exchanges of graphs (mpidp.graph;
+    #: an all-gather counts this rank's part once, its reduce-scatter backward every node)
+    graph_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,13 +163,14 @@ class ModelPlan:
         )
         per_rank = [
             f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
-            f"{'comm MB/step out':>18}{'of it transposes':>18}{'activations MB':>16}"
+            f"{'comm MB/step out':>18}{'of it transposes':>18}{'of it graphs':>14}"
+            f"{'activations MB':>16}"
         ]
         for r in self.ranks:
             per_rank.append(
                 f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
                 f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
-                f"{r.activation_bytes / 1e6:>16.2f}"
+                f"{r.graph_bytes / 1e6:>14.3f}{r.activation_bytes / 1e6:>16.2f}"
             )
         most = max(r.activation_bytes for r in self.ranks)
         per_rank.append(
@@ -173,10 +185,39 @@ class ModelPlan:
                 for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
             )
             layers.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+        graphs = []
+        for (path, route), found in _by_exchange(self.report.graph_exchanges).items():
+            cells = "".join(f"{x.received}/{x.sent}".ljust(12) for x in found)
+            graphs.append(f"{path:<24.24}{route:<8}{found[0].elements:<10}{cells}")
+        if graphs:
+            title = f"{'graph':<24}{'route':<8}{'per node':<10}" + "".join(
+                f"r{r:<11}" for r in ranks
+            )
+            graphs = ["", "graph halo nodes in/out per exchange:", title, *graphs]
         problems = [f"problem: {p}" for p in self.report.problems] or ["no problems"]
         return "\n".join(
-            [head, "", *per_rank, "", "halo rows per layer (before+after):", *layers, "", *problems]
+            [
+                head,
+                "",
+                *per_rank,
+                "",
+                "halo rows per layer (before+after):",
+                *layers,
+                *graphs,
+                "",
+                *problems,
+            ]
         )
+
+
+def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], list[Any]]:
+    """Each graph's exchanges, rank by rank (a graph used by several layers: its first use)."""
+    out: dict[tuple[str, str], list[Any]] = {}
+    for x in exchanges:
+        found = out.setdefault((x.path, x.route), [])
+        if all(y.rank != x.rank for y in found):
+            found.append(x)
+    return out
 
 
 def _spatial_elements(shape: tuple[int, ...], d: int) -> int:
@@ -290,11 +331,20 @@ def plan_model(
             send += moved
             moved_all += moved
             act += layer.rows_out[r] * _spatial_elements(layer.shape_out, d_out) * itemsize
-        rows = report.layers[0].rows_in[r] if report.layers else 0
+        graph = 0
+        for x in report.graph_exchanges:
+            if x.rank == r:
+                graph += (x.sent + x.sent_back) * x.elements * itemsize
+                recv += (x.received + x.received_back) * x.elements * itemsize
+        send += graph
+        if report.layers:
+            rows = report.layers[0].rows_in[r]
+        else:
+            rows = policy.spec(global_shape[shard_dim], parts)[r]
         halo = tuple(
             max(0, lay.halo_before[r]) + max(0, lay.halo_after[r]) for lay in report.layers
         )
-        ranks.append(RankCost(r, rows, halo, recv, send, act, moved_all))
+        ranks.append(RankCost(r, rows, halo, recv, send, act, moved_all, graph))
     name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
     return ModelPlan(tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial)
 

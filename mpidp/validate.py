@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from mpidp.audit import OpRecorder, where_error
 from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, input_ranges, padding_pair
+from mpidp.graph.module import Graph, GraphExchange, dry_graphs
 from mpidp.layers import base
 from mpidp.layers.interpolate import _ONE_DIM, MODES, _per_dim, _taps, read_halo
 from mpidp.layers.pad import PAD_TYPES, _mode
@@ -100,6 +102,8 @@ class ShardingReport:
     parts: int
     layers: tuple[LayerSharding, ...]
     problems: tuple[str, ...]
+    #: every halo exchange of the model's graphs in each rank's forward (mpidp.graph)
+    graph_exchanges: tuple[GraphExchange, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -295,9 +299,12 @@ def _band_runs(
     parts: int,
     partition: PartitionPolicy,
     shard_dim: int,
+    graphs: dict[str, Graph],
+    exchanges: list[GraphExchange],
 ) -> list[str]:
     """Every rank's forward on its band, in this process, on meta tensors: each converted
-    layer replaced by the rows it gives that rank, the model's own code run as it is. The
+    layer replaced by the rows it gives that rank, each graph by that rank's shard of it (its
+    halo exchanges logged in ``exchanges``), the model's own code run as it is. The
     first op that fails (with its line), an output that is not the rank's band, and the ops of
     the model's own code that mix rows of the sharded dim."""
     first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
@@ -337,7 +344,12 @@ def _band_runs(
         at = f"rank {rank} (rows {lo}-{hi} of {h})"
         failure = None
         try:
-            with base.torch_path(), recorder.watching(meta, _leaf):
+            rows = functools.partial(partition.spec, parts=parts)
+            with (
+                base.torch_path(),
+                dry_graphs(meta, graphs, rank, rows, exchanges),
+                recorder.watching(meta, _leaf),
+            ):
                 out = meta(*band)
         except _BandMismatch as err:
             failure = f"{at}: {err}, from {where_error(err)}"
@@ -430,6 +442,7 @@ def validate_sharding_constraints(
     except ConfigError as err:
         problems.append(str(err))
     recorder = OpRecorder()
+    exchanges: list[GraphExchange] = []
     out_global: Any = None
     with base.torch_path():
         try:
@@ -442,8 +455,18 @@ def validate_sharding_constraints(
             for hook in hooks:
                 hook.remove()
     if out_global is not None and parts > 1:
+        graphs = {p: m for p, m in model.named_modules() if isinstance(m, Graph)}
         problems += _band_runs(
-            meta, inputs, out_global, calls, recorder.calls, parts, partition, shard_dim
+            meta,
+            inputs,
+            out_global,
+            calls,
+            recorder.calls,
+            parts,
+            partition,
+            shard_dim,
+            graphs,
+            exchanges,
         )
     layers = []
     for path, module, shape_in, shape_out in seen:
@@ -517,4 +540,4 @@ def validate_sharding_constraints(
                 window,
             )
         )
-    return ShardingReport(parts, tuple(layers), tuple(problems))
+    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges))

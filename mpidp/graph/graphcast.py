@@ -60,8 +60,9 @@ def knn_edges(
     src_xyz: torch.Tensor, dst_xyz: torch.Tensor, k: int, from_src: bool = False
 ) -> torch.Tensor:
     """Edges (2, E) joining each destination to its ``k`` nearest sources (``from_src``:
-    each source to its ``k`` nearest destinations). Ties go to the lower index; a node is not
-    its own neighbour when both sets are one."""
+    each source to its ``k`` nearest destinations), nearest first. The same on every rank
+    (one deterministic kernel on the same numbers); a node is not its own neighbour when
+    both sets are one."""
     same = src_xyz is dst_xyz
     a, b = (src_xyz, dst_xyz) if from_src else (dst_xyz, src_xyz)
     dist = torch.cdist(a, b)
@@ -69,7 +70,7 @@ def knn_edges(
         dist.fill_diagonal_(math.inf)
     if k > b.size(0) - same:
         raise ConfigError(f"k={k} neighbours of {b.size(0) - same} candidates")
-    near = torch.sort(dist, dim=1, stable=True).indices[:, :k]
+    near = torch.topk(dist, k, dim=1, largest=False, sorted=True).indices
     mine = torch.arange(a.size(0)).repeat_interleave(k)
     pairs = (mine, near.reshape(-1))
     return torch.stack(pairs[::-1] if not from_src else pairs)

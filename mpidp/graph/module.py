@@ -17,7 +17,10 @@ the manager's partition policy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +33,16 @@ from mpidp.layers.base import DomainParallel
 from mpidp.manager import DistributedManager
 from mpidp.partition import ShardSpec
 
-__all__ = ["BandNodes", "Graph", "GridNodes", "NodeSet", "Nodes", "ShardedGraph"]
+__all__ = [
+    "BandNodes",
+    "Graph",
+    "GraphExchange",
+    "GridNodes",
+    "NodeSet",
+    "Nodes",
+    "ShardedGraph",
+    "dry_graphs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +52,11 @@ class Nodes:
     count: int
 
     def spec(self, manager: DistributedManager) -> ShardSpec:
-        return manager.spec(self.count)
+        return self.cut(manager.spec)
+
+    def cut(self, rows: Callable[[int], ShardSpec]) -> ShardSpec:
+        """The cut, given how a length is cut (``manager.spec``)."""
+        return rows(self.count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +72,10 @@ class GridNodes:
         return self.rows * self.cols
 
     def spec(self, manager: DistributedManager) -> ShardSpec:
-        return ShardSpec(tuple(n * self.cols for n in manager.spec(self.rows)))
+        return self.cut(manager.spec)
+
+    def cut(self, rows: Callable[[int], ShardSpec]) -> ShardSpec:
+        return ShardSpec(tuple(n * self.cols for n in rows(self.rows)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +100,13 @@ class BandNodes:
         return len(self.row)
 
     def spec(self, manager: DistributedManager) -> ShardSpec:
-        bands = manager.spec(self.grid_rows)
-        rows = torch.tensor(self.row, dtype=torch.long)
+        return self.cut(manager.spec)
+
+    def cut(self, rows: Callable[[int], ShardSpec]) -> ShardSpec:
+        bands = rows(self.grid_rows)
+        row = torch.tensor(self.row, dtype=torch.long)
         bounds = torch.tensor(bands.offsets[1:], dtype=torch.long)
-        owner = torch.bucketize(rows, bounds, right=True)
+        owner = torch.bucketize(row, bounds, right=True)
         return ShardSpec(tuple(torch.bincount(owner, minlength=bands.parts).tolist()))
 
     def __repr__(self) -> str:
@@ -227,3 +249,95 @@ class ShardedGraph(DomainParallel, Graph):
         if self._alone():
             return values
         return self._own(values, self.plan().dst_spec, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphExchange:
+    """One halo exchange of a graph in one rank's forward (from a dry run), in source nodes:
+    what this rank hands to the exchange's collectives in the forward (``sent``) and in the
+    backward (``sent_back``), what it receives in each (``received``, ``received_back``), and
+    the elements per node (batch and channels)."""
+
+    path: str
+    rank: int
+    route: str
+    sent: int
+    sent_back: int
+    received: int
+    received_back: int
+    elements: int
+
+
+class _DryGraph(Graph):
+    """A :class:`Graph` as one rank of a cut sees it, on meta tensors: its edges and node
+    counts, and a halo of the right size that moves nothing (for :mod:`mpidp.validate`)."""
+
+    _dry: tuple[GraphHaloPlan, str, list[GraphExchange]]
+
+    @property
+    def edge_index(self) -> torch.Tensor:
+        return self._dry[0].edge_index.to(self.edges.device)
+
+    @property
+    def edge_attr(self) -> torch.Tensor | None:
+        plan = self._dry[0]
+        if self.attr is None:
+            return None
+        return self.attr.new_empty((plan.edge_ids.numel(), *self.attr.shape[1:]))
+
+    @property
+    def num_dst(self) -> int:
+        return self._dry[0].num_dst
+
+    def src_features(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        plan, path, log = self._dry
+        d = dim % x.dim()
+        per_node = math.prod(x.shape[:d] + x.shape[d + 1 :])
+        own, others = plan.src_spec[plan.rank], plan.received()
+        if plan.route == "halo":  # the backward is the reverse exchange
+            sent = sum(len(s) for s in plan.send)
+            counts = (sent, others, others, sent)
+        else:  # all_gather_v of this rank's nodes; its backward reduce-scatters every node
+            total = plan.src_spec.total
+            counts = (own, total, others, own * (plan.parts - 1))
+        log.append(GraphExchange(path, plan.rank, plan.route, *counts, per_node))
+        shape = list(x.shape)
+        shape[d] = plan.num_src
+        return x.new_empty(shape)
+
+    def _own(self, values: torch.Tensor, spec: ShardSpec, dim: int) -> torch.Tensor:
+        return values.narrow(dim, spec.start(self._dry[0].rank), spec[self._dry[0].rank])
+
+    def own_src(self, values: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self._own(values, self._dry[0].src_spec, dim)
+
+    def own_dst(self, values: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self._own(values, self._dry[0].dst_spec, dim)
+
+
+@contextlib.contextmanager
+def dry_graphs(
+    meta: nn.Module,
+    originals: dict[str, Graph],
+    rank: int,
+    rows: Callable[[int], ShardSpec],
+    log: list[GraphExchange],
+) -> Iterator[None]:
+    """Inside this block every :class:`Graph` of ``meta`` (a meta-tensor copy of a model whose
+    graphs, with their edges, are ``originals`` by path) acts as rank ``rank``'s shard of it
+    for a cut of lengths ``rows``, moving nothing; each halo exchange is logged in ``log``."""
+    swapped = []
+    for path, module in meta.named_modules():
+        if isinstance(module, Graph) and path in originals:
+            graph = originals[path]
+            src, dst = graph.src.cut(rows), graph.dst.cut(rows)
+            plan = plan_graph_halo(graph.edges.cpu(), src, dst, rank, graph.route)
+            swapped.append((module, module.__class__))
+            module.__class__ = _DryGraph
+            module.__dict__["_dry"] = (plan, path, log)
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+            module.__dict__.pop("_dry", None)

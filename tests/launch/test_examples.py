@@ -102,17 +102,19 @@ def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_pat
     assert len(got["history"]["train"]) == 20
 
 
-@pytest.mark.parametrize("model", ["afno", "swin"])
+@pytest.mark.parametrize("model", ["afno", "swin", "graph"])
 def test_token_models_four_ranks_match_one_process(tmp_path, model):
     """92 x 180 grid in patches of 4 (23 token rows, cut 12/11 over 2 domain ranks).
     ``--model afno``: FourCastNet-style, its filters through mpidp.fft. ``--model swin``:
     Pangu-style windows of 4 x 5 tokens (the rows padded to 24), unshifted then shifted,
-    earth-specific bias. The same run as one process."""
+    earth-specific bias. ``--model graph`` (91 x 180, no patches): GraphCast-style, grid ->
+    512-node mesh -> grid through sharded graphs. The same run as one process."""
     args = ["--model", model, "--steps", "6", "--val-every", "3", *F64]
     launch(1, TRAIN, *args, "--out", str(tmp_path / "one"))
     log = launch(4, TRAIN, *args, "--out", str(tmp_path / "four"))
     one, four = metrics(tmp_path / "one"), metrics(tmp_path / "four")
-    assert f"mpidp train: {model}; 4 ranks = dp 2 x domain 2" in log and "92 x 180" in log
+    grid = "91 x 180" if model == "graph" else "92 x 180"
+    assert f"mpidp train: {model}; 4 ranks = dp 2 x domain 2" in log and grid in log
     _same_run(one, four)
     assert one["val_loss"] < one["history"]["train"][0][1]  # it learned something
 

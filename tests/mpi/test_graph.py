@@ -135,9 +135,8 @@ def test_banded_graph_on_thick_bands_has_no_halo_beyond_neighbours():
     assert not far and len(plan.halo) <= 2
 
 
+@pytest.mark.mpi(min_size=2)
 def test_local_planner_refuses_edges_of_other_ranks_on_every_rank(t):
-    if WORLD == 1:
-        pytest.skip("needs another rank's edges")
     edge_index, n, _ = graphs()["directed"]
     spec = ShardSpec.balanced(n, WORLD)
     mine = expected(edge_index, spec, spec, ME)[0]
@@ -340,3 +339,29 @@ def test_graphcast_equals_serial(manager, processor):
             assert res is not None, cut
     finally:
         manager.partition = old
+
+
+@pytest.mark.parametrize("cut", list(policies()))
+def test_plan_prices_the_graph_halos_that_move(manager, cut):
+    """``mpidp plan``'s graph bytes equal what each rank sends in one forward and backward of
+    the converted GraphCastNet (halo and gather routes)."""
+    from mpidp.plan import plan_model
+    from mpidp.testing import count_traffic
+
+    serial = GraphCastNet(2, 2, (13, 16), mesh_nodes=40, hidden=8, k_mesh=12).to(F64)
+    shape = (2, 2, 13, 16)
+    old = manager.partition
+    manager.partition = policies()[cut]
+    try:
+        priced = plan_model(serial, shape, WORLD, partition=manager.partition, dtype=F64)
+        dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+        rows = manager.spec(13)
+        x = rand(shape, 9).narrow(-2, rows.start(ME), rows[ME]).requires_grad_()
+        with count_traffic(manager) as traffic:
+            dist(x).sum().backward()
+        routes = {g.plan().route for g in (dist.g2m, dist.mesh, dist.m2g)}
+    finally:
+        manager.partition = old
+    assert WORLD == 1 or cut != "balanced" or routes == {"halo", "gather"}, routes
+    sent = sum(v[1] for v in traffic.ops.values())
+    assert sent == priced.ranks[ME].graph_bytes, (traffic.ops, priced.ranks[ME])

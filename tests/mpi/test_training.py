@@ -118,7 +118,7 @@ def test_broadcast_parameters(manager):
 
 
 def _model(name, h, w):
-    from mpidp.models import AFNONet, FNO2d, SwinNet, WeatherUNet
+    from mpidp.models import AFNONet, FNO2d, GraphCastNet, SwinNet, WeatherUNet
 
     if name == "swin":  # 6 x 4 tokens in windows of 4 x 2: padded to 8 rows, then shifted
         return SwinNet(2, 2, (h, w), patch=4, embed_dim=8, depth=2, heads=2, window=(4, 2))
@@ -127,14 +127,16 @@ def _model(name, h, w):
         return AFNONet(2, 2, (h, w), patch=4, embed_dim=8, depth=2, num_blocks=2)
     if name == "fno":
         return FNO2d(2, 2, modes1=4, modes2=3, width=6, depth=2)
+    if name == "graph":  # 19 x 8 grid, a 30-node mesh, graph-transformer processor
+        return GraphCastNet(2, 2, (h, w), mesh_nodes=30, hidden=8, processor="transformer")
     return WeatherUNet(2, 2, (h, w), width=4)
 
 
-@pytest.mark.parametrize("name", ["unet", "afno", "fno", "swin"])
+@pytest.mark.parametrize("name", ["unet", "afno", "fno", "swin", "graph"])
 def test_ten_training_steps_match_the_serial_run(manager, name):
     """dp x domain (2 x 2 at four ranks): 10 SGD steps of a converted model (the U-Net, the
-    AFNO network, the FNO, the Swin network) on a latitude-weighted loss give the serial
-    run's losses and final weights (float64)."""
+    AFNO network, the FNO, the Swin network, the GraphCast-style network) on a
+    latitude-weighted loss give the serial run's losses and final weights (float64)."""
     (h, w), batch = ((24, 16) if name in ("afno", "swin") else (19, 8)), 2 * manager.dp_world_size
     serial = _model(name, h, w).to(F64)
     mpidp.broadcast_parameters(serial, manager)
