@@ -65,14 +65,18 @@ def knn_edges(
     both sets are one."""
     same = src_xyz is dst_xyz
     a, b = (src_xyz, dst_xyz) if from_src else (dst_xyz, src_xyz)
-    dist = torch.cdist(a, b)
-    if same:
-        dist.fill_diagonal_(math.inf)
     if k > b.size(0) - same:
         raise ConfigError(f"k={k} neighbours of {b.size(0) - same} candidates")
-    near = torch.topk(dist, k, dim=1, largest=False, sorted=True).indices
+    step = max(1, (1 << 24) // max(b.size(0), 1))  # distances held at once: at most 2**24
+    near = []
+    for lo in range(0, a.size(0), step):
+        dist = torch.cdist(a[lo : lo + step], b)
+        if same:
+            rows = torch.arange(dist.size(0))
+            dist[rows, rows + lo] = math.inf
+        near.append(torch.topk(dist, k, dim=1, largest=False, sorted=True).indices)
     mine = torch.arange(a.size(0)).repeat_interleave(k)
-    pairs = (mine, near.reshape(-1))
+    pairs = (mine, torch.cat(near).reshape(-1))
     return torch.stack(pairs[::-1] if not from_src else pairs)
 
 

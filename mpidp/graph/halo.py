@@ -26,6 +26,7 @@ the messages pair up with no negotiation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,15 @@ class GraphHaloPlan:
         if self.route == "gather":
             return self.src_spec.total - self.src_spec[self.rank]
         return len(self.halo)
+
+    @functools.cached_property
+    def send_index(self) -> list[torch.Tensor]:
+        """``send`` as index tensors (made once: the exchange runs every layer, every step)."""
+        return [torch.tensor(s, dtype=torch.long) for s in self.send]
+
+    @functools.cached_property
+    def size_matrix(self) -> list[list[int]]:
+        return [list(r) for r in self.sizes]
 
     def halo_nodes(self) -> list[int]:
         """Every rank's halo (source nodes it reads from other ranks' ranges)."""
@@ -268,6 +278,8 @@ def graph_halo_exchange(
         return x
     if plan.route == "gather":
         return all_gather_v(x, list(plan.src_spec), d, group=t)
-    index = [torch.tensor(s, dtype=torch.long, device=x.device) for s in plan.send]
-    halo = indexed_all_to_all_v(x, index, [list(r) for r in plan.sizes], d, group=t)
+    index = plan.send_index
+    if index and index[0].device != x.device:
+        index = [i.to(x.device) for i in index]
+    halo = indexed_all_to_all_v(x, index, plan.size_matrix, d, group=t)
     return torch.cat([x, halo], d)

@@ -341,6 +341,22 @@ def test_graphcast_equals_serial(manager, processor):
         manager.partition = old
 
 
+def test_graphcast_over_gloo():
+    """The converted GraphCastNet through the torch.distributed transport (gloo) too, with an
+    empty first band and mean aggregation."""
+    policy = policies()["empty-first" if WORLD > 1 else "balanced"]
+    with mpidp.DistributedManager(
+        domain_parallel_size=WORLD, transport="torch", partition=policy
+    ) as gloo:
+        serial = GraphCastNet(2, 2, (9, 8), mesh_nodes=20, hidden=6, aggregation="mean")
+        serial = serial.to(F64)
+        dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), gloo)
+        sizes = list(gloo.spec(9))
+        x = rand((1, 2, 9, 8), 8)
+        kw = dict(manager=gloo, sizes=sizes, out_sizes=sizes, modules=(serial, dist))
+        assert assert_matches_serial(serial, dist, [x], **kw) is not None
+
+
 @pytest.mark.parametrize("cut", list(policies()))
 def test_plan_prices_the_graph_halos_that_move(manager, cut):
     """``mpidp plan``'s graph bytes equal what each rank sends in one forward and backward of
