@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -189,16 +187,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    rows = []
-    for ranks in (2, 4):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--worker"]
-        cmd += ["--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from common import run_worker
+
+    rows = [run_worker(__file__, ranks, ["--repeats", str(args.repeats)]) for ranks in (2, 4)]
     print("window attention, (1, 93, 180, 96) tokens, windows 6 x 12, shifted, forward, ms")
     print(
         f"{'P':>3} {'mpidp':>8} {'raw':>8} {'ratio':>6} {'gather':>8} {'rows':>10} {'fwd+bwd':>8}"

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mpi4py import MPI
+
+
+def run_worker(script: str | Path, ranks: int, args: list[str]) -> dict[str, Any]:
+    """Run ``script --worker *args`` under ``mpiexec -n ranks`` (one thread per rank, through
+    ``python -m mpi4py`` so one failing rank ends the job) and return the JSON object its
+    last line prints."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script), "--worker"]
+    out = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd + args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def timed_round_robin(

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 FIELD = (1, 64, 720, 1440)
@@ -103,17 +100,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    here = Path(__file__).resolve()
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    runs = []
-    for ranks in (1, 2, 4):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(here)]
-        cmd += ["--worker", "--repeats", str(args.repeats)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if res.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    from common import run_worker
+
+    runs = [run_worker(__file__, ranks, ["--repeats", str(args.repeats)]) for ranks in (1, 2, 4)]
     serial = runs[0]["ms"]
     torch_fft, block_1 = serial["rfft2+irfft2"]["torch"], serial["afno block"]["torch"]
     print(

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -142,16 +140,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    rows = []
-    for ranks in map(int, args.ranks.split(",")):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--worker"]
-        cmd += ["--repeats", str(args.repeats)] + ["--exchange-only"] * args.exchange_only
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from common import run_worker
+
+    flags = ["--repeats", str(args.repeats)] + ["--exchange-only"] * args.exchange_only
+    rows = [run_worker(__file__, int(ranks), flags) for ranks in args.ranks.split(",")]
     print(f"{NODES} nodes, {K} in-edges each, C = {C}; ms (forward)")
     print(
         f"{'P':>3} {'halo':>6} {'exch mpidp':>11} {'raw':>8} {'ratio':>6} {'gather':>8}"

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -98,16 +95,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    rows = []
-    for ranks in (2, 4):
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--worker"]
-        cmd += ["--grid", *map(str, args.grid), "--steps", str(args.steps)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    from common import run_worker
+
+    flags = ["--grid", *map(str, args.grid), "--steps", str(args.steps)]
+    rows = [run_worker(__file__, ranks, flags) for ranks in (2, 4)]
     print(f"U-Net step {tuple(args.grid)}, float32, 1 thread per rank, alternated, median")
     print(f"{'P':>3} {'converted s':>12} {'sharded s':>10} {'ratio':>7} {'saved MB (both)':>16}")
     for r in rows:

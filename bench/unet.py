@@ -18,8 +18,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -96,20 +94,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def driver(args: argparse.Namespace) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    here = Path(__file__).resolve()
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    from common import run_worker
+
     common = ["--grid", *map(str, args.grid), "--channels", str(args.channels)]
     common += ["--width", str(args.width), "--steps", str(args.steps)]
     runs = [(1, "torch"), (1, "mpidp"), (2, "mpidp"), (2, "band"), (4, "mpidp"), (4, "band")]
-    rows = []
-    for ranks, mode in runs:
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(here)]
-        cmd += ["--worker", "--mode", mode, *common]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        if out.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = [run_worker(__file__, ranks, ["--mode", mode, *common]) for ranks, mode in runs]
     torch_1 = rows[0]
     mpidp_1 = rows[1]
     print(

@@ -212,3 +212,16 @@ def test_mpirun_launcher_script(tmp_path):
     doc = json.loads(res.stdout)
     assert doc["mesh"] == {"dp": 2, "domain": 2}
     assert {r["launcher"] for r in doc["ranks"]} == {LAUNCHER}
+
+
+def test_gpu_script_dry_run_on_cpu():
+    """scripts/test-gpu.sh has never run on a GPU here; its dry run (the same steps on CPU
+    tensors, 1 and 2 ranks, and the step benchmark) keeps it from rotting in the CPU CI."""
+    env = clean_env(PYTHON=sys.executable)
+    cmd = ["bash", str(ROOT / "scripts" / "test-gpu.sh"), "--cpu"]
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        raise timed_out(exc) from None
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("9 passed") == 2 and "test-gpu: passed on cpu" in res.stdout
