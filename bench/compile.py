@@ -10,6 +10,7 @@ import statistics
 import time
 
 import torch
+import torch._dynamo as dynamo
 from mpi4py import MPI
 
 import mpidp
@@ -25,8 +26,6 @@ serial = WeatherUNet(4, 4, (h, wd), width=8)
 dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
 spec = m.spec(h)
 x = torch.randn(2, 4, h, wd).narrow(2, spec.start(me), spec[me]).contiguous()
-import torch._dynamo as dynamo
-
 ex = dynamo.explain(dist)(x)
 if me == 0:
     print("graphs", ex.graph_count, "breaks", ex.graph_break_count)
@@ -69,6 +68,7 @@ te, tc = timeit(dist), timeit(comp)
 te2, tc2 = timeit(dist), timeit(comp)
 if me == 0:
     print(
-        f"P={p} first compiled step {t_first:.1f} s; max |compiled - eager| {max(errs):.2e}; eager {te * 1e3:.1f}/{te2 * 1e3:.1f} ms compiled {tc * 1e3:.1f}/{tc2 * 1e3:.1f} ms"
+        f"P={p} first compiled step {t_first:.1f} s; max |compiled - eager| {max(errs):.2e}; "
+        f"eager {te * 1e3:.1f}/{te2 * 1e3:.1f} ms, compiled {tc * 1e3:.1f}/{tc2 * 1e3:.1f} ms"
     )
 m.shutdown()
