@@ -100,10 +100,6 @@ class GraphHaloPlan:
     def size_matrix(self) -> list[list[int]]:
         return [list(r) for r in self.sizes]
 
-    def halo_nodes(self) -> list[int]:
-        """Every rank's halo (source nodes it reads from other ranks' ranges)."""
-        return [sum(self.sizes[i][j] for i in range(self.parts)) for j in range(self.parts)]
-
     def __repr__(self) -> str:
         return (
             f"GraphHaloPlan(rank={self.rank}, route={self.route!r}, src={self.src_spec}, "
