@@ -1,5 +1,5 @@
 """What the always-on checks cost (issue 19): a collective through the MPI transport with its
-checks (a fingerprint all-reduced beside the call, the deadline-bounded wait) and without them,
+checks (a fingerprint all-reduced before the call, the deadline-bounded wait) and without them,
 beside raw mpi4py on the same bytes, interleaved in one run.
 
     mpiexec -n 2 python -m mpi4py bench/checks.py --json docs/bench/checks-p2.json

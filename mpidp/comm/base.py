@@ -268,9 +268,16 @@ class Transport(abc.ABC):
             raise CommError(f"{self._where()}: avg of a {tensor.dtype} tensor; use sum")
         work = tensor.detach()
         low = work.dtype in _LOW_PRECISION
-        work = work.to(torch.float32) if low else work.clone(memory_format=torch.contiguous_format)
-        if self.size > 1:
-            self._all_reduce(work.contiguous(), "sum" if op == "avg" else op)
+        if low:
+            work = work.to(torch.float32)
+            if self.size > 1:
+                self._all_reduce(work.contiguous(), "sum" if op == "avg" else op)
+        elif self.size > 1:  # reduced out of place into a scratch buffer: no clone pass
+            src = work.contiguous()
+            work = self.scratch(tuple(work.shape), work.dtype, work.device)
+            self._all_reduce(work, "sum" if op == "avg" else op, src)
+        else:
+            work = work.clone(memory_format=torch.contiguous_format)
         if op == "avg":
             work /= self.size
         return work.to(tensor.dtype) if low else work
@@ -421,7 +428,8 @@ class Transport(abc.ABC):
     ) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _all_reduce(self, x: torch.Tensor, op: str) -> None: ...
+    def _all_reduce(self, x: torch.Tensor, op: str, src: torch.Tensor | None = None) -> None:
+        """Reduce ``x`` in place, or ``src`` (same shape) into ``x`` when given."""
 
     @abc.abstractmethod
     def _broadcast(self, x: torch.Tensor, src: int) -> None: ...

@@ -158,9 +158,9 @@ class CountingTransport(Transport):
         self.traffic.add("reduce_scatter_v", 1, _nbytes(x))
         return self.inner._reduce_scatter_v(x, sizes, op, problem)
 
-    def _all_reduce(self, x: torch.Tensor, op: str) -> None:
+    def _all_reduce(self, x: torch.Tensor, op: str, src: torch.Tensor | None = None) -> None:
         self.traffic.add("all_reduce", 1, _nbytes(x))
-        self.inner._all_reduce(x, op)
+        self.inner._all_reduce(x, op, src)
 
     def _broadcast(self, x: torch.Tensor, src: int) -> None:
         self.traffic.add("broadcast", 1, _nbytes(x) if self.rank == src else 0)

@@ -176,7 +176,9 @@ class TorchTransport(Transport):
             return parts.prod(0)
         return parts.amax(0) if op == "max" else parts.amin(0)
 
-    def _all_reduce(self, x: torch.Tensor, op: str) -> None:
+    def _all_reduce(self, x: torch.Tensor, op: str, src: torch.Tensor | None = None) -> None:
+        if src is not None:
+            x.copy_(src)
         self._check("all_reduce", ("all_reduce", x.numel(), x.dtype, op))
         self._call("all_reduce", lambda: dist.all_reduce(x, op=_OPS[op], group=self.group))
 

@@ -101,6 +101,30 @@ def test_all_gather_v(transport, dim, case):
     assert torch.equal(out, full), name
 
 
+def test_a_repeated_all_gather_v_is_still_checked(transport):
+    """The MPI transport keeps the validated facts of an all_gather_v it has seen (same sizes,
+    shape and dtype): the repeat returns the same rows (into a new tensor), and a later call
+    whose ranks disagree (rank 0 counts one row more for itself than the others think) still
+    raises on every rank, naming every rank's sizes."""
+    p, r = transport.size, transport.rank
+    sizes = [2 + i % 2 for i in range(p)]
+    full = global_tensor((sum(sizes), 3))
+    mine = local_part(full, sizes, 0, r)
+    first = transport.all_gather_v(mine, sizes)
+    again = transport.all_gather_v(mine, sizes)
+    assert torch.equal(first, full) and torch.equal(again, full)
+    if p == 1:  # one rank: the input itself, detached
+        return
+    assert again.data_ptr() != first.data_ptr()
+    wrong = list(sizes)
+    if r == 0:
+        wrong[0] += 1
+    part = torch.zeros(wrong[r], 3, dtype=torch.float64)
+    with pytest.raises(CommError, match=r"different arguments.*rank 0: .*rank 1: "):
+        transport.all_gather_v(part, wrong)
+    assert torch.equal(transport.all_gather_v(mine, sizes), full)  # the group still works
+
+
 @pytest.mark.parametrize("dim", DIMS)
 @pytest.mark.parametrize("case", CASES)
 def test_gather_v_to_last_rank(transport, dim, case):
