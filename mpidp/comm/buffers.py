@@ -49,6 +49,8 @@ class BufferCache:
         self.limit_bytes = limit_bytes
         self.min_bytes = min_bytes
         self._arrays: list[np.ndarray] = []  # oldest first; in use or idle
+        #: the most bytes the cache held at once (in use and idle): bench/memory.py reads it
+        self.peak_bytes = 0
 
     def __repr__(self) -> str:
         return (
@@ -74,7 +76,12 @@ class BufferCache:
                 return found
         self._arrays.append(np.empty(nbytes, dtype=np.uint8))
         self._trim()
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
         return self._arrays[-1]
+
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the cache holds, in use or idle."""
+        return sum(a.nbytes for a in self._arrays)
 
     def _trim(self) -> None:
         """Forget the oldest idle buffers beyond the limit (and in-use ones beyond 64 entries:

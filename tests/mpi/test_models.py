@@ -156,3 +156,50 @@ def test_a_bare_layer_is_converted_as_a_whole(manager, make):
     assert dp is not serial
     x = torch.randn(2, 2, 13, 8, dtype=torch.float64)
     assert_matches_serial(serial, dp, [x], manager=manager, modules=(serial, dp))
+
+
+def _saved_bytes(model, x):
+    """Bytes of the storages autograd saves in model(x), each counted once, parameters left
+    out (what bench/memory.py measures)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize(
+    "name, h, within",
+    [("unet", 46, 0.05), ("afno", 48, 0.10)],
+)
+def test_plan_predicts_the_bytes_saved_for_backward(manager, name, h, within):
+    """mpidp plan's activation bytes for this rank against what autograd really saves on it
+    (issue 23 asks for 10%): the U-Net to 5% (the estimate follows every halo-extended band;
+    it misses a few KB of the converted norms' statistics, 2-3% of this small grid, 0.05% of
+    184 x 360 in bench/memory.py), the AFNO model (spectra in the transposed layout, by W
+    modes) to 10%. At one rank, exactly the serial model's."""
+    from mpidp.models import AFNONet
+    from mpidp.plan import plan_model
+
+    torch.manual_seed(0)
+    grid = (h, 24)
+    make = {
+        "unet": lambda: WeatherUNet(3, 3, grid, width=4),
+        "afno": lambda: AFNONet(3, 3, grid, patch=4, embed_dim=16, depth=2),
+    }[name]
+    serial = make()
+    dist = converted(serial, manager)
+    spec = manager.spec(h)
+    x = torch.randn(1, 3, spec.sizes[manager.domain_rank], grid[1])
+    got = _saved_bytes(dist, x)
+    want = plan_model(make(), (1, 3, *grid), WORLD).ranks[manager.domain_rank].activation_bytes
+    assert abs(got - want) <= within * got, (got, want)
+    if WORLD == 1:
+        assert got == want == _saved_bytes(serial, x)

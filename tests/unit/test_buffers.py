@@ -26,6 +26,8 @@ def test_reuses_only_idle_buffers():
     assert third.ctypes.data == addr
     assert cache.take(3 * MB).nbytes == 3 * MB  # another size gets its own buffer
     assert second.ctypes.data != third.ctypes.data
+    # held: the two 2 MB buffers and the 3 MB one; a reuse added nothing to the peak
+    assert cache.held_bytes() == cache.peak_bytes == 7 * MB
 
 
 def test_small_requests_bypass_the_cache():

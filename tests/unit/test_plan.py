@@ -74,7 +74,10 @@ def test_bytes_are_conserved_and_vanish_on_one_rank():
     for parts in (2, 3, 4):
         res = plan_model(model, (2, 3, 37, 16), parts)
         assert sum(r.recv_bytes for r in res.ranks) == sum(r.send_bytes for r in res.ranks) > 0
-        assert sum(r.activation_bytes for r in res.ranks) == res.serial_activation_bytes
+        # every rank saves its share, and the bands it extends by halo rows on top
+        total = sum(r.activation_bytes for r in res.ranks)
+        assert res.serial_activation_bytes < total < 1.5 * res.serial_activation_bytes
+        assert max(r.activation_bytes for r in res.ranks) < res.serial_activation_bytes
         assert [r.rows for r in res.ranks] == list(Balanced().spec(37, parts).sizes)
 
 
