@@ -309,8 +309,9 @@ def _saved_bytes(
     report: ShardingReport,
     parts: int,
     itemsize: int,
-) -> list[int]:
-    """What autograd saves for the backward pass on each rank, in bytes: the model's forward
+) -> tuple[list[int], int]:
+    """What autograd saves for the backward pass on each rank, and on one process (the serial
+    figure, from the same pass), in bytes: the model's forward
     on meta tensors of the global shape, every saved tensor's storage counted once (parameters
     left out), and each rank's share of it from the spatial layer it was saved in (or the last
     one before it): its rows of that layer's input, halo rows included (a converted layer saves
@@ -322,7 +323,7 @@ def _saved_bytes(
     args = _meta_inputs(None, inputs, first.dtype if first is not None else torch.float32)
     lead = next((t for t in args if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
     if lead is None or not report.layers:
-        return [0] * parts
+        return [0] * parts, 0
     stack: list[LayerSharding] = []
     last: list[LayerSharding | None] = [None]
     hooks = []
@@ -341,7 +342,9 @@ def _saved_bytes(
     ours = {p.untyped_storage()._cdata for p in meta.parameters()}
     ours |= {b.untyped_storage()._cdata for b in meta.buffers()}
     seen: set[Any] = set()
+    serial_seen: set[Any] = set()
     totals = [0.0] * parts
+    serial = [0]
 
     def share(lay: LayerSharding | None, t: torch.Tensor, inside: bool) -> tuple[list[float], bool]:
         if lay is None:  # before the first spatial layer: the input's rows
@@ -366,6 +369,12 @@ def _saved_bytes(
         key: Any = t.untyped_storage()._cdata
         if key in ours:
             return t
+        nbytes = t.untyped_storage().nbytes()
+        if t.is_floating_point():
+            nbytes = nbytes * itemsize // t.element_size()
+        if key not in serial_seen:  # one process: every storage once, whole
+            serial_seen.add(key)
+            serial[0] += nbytes
         inside = bool(stack)
         lay = stack[-1] if inside else last[0]
         fractions, extended = share(lay, t, inside)
@@ -374,9 +383,6 @@ def _saved_bytes(
         if key in seen:
             return t
         seen.add(key)
-        nbytes = t.untyped_storage().nbytes()
-        if t.is_floating_point():
-            nbytes = nbytes * itemsize // t.element_size()
         for r in range(parts):
             totals[r] += nbytes * fractions[r]
         return t
@@ -387,7 +393,7 @@ def _saved_bytes(
     finally:
         for hook in hooks:
             hook.remove()
-    return [round(v) for v in totals]
+    return [round(v) for v in totals], serial[0]
 
 
 def plan_model(
@@ -414,8 +420,8 @@ def plan_model(
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks = []
-    saved = _saved_bytes(model, [tuple(global_shape), *extra_inputs], report, parts, itemsize)
-    serial = _saved_bytes(model, [tuple(global_shape), *extra_inputs], report, 1, itemsize)[0]
+    inputs = [tuple(global_shape), *extra_inputs]
+    saved, serial = _saved_bytes(model, inputs, report, parts, itemsize)
     for r in range(parts):
         recv = send = moved_all = 0
         for layer in report.layers:
