@@ -65,6 +65,15 @@ class DomainParallel:
     shard_dim: int = -2
     dp_manager: DistributedManager | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every layer's ``forward`` is opaque to ``torch.compile``: dynamo breaks the graph
+        there and runs the layer eagerly (its MPI calls, plans and cached buffers are not
+        traceable), and compiles the model's code between layers."""
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            setattr(cls, "forward", torch.compiler.disable(forward))  # noqa: B010
+
     def _dp_setup(self, manager: DistributedManager | None, shard_dim: int) -> None:
         if shard_dim >= 0:
             raise ConfigError(

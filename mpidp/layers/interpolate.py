@@ -81,8 +81,9 @@ def _apply(x: torch.Tensor, dim: int, index: torch.Tensor, weight: torch.Tensor)
         w = weight[:, k]
         if not bool(w.any()):
             continue
-        term = x.index_select(dim, index[:, k]) * w.to(x.dtype).view(shape)
-        out = term if out is None else out + term
+        w = w.to(x.dtype).view(shape)
+        rows = x.index_select(dim, index[:, k])  # a fresh tensor: scaled, or added, in place
+        out = rows.mul_(w) if out is None else out.addcmul_(rows, w)
     if out is None:  # no output rows on this rank
         return x.index_select(dim, index[:, 0] if index.size(1) else index.new_zeros(0))
     return out

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import gradcheck_global
 from mpi4py import MPI
 from torch import nn
 
@@ -228,6 +229,24 @@ def test_thin_and_empty_shards_norm(manager):
         assert_matches_serial(
             norm, dist, [x], manager=manager, sizes=sizes, out_sizes=sizes, modules=(norm, dist)
         )
+
+
+@pytest.mark.parametrize("kind", ["group", "instance"])
+def test_norm_gradcheck(manager, kind):
+    """The fused norm Function's Jacobian (gradcheck: its four-pass backward and the
+    all-reduce of the cross-rank sums) and its create_graph path (gradgradcheck), on an uneven
+    cut with a 1-row shard, communication included."""
+    norm = nn.GroupNorm(2, 4) if kind == "group" else nn.InstanceNorm2d(4, affine=True)
+    norm = norm.to(F64)
+    with torch.no_grad():
+        norm.weight.copy_(rand((4,), 14))
+        norm.bias.copy_(rand((4,), 15))
+    wrapper = (
+        mpidp.DomainParallelGroupNorm if kind == "group" else mpidp.DomainParallelInstanceNorm2d
+    )
+    dist = wrapper.from_module(norm, manager)
+    shapes = [(1, 4, 1 if r == 0 else r + 1, 2) for r in range(WORLD)]
+    gradcheck_global(manager.transport(), shapes, dist)
 
 
 # -- interpolation ------------------------------------------------------------------------------
