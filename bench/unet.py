@@ -14,6 +14,7 @@ is the rise of each rank's peak resident set over its resident set before the fi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -93,6 +94,68 @@ def worker(args: argparse.Namespace) -> None:
     m.shutdown()
 
 
+def interleaved(args: argparse.Namespace) -> None:
+    """Under ``mpiexec -n P``: rounds of the plain model on the whole grid (rank 0 alone, the
+    others wait in a barrier: P = 1 on one core), the converted model on every rank, and the
+    plain model on each rank's band (the floor), interleaved so that the machine's slow
+    spells hit all three alike. Prints the speed-up of P ranks over one, and the floor's."""
+    import torch
+    from common import timed_round_robin
+    from mpi4py import MPI
+
+    import mpidp
+    from mpidp.layers.base import torch_path
+    from mpidp.models import WeatherUNet
+
+    torch.manual_seed(0)
+    world = MPI.COMM_WORLD
+    m = mpidp.init(domain_parallel_size=world.Get_size())
+    h, w = args.grid
+    rows = m.spec(h).sizes[m.domain_rank]
+    full = WeatherUNet(args.channels, args.channels, (h, w), width=args.width)
+    mpidp.broadcast_parameters(full, m)
+    converted = mpidp.convert_to_domain_parallel(copy.deepcopy(full), m)
+    band = WeatherUNet(args.channels, args.channels, (rows, w), width=args.width)
+    xf, yf = torch.randn(1, args.channels, h, w), torch.randn(1, args.channels, h, w)
+    x = xf.narrow(2, m.spec(h).start(m.domain_rank), rows).contiguous()
+    y = yf.narrow(2, m.spec(h).start(m.domain_rank), rows).contiguous()
+    lat_full = mpidp.latitude_weights(h, spec=[h]).float()
+    lat = mpidp.latitude_weights(h, manager=m).float()
+
+    def serial() -> None:
+        if world.Get_rank() == 0:
+            full.zero_grad(set_to_none=True)
+            ((full(xf) - yf).square() * lat_full).mean().backward()
+
+    def serial_converted() -> None:  # mpidp at P = 1: every layer runs its torch forward
+        if world.Get_rank() == 0:
+            converted.zero_grad(set_to_none=True)
+            with torch_path():
+                ((converted(xf) - yf).square() * lat_full).mean().backward()
+
+    def distributed() -> None:
+        converted.zero_grad(set_to_none=True)
+        mpidp.global_mean((converted(x) - y).square(), lat, manager=m).backward()
+        mpidp.sync_gradients(converted, m)
+
+    def floor() -> None:
+        band.zero_grad(set_to_none=True)
+        ((band(x) - y).square() * lat).mean().backward()
+
+    ms = timed_round_robin(
+        {"torch": serial, "mpidp_p1": serial_converted, "mpidp": distributed, "band": floor},
+        world,
+        args.steps,
+    )
+    if world.Get_rank() == 0:
+        row = {"ranks": world.Get_size(), **{f"{k}_s": v / 1e3 for k, v in ms.items()}}
+        one = min(ms["torch"], ms["mpidp_p1"])  # the faster of the two at P = 1
+        row["speedup"] = one / ms["mpidp"]
+        row["floor_speedup"] = one / ms["band"]
+        print(json.dumps(row))
+    m.shutdown()
+
+
 def driver(args: argparse.Namespace) -> None:
     from common import run_worker
 
@@ -129,9 +192,28 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worker", action="store_true")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="P",
+        help="P ranks against one in the same job, interleaved (see interleaved())",
+    )
     parser.add_argument("--mode", choices=["torch", "mpidp", "band", "sharded"], default="mpidp")
     args = parser.parse_args()
-    worker(args) if args.worker else driver(args)
+    if args.interleaved and not args.worker:
+        from common import run_worker
+
+        cli = ["--interleaved", str(args.interleaved), "--grid", *map(str, args.grid)]
+        cli += ["--channels", str(args.channels), "--width", str(args.width)]
+        row = run_worker(__file__, args.interleaved, [*cli, "--steps", str(args.steps)])
+        print(json.dumps(row))
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=1))
+    elif args.interleaved:
+        interleaved(args)
+    else:
+        worker(args) if args.worker else driver(args)
 
 
 if __name__ == "__main__":
