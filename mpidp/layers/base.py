@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +57,25 @@ def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
     return torch.cat([ext, ext.new_zeros(shape)], dim)
 
 
+def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind :func:`torch.compiler.disable`: dynamo breaks the graph at the call and
+    runs it eagerly (a layer's MPI calls, plans and cached buffers are not traceable), and
+    compiles the model's code between layers. The disabled function is made at the first call
+    in a process that has imported dynamo: importing it costs 1.7 s of every process's start,
+    and a process that never compiles runs ``fn`` as it is."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:  # nothing compiles in this process
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call
+
+
 class DomainParallel:
     """Mixin for layers sharded along one spatial dim over a manager's domain group.
 
@@ -66,13 +87,11 @@ class DomainParallel:
     dp_manager: DistributedManager | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every layer's ``forward`` is opaque to ``torch.compile``: dynamo breaks the graph
-        there and runs the layer eagerly (its MPI calls, plans and cached buffers are not
-        traceable), and compiles the model's code between layers."""
+        """Every layer's ``forward`` is opaque to ``torch.compile`` (:func:`_opaque`)."""
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None:
-            setattr(cls, "forward", torch.compiler.disable(forward))  # noqa: B010
+            setattr(cls, "forward", _opaque(forward))  # noqa: B010
 
     def _dp_setup(self, manager: DistributedManager | None, shard_dim: int) -> None:
         if shard_dim >= 0:
