@@ -205,15 +205,18 @@ def test_plan_predicts_the_bytes_saved_for_backward(manager, name, h, within):
         assert got == want == _saved_bytes(serial, x)
 
 
+@pytest.mark.mpi(min_size=2)  # at one rank the layers are their torch modules
 def test_torch_compile_runs_and_matches_serial(manager):
-    """torch.compile of a converted U-Net (dynamo and AOT autograd; the domain-parallel layers
+    """torch.compile of a converted model (dynamo and AOT autograd; the domain-parallel layers
     are opaque to dynamo, the code between them is compiled): output and every gradient equal
     the serial model's. The aot_eager backend traces what inductor would compile without a C++
-    build (bench/compile.py runs inductor)."""
+    build (bench/compile.py runs inductor on the U-Net)."""
     torch._dynamo.reset()
-    serial = randomise(WeatherUNet(2, 2, (13, 8), width=4).to(F64), 5)
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 2, 3, 2, 1)
+    )
+    serial = randomise(serial.to(F64), 5)
     dist = converted(serial, manager)
     comp = torch.compile(dist, backend="aot_eager")
-    for batch in (1, 2):  # the second batch size recompiles with dynamic shapes
-        x = rand((batch, 2, 13, 8), 6)
-        assert_matches_serial(serial, comp, [x], manager=manager, modules=(serial, dist))
+    x = rand((2, 2, 13, 8), 6)
+    assert_matches_serial(serial, comp, [x], manager=manager, modules=(serial, dist))
