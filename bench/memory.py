@@ -7,7 +7,7 @@ For each model (a converted U-Net, AFNO and Swin-style model, and the serial U-N
 ``ShardedTensor`` bands), one training step per rank:
 
 - **saved**: the bytes of every storage that a tensor saved for backward lives in, each storage
-  counted once, parameters left out (``torch.autograd.graph.saved_tensors_hooks``). This is the
+  counted once, parameters and buffers left out (``torch.autograd.graph.saved_tensors_hooks``). This is the
   activation memory a step holds at the end of its forward pass; no allocator, no interpreter.
 - **buffers**: the most bytes the MPI transport's receive-buffer cache held at once during the
   step (received halo strips, transposes and gathers of 64 KiB and more, in use or kept for
@@ -51,7 +51,8 @@ def saved_bytes(model: Any, run: Any, loss: Any, buffers: Any = None) -> tuple[i
     ``buffers`` that back none of them when the forward ends."""
     import torch
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    state = [*model.parameters(), *model.buffers()]  # model state, not activations
+    params = {p.untyped_storage().data_ptr() for p in state}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
