@@ -7,8 +7,9 @@ For each model (a converted U-Net, AFNO and Swin-style model, and the serial U-N
 ``ShardedTensor`` bands), one training step per rank:
 
 - **saved**: the bytes of every storage that a tensor saved for backward lives in, each storage
-  counted once, parameters and buffers left out (``torch.autograd.graph.saved_tensors_hooks``). This is the
-  activation memory a step holds at the end of its forward pass; no allocator, no interpreter.
+  counted once, parameters and buffers left out (``torch.autograd.graph.saved_tensors_hooks``).
+  This is the activation memory a step holds at the end of its forward pass; no allocator, no
+  interpreter.
 - **buffers**: the most bytes the MPI transport's receive-buffer cache held at once during the
   step (received halo strips, transposes and gathers of 64 KiB and more, in use or kept for
   reuse); **idle**: what it keeps after the step, in use by nothing (kept for the next step);
