@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
@@ -303,18 +304,19 @@ def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
     return 0
 
 
-def _window_share(layer: LayerSharding) -> list[float]:
-    """Each rank's share of what windowed attention saves inside the layer: it computes whole
-    windows, so it holds the rows of every window its band touches, of the field padded to
-    whole windows (the windowed layouts have no H dim to read this off)."""
-    from mpidp.layers.window import _window_cut, window_rows
+@functools.lru_cache(maxsize=64)
+def _window_share(rows: tuple[int, ...], window: int, shift: int) -> list[float]:
+    """Each rank's share of what windowed attention saves inside the layer (bands of ``rows``
+    token rows, windows of ``window`` rows rolled by ``shift``): it computes whole windows, so
+    it holds the rows of every window its band touches, of the field padded to whole windows
+    (the windowed layouts have no H dim to read this off)."""
+    from mpidp.layers.window import window_rows
+    from mpidp.models import _window_cut
 
-    lo, hi = _window_cut(sum(layer.rows_in), layer.window[0])
-    padded = sum(layer.rows_in) + lo + hi
-    parts = len(layer.rows_in)
+    lo, hi = _window_cut(sum(rows), window)
+    padded = sum(rows) + lo + hi
     return [
-        sum(n for _, n in window_rows(layer.rows_in, *layer.window, r)[2]) / padded
-        for r in range(parts)
+        sum(n for _, n in window_rows(rows, window, shift, r)[2]) / padded for r in range(len(rows))
     ]
 
 
@@ -377,7 +379,7 @@ def _saved_bytes(
             pad = [max(0, b) + max(0, a) for b, a in ends]
             return [(n + e) / h_in for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
         if inside and parts > 1 and lay.window:
-            return _window_share(lay), False
+            return _window_share(lay.rows_in, *lay.window), False
         h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
         rows_out = lay.rows_out if parts > 1 else (h_out,)
         return [min(n, h_out) / h_out for n in rows_out], False
