@@ -136,10 +136,11 @@ def _samples_as_channels(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class _FieldNorm(torch.autograd.Function):
     """Group normalisation (instance normalisation: one channel per group) with statistics
-    over the whole field. The passes over the band are torch's fused group-norm kernels: the
-    band's moments (the forward kernel with eps = 0, whose output is dropped), and in the
-    backward the per (sample, channel) sums of g and g*(x - mean); the input gradient is two
-    multiply-adds."""
+    over the whole field. The band's moments come from torch's fused group-norm kernel (with
+    eps = 0, its output dropped); the statistics and the per-channel sums of the backward
+    are kept in float64 (the sums over the band accumulate in float64 for float32 and lower
+    inputs: the distributed gradient is at least as accurate as torch's serial one, whose
+    float32 sums round as often as a band's); the input gradient is two multiply-adds."""
 
     @staticmethod
     def forward(
@@ -159,7 +160,7 @@ class _FieldNorm(torch.autograd.Function):
             mean, m2 = mean.view(b, groups), rstd.view(b, groups).pow(-2) * n
         else:
             mean = m2 = work.new_zeros(b, groups)
-        mean, var, total = _merge(mean, m2, n, t)
+        mean, var, total = _merge(mean.double(), m2.double(), n, t)  # float64 (B, groups)
         rstd = (var + eps).rsqrt()
         k = c // groups
         y = _normalise(
@@ -167,50 +168,56 @@ class _FieldNorm(torch.autograd.Function):
         )
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.groups, ctx.eps, ctx.t, ctx.total = groups, eps, t, total
+        mean, var = mean.to(work.dtype), var.to(work.dtype)
         count = torch.tensor(float(total), dtype=torch.float64)
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor, *_: Any) -> Any:
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors  # mean, rstd: float64 (B, groups)
         if torch.is_grad_enabled():  # create_graph: the composite ops, differentiable again
             return _FieldNorm.twice(ctx, x, weight, bias, gy)
         b, c, groups = x.size(0), x.size(1), ctx.groups
         k = c // groups
         xw, hw = _samples_as_channels(x)
         g = _samples_as_channels(gy)[0]
-        if hw:  # per (sample, channel): sum of g*(x - mean)*rstd, and of g (the kernel wants
-            # a weight when it is not asked for dx)
+        mean_c, r = mean.repeat_interleave(k, 1), rstd.repeat_interleave(k, 1)  # (B, C)
+        # per (sample, channel), float64: the sums of g and of g * (x - mean)
+        if not hw:
+            g_sum = gx_sum = mean.new_zeros(b, c)
+        elif xw.dtype == torch.float64:  # torch's kernel (the weight it wants is not used)
             _, gx_sum, g_sum = torch.ops.aten.native_group_norm_backward(
-                g, xw, mean.view(1, -1), rstd.view(1, -1), xw.new_ones(b * c),
-                1, b * c, hw, b * groups, [False, True, True],
+                g, xw, mean_c.view(1, -1), torch.ones_like(r).view(1, -1), xw.new_ones(b * c),
+                1, b * c, hw, b * c, [False, True, True],
             )  # fmt: skip
             gx_sum, g_sum = gx_sum.view(b, c), g_sum.view(b, c)
         else:
-            gx_sum = g_sum = xw.new_zeros(b, c)
+            gf, xf = g.view(b, c, -1), xw.view(b, c, -1)
+            g_sum = gf.sum(-1, dtype=torch.float64)
+            gx_sum = (gf * xf).sum(-1, dtype=torch.float64) - mean_c * g_sum
         dx = dw = db = None
         if ctx.needs_input_grad[1]:
-            dw = gx_sum.sum(0).to(weight.dtype)
+            dw = (gx_sum * r).sum(0).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = g_sum.sum(0).to(bias.dtype)
         if ctx.needs_input_grad[0]:
-            r = rstd.repeat_interleave(k, 1)
-            w = r.new_ones(c) if weight is None else weight.to(r.dtype)
+            w = r.new_ones(c) if weight is None else weight.double()
             # per (sample, group), over the whole field: the sums of g*w and g*w*(x - mean)
-            per_group = torch.stack([g_sum * w, gx_sum * w / r]).view(2, b, groups, k).sum(-1)
+            per_group = torch.stack([g_sum * w, gx_sum * w]).view(2, b, groups, k).sum(-1)
             if ctx.t.size > 1:
-                per_group = ctx.t.all_reduce(per_group.double()).to(r.dtype)
+                per_group = ctx.t.all_reduce(per_group)
             m1, m2 = per_group / max(ctx.total, 1)
             # dx = r*w*g - r*mean(g*w) - r**3 * mean(g*w*(x - mean)) * (x - mean)
             coef = -(rstd**3) * m2
             shift = -rstd * m1 - coef * mean
-            dx = torch.addcmul(
-                shift.repeat_interleave(k, 1).unsqueeze(-1),
-                xw.view(b, c, -1),
-                coef.repeat_interleave(k, 1).unsqueeze(-1),
-            )
-            dx = dx.addcmul_(g.view(b, c, -1), (r * w).unsqueeze(-1)).view(x.shape).to(x.dtype)
+
+            def per_channel(v: torch.Tensor) -> torch.Tensor:
+                return v.repeat_interleave(k, 1).unsqueeze(-1).to(xw.dtype)
+
+            dx = torch.addcmul(per_channel(shift), xw.view(b, c, -1), per_channel(coef))
+            scale = (r * w).unsqueeze(-1).to(xw.dtype)
+            dx = dx.addcmul_(g.view(b, c, -1), scale).view(x.shape).to(x.dtype)
         return dx, dw, db, None, None, None
 
     @staticmethod
