@@ -19,20 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp import layers as L
-from mpidp import models as M
 from mpidp.errors import ConfigError
-from mpidp.graph.module import Graph, ShardedGraph
-from mpidp.layers import spectral as S
+from mpidp.layers import base
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
-from mpidp.layers.mha import DomainParallelMultiheadAttention
-from mpidp.layers.pad import PAD_WRAPPERS
-from mpidp.layers.pool import ONE_D_POOLS, POOL_WRAPPERS
-from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
-from mpidp.layers.window import DomainParallelWindowAttention
+from mpidp.layers.periodic import PeriodicConv2d
+from mpidp.layers.pool import ONE_D_POOLS
+from mpidp.layers.registry import layer_for
 from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.probe import probe_band_locality
+from mpidp.sharded.modules import enter_module, leave_module
 
 __all__ = ["SAFE_MODULES", "Verdict", "convert_to_domain_parallel", "explain_conversion"]
 
@@ -82,35 +78,6 @@ _UNSAFE: tuple[type[nn.Module], ...] = (
     nn.Unfold,
 )
 
-# (torch type, wrapper), subclasses before their bases
-_WRAPPERS: list[tuple[type[nn.Module], type[Any]]] = [
-    (L.PeriodicConv2d, L.DomainParallelPeriodicConv2d),
-    (nn.Conv1d, L.DomainParallelConv1d),
-    (nn.Conv2d, L.DomainParallelConv2d),
-    (nn.Conv3d, L.DomainParallelConv3d),
-    (nn.ConvTranspose1d, L.DomainParallelConvTranspose1d),
-    (nn.ConvTranspose2d, L.DomainParallelConvTranspose2d),
-    (nn.ConvTranspose3d, L.DomainParallelConvTranspose3d),
-    (nn.GroupNorm, L.DomainParallelGroupNorm),
-    (nn.LayerNorm, L.DomainParallelLayerNorm),
-    (nn.InstanceNorm2d, L.DomainParallelInstanceNorm2d),
-    (nn.InstanceNorm3d, L.DomainParallelInstanceNorm3d),
-    (nn.BatchNorm2d, L.DomainParallelBatchNorm2d),
-    (nn.BatchNorm3d, L.DomainParallelBatchNorm3d),
-    (nn.Upsample, L.DomainParallelInterpolate),
-    *POOL_WRAPPERS.items(),
-    (M.AFNOFilter, S.DomainParallelAFNOFilter),
-    (M.SpectralConv2d, S.DomainParallelSpectralConv2d),
-    (M.PositionEmbedding, S.DomainParallelPositionEmbedding),
-    (M.PatchRecovery, S.DomainParallelPatchRecovery),
-    (M.WindowAttention, DomainParallelWindowAttention),
-    (nn.MultiheadAttention, DomainParallelMultiheadAttention),
-    (Graph, ShardedGraph),
-    *PAD_WRAPPERS.items(),
-    (nn.PixelShuffle, DomainParallelPixelShuffle),
-    (nn.PixelUnshuffle, DomainParallelPixelUnshuffle),
-]
-
 #: 1-D layers (B, C, L): sharded along their length
 _ONE_D: tuple[type[nn.Module], ...] = (
     nn.Conv1d,
@@ -127,7 +94,7 @@ _ONE_D: tuple[type[nn.Module], ...] = (
 def _local_along(module: nn.Module, axis: int) -> bool:
     """A (transposed) convolution that maps each row to the same row along spatial ``axis``:
     kernel 1, stride 1, no padding (a 1x1 conv, or a conv along W only). Exact on a band."""
-    if not isinstance(module, nn.modules.conv._ConvNd) or isinstance(module, L.PeriodicConv2d):
+    if not isinstance(module, nn.modules.conv._ConvNd) or isinstance(module, PeriodicConv2d):
         return False
     pad = module.padding
     if isinstance(pad, str):
@@ -177,7 +144,6 @@ def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict
         for t in example_inputs
     ]
     try:
-        from mpidp.layers import base
 
         with base.torch_path(), torch.no_grad():
             meta(*args)
@@ -196,9 +162,11 @@ def _plan(
     custom_converters: dict[type, Converter] | None,
     safe: Iterable[type | str],
     example_inputs: Sequence[Any] | None,
-) -> tuple[list[tuple[nn.Module | None, str, nn.Module]], list[Verdict]]:
-    """Every module's verdict and the replacements (parent, attribute, new module); a parent of
-    None replaces the model itself. Builds the wrappers but changes nothing."""
+) -> tuple[list[tuple[nn.Module | None, str, nn.Module]], list[Verdict], list[tuple[Any, ...]]]:
+    """Every module's verdict, the replacements (parent, attribute, new module; a parent of
+    None replaces the model itself) and the modules that run on bands as they are (module,
+    its sharded dim, whether its output partition is learned). Builds the wrappers but changes
+    nothing."""
     custom = dict(custom_converters or {})
     safe = list(safe)
     safe_types = tuple(s for s in safe if isinstance(s, type))
@@ -206,6 +174,7 @@ def _plan(
     shapes = _seen_shapes(model, example_inputs)
     plan: list[tuple[nn.Module | None, str, nn.Module]] = []
     verdicts: list[Verdict] = []
+    bands: list[tuple[Any, ...]] = []
 
     def verdict(child: nn.Module, where: str, action: str, why: str, into: str = "") -> None:
         verdicts.append(Verdict(where, type(child).__name__, action, why, into))
@@ -225,12 +194,16 @@ def _plan(
             if isinstance(child, kind):
                 new = fn(child, manager)
                 verdict(child, where, "converted", "custom converter", type(new).__name__)
+                if not isinstance(new, DomainParallel):
+                    bands.append((new, ("at", shard_dim), True))
                 return new
         if where in safe_paths or isinstance(child, safe_types):
             verdict(child, where, "left", "safe= (vouched for by the user)")
+            bands.append((child, ("at", shard_dim), False))
             return child
         if getattr(child, "_mpidp_safe", False):
             verdict(child, where, "left", "marked _mpidp_safe")
+            bands.append((child, ("before", 1), False))  # channel-wise (features last)
             return child
         if isinstance(child, DomainParallel):
             verdict(child, where, "left", "already domain-parallel")
@@ -240,16 +213,21 @@ def _plan(
             return child
         if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
             verdict(child, where, "left", "acts on each position alone")
+            k = len(child.normalized_shape) if isinstance(child, nn.LayerNorm) else 1
+            bands.append((child, ("before", k), False))
             return child
-        for kind, wrapper in _WRAPPERS:
-            if isinstance(child, kind):
-                return _wrap(child, kind, wrapper, where)
+        layer = layer_for(type(child))
+        if layer is not None:
+            return _wrap(child, layer[0], layer[1], where)
         if next(child.children(), None) is not None:
+            if getattr(child, "_mpidp_band_forward", False) and child is not model:
+                bands.append((child, ("at", shard_dim), True))  # its forward is for bands
             return None  # a container or a user block: its children are converted
         probe_path = "" if where == "(the model itself)" else where
         found = probe_band_locality(child, shard_dim, shapes.get(probe_path))
         if found.local:
             verdict(child, where, "left", f"probed local: {found.detail}")
+            bands.append((child, ("at", shard_dim), False))
         elif found.local is False:
             verdict(
                 child,
@@ -276,6 +254,7 @@ def _plan(
             n = len(child.kernel_size)
             if _local_along(child, n + axis_dim):
                 verdict(child, where, "left", "kernel 1 and stride 1 along the sharded dim")
+                bands.append((child, ("at", axis_dim), False))
                 return child
         if isinstance(child, nn.Upsample) and child.mode not in INTERPOLATION_MODES:
             verdict(child, where, "refused", f"Upsample mode {child.mode!r} is not supported")
@@ -289,7 +268,7 @@ def _plan(
         visit(model, "")
     elif top is not model:
         plan.append((None, "", top))
-    return plan, verdicts
+    return plan, verdicts, bands
 
 
 def explain_conversion(
@@ -313,11 +292,24 @@ def convert_to_domain_parallel(
     custom_converters: dict[type, Converter] | None = None,
     safe: Iterable[type | str] = (),
     example_inputs: Sequence[Any] | None = None,
+    input_dim: int | None = None,
 ) -> nn.Module:
     """Replace, in place, every module of ``model`` that needs rows or statistics from other
-    ranks by its domain-parallel wrapper; return ``model``. A model that is itself one such
-    layer (a bare ``nn.Conv2d``) cannot be replaced in place: its wrapper is returned, so
-    always use the return value.
+    ranks by its domain-parallel wrapper, and make the model run its own ``forward`` on
+    ShardedTensors; return ``model``. A model that is itself one such layer (a bare
+    ``nn.Conv2d``) cannot be replaced in place: its wrapper is returned, so always use the
+    return value.
+
+    The converted model takes this rank's bands and returns this rank's bands of the serial
+    output (docs/layers.md, "What a converted model runs"): inside, each plain tensor
+    argument with at least ``1 - input_dim`` dims is wrapped as a ShardedTensor cut along
+    ``input_dim``, the user's unchanged ``forward`` runs on them (every torch call exact, or
+    refused at the first call on every rank, naming the module path), and ShardedTensor
+    results come back as plain bands on the manager's partition. Smaller tensors (a time
+    embedding, a condition vector), ShardedTensors and Replicated values pass as they are;
+    Replicated results (a global mean, a pooled vector) come back as they are, the same on
+    every rank. A model whose ``forward`` is written for bands sets ``_mpidp_band_forward =
+    True`` and keeps running on them.
 
     Parameters
     ----------
@@ -335,13 +327,22 @@ def convert_to_domain_parallel(
     example_inputs:
         The model's inputs (global shapes; only their shapes and dtypes are used): the probe
         of an unknown module then runs on the shape it really receives.
+    input_dim:
+        The dim (from the end) the model's input bands are cut along; default: the one the
+        model's first domain-parallel layer takes (-2, H of (B, C, H, W), for a convolution;
+        -3, H of channels-last (B, H, W, C), for window attention and AFNO filters).
 
     A module mpidp does not know is probed (:func:`mpidp.probe.probe_band_locality`): left as
     it is when every band of its output equals its output on that band, refused otherwise.
     Raises ConfigError listing every refused module (path, type, why), before anything is
     changed. :func:`explain_conversion` lists every verdict. Local: no communication.
     """
-    plan, verdicts = _plan(model, manager, shard_dim, custom_converters, safe, example_inputs)
+    plan, verdicts, bands = _plan(
+        model, manager, shard_dim, custom_converters, safe, example_inputs
+    )
+    if input_dim is None:
+        first = next((new for new in _converted(plan) if isinstance(new, DomainParallel)), None)
+        input_dim = first.input_band_dim() if first is not None else shard_dim
     refused = [v for v in verdicts if v.action == "refused"]
     if refused:
         m = manager if manager is not None else (get_manager() if is_initialized() else None)
@@ -359,7 +360,33 @@ def convert_to_domain_parallel(
             top = replacement
         else:
             setattr(parent, name, replacement)
+    for module, dim, learn in bands:
+        if module is not top:
+            _adapt(module, "learn" if learn else "band", dim, manager)
+    band_forward = getattr(model, "_mpidp_band_forward", False)
+    if top is model and not band_forward and not any(module is model for module, _, _ in bands):
+        _adapt(model, "model", input_dim, manager)
     return top
+
+
+def _converted(plan: list[tuple[nn.Module | None, str, nn.Module]]) -> list[nn.Module]:
+    return [new for _, _, new in plan]
+
+
+def _adapt(module: nn.Module, kind: str, dim: Any, manager: DistributedManager | None) -> None:
+    """Hooks that give ``module`` the calling convention of ``kind`` (its class, parameters and
+    state_dict keys unchanged): ``"model"`` runs the user's forward on ShardedTensors (plain
+    bands in and out, ``dim`` the input bands' dim), ``"band"`` / ``"learn"`` gives a band
+    module the bands of ShardedTensors cut as ``dim`` allows (``("at", d)``: along d;
+    ``("before", k)``: along any dim but the last k; ``"learn"``: a user's band form, whose
+    output partition is learned)."""
+    for handle in module.__dict__.pop("_mpidp_hooks", ()):
+        handle.remove()
+    module.__dict__["_mpidp_band"] = (kind, dim, manager, [])
+    module.__dict__["_mpidp_hooks"] = (
+        module.register_forward_pre_hook(enter_module, with_kwargs=True, prepend=True),
+        module.register_forward_hook(leave_module, with_kwargs=True, always_call=True),
+    )
 
 
 def _why(module: nn.Module) -> str:

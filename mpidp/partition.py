@@ -267,9 +267,9 @@ class Aligned(PartitionPolicy):
 
 # -- partitions that travel with a tensor -----------------------------------------------------
 
-#: (the band, its dim, its spec) of a ShardedTensor a layer is running on
-_KNOWN: contextvars.ContextVar[tuple[Any, int, ShardSpec] | None] = contextvars.ContextVar(
-    "mpidp_known_spec", default=None
+#: (the band, its dim, its spec) of each ShardedTensor a layer is running on
+_KNOWN: contextvars.ContextVar[tuple[tuple[Any, int, ShardSpec], ...]] = contextvars.ContextVar(
+    "mpidp_known_spec", default=()
 )
 
 
@@ -279,7 +279,7 @@ def known_spec(band: Any, dim: int, spec: ShardSpec) -> Iterator[None]:
     instead of learning it in an all-gather (the ShardedTensor front end: the spec travels
     with the tensor): the layers' :func:`~mpidp.layers.base.learn_spec`, and the halo
     exchange, which then agrees on its arguments once per distinct call instead of per call."""
-    token = _KNOWN.set((band, dim % band.dim(), spec))
+    token = _KNOWN.set(((band, dim % band.dim(), spec), *_KNOWN.get()))
     try:
         yield
     finally:
@@ -288,7 +288,7 @@ def known_spec(band: Any, dim: int, spec: ShardSpec) -> Iterator[None]:
 
 def known_for(x: Any, dim: int) -> ShardSpec | None:
     """The partition :func:`known_spec` declared for ``x`` along ``dim``, else None."""
-    known = _KNOWN.get()
-    if known is not None and known[0] is x and known[1] == dim % max(x.dim(), 1):
-        return known[2]
+    for band, d, spec in _KNOWN.get():
+        if band is x and d == dim % max(x.dim(), 1):
+            return spec
     return None

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from mpidp.collectives import reduce_from
-from mpidp.errors import ConfigError
+from mpidp.comm.base import fingerprint
+from mpidp.errors import CommError, ConfigError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 
@@ -191,8 +192,53 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
     rank: the graph is the same everywhere). Collective over the world."""
     m = manager or get_manager()
     _refuse_owned_reduction(model, m)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    named = list(model.named_parameters())
+    _agree_on_gradients(named, m)
+    grads = [p.grad for _, p in named if p.grad is not None]
     sum_in_buckets(grads, m, "world", divide=m.dp_world_size)
+
+
+def _gradient_facts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, str]]:
+    """Per parameter: whether this rank has a gradient for it, and its shape and dtype."""
+    out = []
+    for name, p in named:
+        if p.grad is None:
+            why = "requires_grad=False" if not p.requires_grad else "grad is None"
+            out.append((name, f"no gradient ({why})"))
+        else:
+            out.append((name, f"gradient {tuple(p.grad.shape)} {p.grad.dtype}"))
+    return out
+
+
+def _agree_on_gradients(named: list[tuple[str, nn.Parameter]], m: DistributedManager) -> None:
+    """Every rank must hold gradients for the same parameters, of the same shapes and dtypes:
+    otherwise the buckets would pair one rank's gradient with another's (a silent mix when
+    the lengths happen to agree). One all-gather of a fingerprint; on a mismatch every rank
+    raises the same error naming the parameters and the ranks. Collective over the world."""
+    facts = tuple(
+        (n, p.grad is not None, None if p.grad is None else (p.grad.shape, p.grad.dtype))
+        for n, p in named
+    )
+    t = m.transport("world", "cpu")
+    table = t.all_gather_ints([fingerprint(facts)])
+    if all(row[0] == table[0][0] for row in table):
+        return
+    everyone = t.all_gather_object(_gradient_facts(named))
+    lines = []
+    names = sorted({n for theirs in everyone for n, _ in theirs})
+    for name in names:
+        seen = [dict(theirs).get(name, "no such parameter") for theirs in everyone]
+        if any(s != seen[0] for s in seen):
+            by = {s: [r for r, x in enumerate(seen) if x == s] for s in dict.fromkeys(seen)}
+            lines.append(f"{name!r}: " + "; ".join(f"{s} on ranks {r}" for s, r in by.items()))
+    raise CommError(
+        f"rank {m.rank} of {m.world_size}: sync_gradients: the ranks hold gradients for "
+        f"different parameters: "
+        + ", ".join(lines[:8])
+        + (f" and {len(lines) - 8} more" if len(lines) > 8 else "")
+        + "; freeze the same parameters on every rank (requires_grad), and run the same "
+        "forward and backward on every rank (or give unused parameters zero gradients)"
+    )
 
 
 def sum_in_buckets(

@@ -12,6 +12,7 @@ dependency: they need a stable filter and a sort, which torch has.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -137,6 +138,52 @@ def sort_edges_1hop_sharding(
     return torch.cat(attrs), torch.cat(indices, dim=1), [int(i.size(1)) for i in indices]
 
 
+def _start_nodes(nodes: Any, edge_index: torch.Tensor, num_nodes: int | None) -> torch.Tensor:
+    """The boolean mask over every node of the nodes to reach (``nodes``: a boolean mask of
+    one entry per node, or node ids), checked: anything whose meaning is not certain raises
+    instead of selecting other edges."""
+    nodes = torch.as_tensor(nodes, device=edge_index.device)
+    top = int(edge_index.max()) + 1 if edge_index.numel() else 0
+    low = int(edge_index.min()) if edge_index.numel() else 0
+    if low < 0:
+        raise ConfigError(f"edge_index holds the node id {low}; ids must be >= 0")
+    if num_nodes is not None and top > num_nodes:
+        raise ConfigError(
+            f"edge_index names node {top - 1} but num_nodes={num_nodes}; pass the graph's "
+            "node count"
+        )
+    if nodes.dtype == torch.bool:
+        if nodes.dim() != 1:
+            raise ConfigError(
+                f"get_k_hop_edges: a node mask of shape {tuple(nodes.shape)}; expecting one "
+                "boolean per node (1-D)"
+            )
+        n = nodes.numel()
+        if (num_nodes is not None and n != num_nodes) or n < top:
+            want = num_nodes if num_nodes is not None else f"at least {top}"
+            raise ConfigError(
+                f"get_k_hop_edges: a node mask of {n} entries for a graph of {want} nodes "
+                f"(edge_index names node {top - 1}); pass one entry per node, or node ids"
+            )
+        return nodes
+    if nodes.is_floating_point() or nodes.is_complex() or nodes.dim() > 1:
+        raise ConfigError(
+            f"get_k_hop_edges: nodes of dtype {nodes.dtype} and shape {tuple(nodes.shape)}; "
+            "expecting node ids (a 1-D integer tensor) or a boolean mask of one entry per node"
+        )
+    ids = nodes.reshape(-1).to(torch.long)
+    n = num_nodes if num_nodes is not None else max(top, int(ids.max()) + 1 if ids.numel() else 0)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise ConfigError(
+            f"get_k_hop_edges: node ids span [{int(ids.min())}, {int(ids.max())}] but the graph "
+            f"has {n} nodes (num_nodes={num_nodes}); pass ids in [0, {n}) (no negative ids: "
+            "they would wrap around to other nodes)"
+        )
+    mask = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
+    mask[ids] = True
+    return mask
+
+
 def get_k_hop_edges(
     nodes: torch.Tensor,
     edge_attr: torch.Tensor,
@@ -148,17 +195,28 @@ def get_k_hop_edges(
     reaches ``nodes`` within ``num_hops`` layers of message passing (the edges into
     ``nodes``, then the edges into their sources, and so on), in edge order, indices global.
     ``num_hops`` layers computed on these edges give ``nodes`` exactly their values on the
-    whole graph."""
+    whole graph.
+
+    ``nodes``: node ids (an integer tensor, any order, repeats allowed) or a boolean mask of
+    one entry per node (``num_nodes`` entries; without ``num_nodes``, at least as many as
+    ``edge_index`` names), as anemoi accepts. Both give the same edges. Ids out of range,
+    negative ids, a mask of another length and a float tensor raise a ConfigError. Local."""
     _check_index(edge_index)
-    if num_hops < 1:
-        raise ConfigError(f"num_hops={num_hops}: expecting at least 1")
+    try:
+        hops = operator.index(num_hops)
+    except TypeError:
+        hops = 0
+    if isinstance(num_hops, bool) or hops < 1:
+        raise ConfigError(f"num_hops={num_hops!r}: expecting an int of at least 1")
+    if edge_attr.size(0) != edge_index.size(1):
+        raise ConfigError(
+            f"get_k_hop_edges: {edge_attr.size(0)} edge attributes for {edge_index.size(1)} "
+            "edges; expecting one row per edge"
+        )
+    reached = _start_nodes(nodes, edge_index, None if num_nodes is None else int(num_nodes))
     src, dst = edge_index[0], edge_index[1]
-    n = int(num_nodes) if num_nodes is not None else int(edge_index.max().item()) + 1
-    n = max(n, int(nodes.max().item()) + 1 if nodes.numel() else 0)
-    reached = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
-    reached[nodes.to(torch.long)] = True
     keep = torch.zeros(dst.numel(), dtype=torch.bool, device=edge_index.device)
-    for _ in range(num_hops):
+    for _ in range(hops):
         into = reached[dst]
         keep |= into
         reached = reached.clone()

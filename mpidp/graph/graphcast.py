@@ -105,6 +105,8 @@ class GraphCastNet(nn.Module):
 
     grid_xyz: torch.Tensor
     mesh_xyz: torch.Tensor
+    #: its forward is written for bands (``own_src``/``own_dst``): conversion runs it on them
+    _mpidp_band_forward = True
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from mpidp.errors import ConfigError
 from mpidp.graph.edges import _check_index, sort_by_destination
 from mpidp.graph.halo import ROUTES, GraphHaloPlan, graph_halo_exchange, plan_graph_halo
 from mpidp.layers.base import DomainParallel
+from mpidp.layers.registry import register_layer
 from mpidp.manager import DistributedManager
 from mpidp.partition import ShardSpec
 
@@ -341,3 +342,5 @@ def dry_graphs(
         for module, cls in swapped:
             module.__class__ = cls
             module.__dict__.pop("_dry", None)
+
+register_layer(Graph, ShardedGraph)

@@ -4,15 +4,18 @@ commit by rename, netCDF-style dimensions that xarray recognises."""
 from __future__ import annotations
 
 import errno
+import glob
 import os
+import re
 import secrets
 import shutil
+import socket
 import time
 import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -56,33 +59,105 @@ def check_everywhere(
     return table
 
 
-def shared_token(t: Transport | None) -> int:
-    """A random number drawn by rank 0 and known to every rank (names temporary files)."""
-    mine = secrets.randbits(48)
-    return mine if t is None else t.all_gather_ints([mine])[0][0]
+class WriterTag(NamedTuple):
+    """Who writes a temporary file: a random ``token`` (one per write), and the ``pid`` and a
+    hash of the ``host`` name of the process that creates the file (world rank 0 for
+    collective writes). Put in the name, it lets a later write remove a file whose writer is
+    provably dead (:func:`remove_dead_temporaries`)."""
+
+    token: int
+    pid: int
+    host: int
+
+    @classmethod
+    def here(cls, token: int) -> WriterTag:
+        return cls(token, os.getpid(), host_hash())
 
 
-def temporary_name(path: Path, token: int) -> Path:
-    """A hidden name beside ``path`` (same file system, so the rename is atomic). Temporary
-    files of ``path`` left by a killed job are reported here, once per process and path."""
+def host_hash() -> int:
+    """A 32-bit hash of this machine's host name (compared, never shown)."""
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def shared_token(t: Transport | None) -> WriterTag:
+    """A random number drawn by rank 0, with rank 0's pid and host, known to every rank (names
+    temporary files). Collective: one all-gather of three ints."""
+    mine = WriterTag.here(secrets.randbits(48))
+    return mine if t is None else WriterTag(*t.all_gather_ints(list(mine))[0])
+
+
+def temporary_name(path: Path, tag: WriterTag | int) -> Path:
+    """A hidden name beside ``path`` (same file system, so the rename is atomic), tagged with
+    its writer. Temporary files of ``path`` whose writer is dead are removed first (a job
+    killed while writing leaves one); other old ones are reported, once per process and
+    path. A bare ``int`` is a token of this process."""
+    tag = tag if isinstance(tag, WriterTag) else WriterTag.here(tag)
+    remove_dead_temporaries(path)
     _report_stale(path)
-    return path.with_name(f".{path.name}.tmp-{token:x}")
+    return path.with_name(f".{path.name}.tmp-{tag.token:x}-p{tag.pid}-h{tag.host:08x}")
+
+
+#: When this process started using mpidp.io: a temporary file untouched since before then (and
+#: for over an hour) belongs to no write of this job.
+_JOB_START = time.time()
+
+_TAGGED = re.compile(r"\.tmp-[0-9a-f]+-p(\d+)-h([0-9a-f]{8})$")
+
+
+def _writer_is_dead(pid: int, host: int, mtime: float) -> bool:
+    if host == host_hash():
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, owned by another user
+            return False
+        return False
+    # another machine's process cannot be asked: only a file untouched since before this job
+    # began, and for an hour, is taken for dead (a live rollout writes a step more often)
+    return mtime < min(_JOB_START, time.time() - 3600)
+
+
+def remove_dead_temporaries(path: Path) -> list[str]:
+    """Remove the temporary files of ``path`` that mpidp named (``.<name>.tmp-<token>-p<pid>-
+    h<host>``) and whose writer is dead: on this host, a pid that no longer runs; on another,
+    a file untouched since before this job started and for over an hour. Returns their names.
+    Files of other names are never touched. Local."""
+    removed: list[str] = []
+    if not path.parent.is_dir():
+        return removed
+    for old in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        found = _TAGGED.search(old.name)
+        if found is None:
+            continue
+        try:
+            mtime = old.stat().st_mtime
+            if _writer_is_dead(int(found.group(1)), int(found.group(2), 16), mtime):
+                old.unlink()
+                removed.append(old.name)
+        except FileNotFoundError:  # another rank removed it first
+            continue
+        except OSError:
+            continue
+    return removed
 
 
 _REPORTED: set[str] = set()
 
 
 def _report_stale(path: Path) -> None:
-    """Warn about ``.<name>.tmp-*`` files beside ``path`` older than an hour: a job killed
-    while writing leaves them (the target itself is intact). They are not removed: another
-    job may be writing the same path right now."""
+    """Warn about ``.<name>.tmp-*`` files beside ``path`` older than an hour that
+    :func:`remove_dead_temporaries` kept (a writer that may be alive, or a name mpidp did not
+    give). They are not removed: another job may be writing the same path right now."""
     key = os.path.realpath(path)
     if key in _REPORTED or not path.parent.is_dir():
         return
     _REPORTED.add(key)
     now = time.time()
     stale = []
-    for old in path.parent.glob(f".{path.name}.tmp-*"):
+    for old in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         try:
             st = old.stat()
         except OSError:
@@ -144,7 +219,11 @@ def agree_or_discard(
     problem = [] if error is None else [explain_os_error(error, path)]
     try:
         check_everywhere(
-            t, problem, {}, f"{what} failed; {path} was left as it was", "see the rank's error"
+            t,
+            problem,
+            {},
+            f"{what} failed; {path} was left as it was",
+            "see the rank's error: on a full disk, free space or write elsewhere, then retry",
         )
     except DataError:
         tmp.unlink(missing_ok=True)  # every rank: one of them may be alone to get here

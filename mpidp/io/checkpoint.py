@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpidp.comm import Transport
+from mpidp.errors import DataError
 from mpidp.io._common import (
     check_everywhere,
     commit,
@@ -113,38 +115,16 @@ def save_checkpoint(
         "layout": _layout(manager, model),
     }
     problems = [] if path.parent.is_dir() else [f"the folder {path.parent} does not exist"]
-    if verify and t is not None:
-        names = [n for n, _ in _unwrap(model).named_parameters()]
-        params = {
-            "model": {n: model_state[n] for n in names if n in model_state},
-            "optimizer": state["optimizer"],
-        }
-        sums = _checksums(params)
-        total = zlib.crc32(repr(sums).encode())
-        table = t.all_gather_ints([total])
-        if any(row[0] != table[0][0] for row in table):
-            everyone = t.all_gather_object(sums)
-            differ = sorted(
-                {
-                    n
-                    for theirs in everyone
-                    for (n, c), (_, c0) in zip(theirs, everyone[0], strict=False)
-                    if c != c0
-                }
-            )
-            problems.append(
-                f"parameters or optimizer state differ between ranks: {differ[:8]}"
-                + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
-                + " (gradients not synchronised? use mpidp.sync_gradients or DDP, and "
-                "mpidp.broadcast_parameters at the start)"
-            )
+    facts = {"path": os.path.realpath(path), "step": int(step), "verify": bool(verify)}
+    if t is not None:
+        problems += _verify(t, model, model_state, state["optimizer"], facts)
     check_everywhere(
         t,
         problems,
-        {"path": os.path.realpath(path), "step": int(step)},
+        facts,
         f"save_checkpoint({str(path)!r}) cannot save",
-        "call it on every rank with the same path and step, after the gradients "
-        "were synchronised (or pass verify=False to save rank 0's copy)",
+        "call it on every rank with the same path, step and verify, after the gradients "
+        "were synchronised (or pass verify=False on every rank to save rank 0's copy)",
     )
     tmp = temporary_name(path, shared_token(t))
     error = None
@@ -155,6 +135,48 @@ def save_checkpoint(
             error = err
     commit(t, tmp, path, error, f"save_checkpoint({str(path)!r})")
     return path
+
+
+def _verify(
+    t: Transport,
+    model: nn.Module,
+    model_state: Mapping[str, Any],
+    optimizer_state: Any,
+    facts: Mapping[str, Any],
+) -> list[str]:
+    """With ``verify``: what differs between the ranks' parameters and optimizer state. The
+    ranks first agree on the arguments (a fingerprint of ``facts`` travels with the checksum,
+    in one all-gather), so a ``verify`` passed on some ranks only is reported, not a hang or
+    MPI's "Message truncated". Collective."""
+    key = zlib.crc32(repr(sorted(facts.items())).encode())
+    sums: list[tuple[str, int]] = []
+    if facts["verify"]:
+        names = [n for n, _ in _unwrap(model).named_parameters()]
+        params = {
+            "model": {n: model_state[n] for n in names if n in model_state},
+            "optimizer": optimizer_state,
+        }
+        sums = _checksums(params)
+    table = t.all_gather_ints([key, zlib.crc32(repr(sums).encode())])
+    if any(row[0] != table[0][0] for row in table) or not facts["verify"]:
+        return []  # arguments that differ are reported by the caller's check_everywhere
+    if all(row[1] == table[0][1] for row in table):
+        return []
+    everyone = t.all_gather_object(sums)
+    differ = sorted(
+        {
+            n
+            for theirs in everyone
+            for (n, c), (_, c0) in zip(theirs, everyone[0], strict=False)
+            if c != c0
+        }
+    )
+    return [
+        f"parameters or optimizer state differ between ranks: {differ[:8]}"
+        + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
+        + " (gradients not synchronised? use mpidp.sync_gradients or DDP, and "
+        "mpidp.broadcast_parameters at the start)"
+    ]
 
 
 def _damaged_metadata(path: str | os.PathLike[str], state: dict[str, Any]) -> list[str]:
@@ -190,12 +212,15 @@ def load_checkpoint(
     *,
     map_location: str | torch.device | None = None,
     strict: bool = True,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` at any domain/data-parallel size
     (or a plain ``{"model": state_dict}`` file) into ``model`` and ``optimizer``; returns the
     whole dictionary (``step``, ``extra``, ``layout`` of the run that saved it). Every rank
     reads the file; a missing or unreadable file raises the same
-    :class:`~mpidp.DataError` on every rank. Collective over the world."""
+    :class:`~mpidp.DataError` on every rank. ``verify``: the ranks also compare a checksum of
+    what they read (ranks that read different copies of the file raise). ``strict`` and
+    ``verify`` must be the same on every rank (checked). Collective over the world."""
     if manager is None and is_initialized():
         manager = get_manager()
     t = io_transport(manager, "world")
@@ -220,11 +245,22 @@ def load_checkpoint(
             )
         except Exception as err:
             problems.append(f"{path} does not fit the model ({describe_error(err)})")
-    check_everywhere(
+    crc = zlib.crc32(repr(_checksums(state)).encode()) if verify and not problems else 0
+    table = check_everywhere(
         t,
         problems,
-        {"path": os.path.realpath(path)},
+        {"path": os.path.realpath(path), "strict": bool(strict), "verify": bool(verify)},
         f"load_checkpoint({str(path)!r}) failed",
-        "check the path (visible from every rank) and that the model is the one that was saved",
+        "check the path (visible from every rank), that the model is the one that was saved, "
+        "and pass the same strict and verify on every rank",
+        [crc],
     )
+    if verify and any(row[0] != table[0][0] for row in table):
+        rank = 0 if t is None else t.rank
+        differ = [r for r, row in enumerate(table) if row[0] != table[0][0]]
+        raise DataError(
+            f"rank {rank}: load_checkpoint({str(path)!r}, verify=True): ranks {differ} read "
+            f"other contents than rank 0 (checksums {[row[0] for row in table]}); give every "
+            "rank the same file (a shared file system, or identical copies)"
+        )
     return state

@@ -350,7 +350,8 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if grid is not None and tuple(grid) != (h, w):
             raise _error(
                 rank,
-                f"the files hold a {h} x {w} (lat x lon) grid but the model expects {tuple(grid)}",
+                f"{self.paths[0]} holds a {h} x {w} (lat x lon) grid but the model expects "
+                f"{tuple(grid)} (the grid argument)",
                 "use the files of the model's resolution, or build the model for the files' grid",
             )
         if spec is None:

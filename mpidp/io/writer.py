@@ -38,6 +38,7 @@ from mpidp.io._common import (
     commit,
     declare_dims,
     default_dims,
+    describe_error,
     digest,
     ensure_space,
     explain_os_error,
@@ -185,6 +186,14 @@ def write_sharded(
         problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
     if mode == "a" and not path.exists():
         problems.append(f"mode='a' but {path} does not exist")
+    elif mode == "a":
+        try:
+            h5py.File(path, "r").close()
+        except OSError as err:
+            problems.append(
+                f"mode='a' but {path} is not a readable HDF5/netCDF-4 file "
+                f"({describe_error(err)}): restore it, or write a new file with mode='w'"
+            )
     if not path.parent.is_dir():
         problems.append(f"the folder {path.parent} does not exist")
     how = _method(method, t, problems)
@@ -200,6 +209,7 @@ def write_sharded(
         "attrs": repr(sorted((attrs or {}).items())),
         "mode": mode,
         "method": how,
+        "spec": None if spec is None else list(spec),
     }
     table = check_everywhere(
         t,
@@ -211,9 +221,15 @@ def write_sharded(
     )
     sizes = [row[0] for row in table]
     if spec is not None and list(spec) != sizes:
+        wrong = [
+            f"rank {r} holds {n} where spec gives it {want}"
+            for r, (n, want) in enumerate(zip(sizes, list(spec), strict=False))
+            if n != want
+        ]
         raise DataError(
-            f"rank {0 if t is None else t.rank}: the ranks hold {sizes} rows along dim {d} but "
-            f"spec is {list(spec)}; pass each rank's own band"
+            f"rank {0 if t is None else t.rank}: write_sharded({str(path)!r}, {name!r}): the "
+            f"ranks hold {sizes} rows along dim {d} but spec is {list(spec)} ({'; '.join(wrong)}); "
+            "pass each rank's own band of the spec's grid"
         )
     shape = tuple(sum(sizes) if i == d else s for i, s in enumerate(x.shape))
     for k, v in coords.items():
@@ -362,6 +378,17 @@ class RolloutWriter:
         h, w = sum(sizes), x.shape[-1]
         step = self.steps
         me = 0 if self.t is None else self.t.rank
+        grid = tuple(
+            len(self.coords[k]) if k in self.coords else n
+            for k, n in (("latitude", h), ("longitude", w))
+        )
+        if grid != (h, w):
+            raise DataError(
+                f"rank {me}: RolloutWriter({str(self.path)!r}).write, step {step}: the ranks' "
+                f"bands have {sizes} rows ({h} in all) of {w} longitudes, but the coordinates "
+                f"give a {grid[0]} x {grid[1]} grid; pass each rank's own band of that grid "
+                f"(a band of another height on one rank?)"
+            )
         lo = sum(sizes[:me])
 
         def create(f: h5py.File) -> None:

@@ -7,6 +7,8 @@ of a layer is partitioned by the manager's partition policy applied to the outpu
 every activation of a network is cut by the same rule.
 """
 
+from mpidp.layers import pad as _pad  # noqa: F401  (registers the padding layers)
+from mpidp.layers import spectral as _spectral  # noqa: F401  (registers the spectral layers)
 from mpidp.layers.conv import (
     DomainParallelConv1d,
     DomainParallelConv2d,
@@ -41,9 +43,15 @@ from mpidp.layers.pool import (
     DomainParallelMaxPool2d,
     DomainParallelMaxPool3d,
 )
+from mpidp.layers.registry import layer_for, register_layer
+from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from mpidp.layers.window import DomainParallelWindowAttention
 
 __all__ = [
+    "DomainParallelPixelShuffle",
+    "DomainParallelPixelUnshuffle",
+    "layer_for",
+    "register_layer",
     "DomainParallelMultiheadAttention",
     "DomainParallelWindowAttention",
     "DomainParallelAdaptiveAvgPool1d",

@@ -16,9 +16,43 @@ from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec, known_for, known_spec
 
-__all__ = ["DomainParallel", "known_spec", "learn_spec", "torch_path", "with_rows"]
+__all__ = [
+    "DomainParallel",
+    "LayoutMismatch",
+    "known_spec",
+    "learn_spec",
+    "note_replicated",
+    "torch_path",
+    "with_rows",
+]
 
 _TORCH_PATH = contextvars.ContextVar("mpidp_torch_path", default=False)
+# What a layer called with ShardedTensors declares about its output while it runs: the
+# partition it computed (``_out_spec``) or that it is the same on every rank.
+_NOTES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "mpidp_layer_notes", default=None
+)
+# The bands a ShardedTensor call handed to a layer, with their sharded dims
+_BANDS: contextvars.ContextVar[tuple[tuple[torch.Tensor, int], ...]] = contextvars.ContextVar(
+    "mpidp_layer_bands", default=()
+)
+#: Runs a layer on ShardedTensor arguments (set by :mod:`mpidp.sharded.modules`)
+SHARDED_CALL: list[Callable[..., Any]] = []
+#: Tensor types that route a layer call through :data:`SHARDED_CALL`
+SHARDED_TYPES: list[type] = []
+
+
+class LayoutMismatch(Exception):
+    """A layer asked for the partition of a ShardedTensor's band along a dim it is not cut
+    along: the layer does not apply to this layout (its torch form runs through dispatch)."""
+
+
+def note_replicated() -> None:
+    """Declare, inside a layer's forward, that its result is the same whole value on every
+    rank (an adaptive pool to fewer rows than ranks)."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes.append(("replicated",))
 
 
 @contextlib.contextmanager
@@ -32,6 +66,11 @@ def torch_path() -> Iterator[None]:
         _TORCH_PATH.reset(token)
 
 
+def in_torch_path() -> bool:
+    """Whether :func:`torch_path` is on (the layers run their torch forward)."""
+    return _TORCH_PATH.get()
+
+
 def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     """The partition of ``x`` along ``dim``: every rank's local extent, in one all-gather of
     one integer. Nothing is cached on the local shape (two global sizes can give a rank the
@@ -40,6 +79,9 @@ def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     known = known_for(x, dim)
     if known is not None:
         return known
+    for band, d in _BANDS.get():
+        if band is x and d != dim % x.dim():
+            raise LayoutMismatch(f"cut along dim {d}, asked along {dim % x.dim()}")
     return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
 
 
@@ -76,6 +118,37 @@ def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _sharded_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward``, or, when an argument is a ShardedTensor, the layer run on its band
+    (:data:`SHARDED_CALL`): a converted layer is the kernel ShardedTensor dispatch runs."""
+
+    @functools.wraps(forward)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if SHARDED_TYPES and not _TORCH_PATH.get():
+            kinds = tuple(SHARDED_TYPES)
+            if any(isinstance(a, kinds) for a in args) or any(
+                isinstance(a, kinds) for a in kwargs.values()
+            ):
+                return SHARDED_CALL[0](self, forward, args, kwargs)
+        return forward(self, *args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def band_call(bands: tuple[tuple[torch.Tensor, int], ...]) -> Iterator[list[Any]]:
+    """Inside this block a layer runs on ``bands`` (band, sharded dim) of ShardedTensors:
+    asking one for its partition along another dim raises :class:`LayoutMismatch`; the block
+    yields the notes the layer makes about its output (``_out_spec``, :func:`note_replicated`)."""
+    notes: list[Any] = []
+    t1, t2 = _NOTES.set(notes), _BANDS.set(bands)
+    try:
+        yield notes
+    finally:
+        _BANDS.reset(t2)
+        _NOTES.reset(t1)
+
+
 class DomainParallel:
     """Mixin for layers sharded along one spatial dim over a manager's domain group.
 
@@ -91,7 +164,7 @@ class DomainParallel:
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
         if forward is not None:
-            setattr(cls, "forward", _opaque(forward))  # noqa: B010
+            setattr(cls, "forward", _sharded_entry(_opaque(forward)))  # noqa: B010
 
     def _dp_setup(self, manager: DistributedManager | None, shard_dim: int) -> None:
         if shard_dim >= 0:
@@ -101,6 +174,11 @@ class DomainParallel:
             )
         self.dp_manager = manager
         self.shard_dim = shard_dim
+
+    def input_band_dim(self) -> int:
+        """The dim (from the end) along which this layer's input is cut: a converted model
+        whose first layer this is takes its input bands cut along it."""
+        return self.shard_dim
 
     def _manager(self) -> DistributedManager:
         return self.dp_manager if self.dp_manager is not None else get_manager()
@@ -114,12 +192,16 @@ class DomainParallel:
         """The partition of this layer's output (``n`` rows) by the manager's policy."""
         manager = self._manager()
         try:
-            return manager.partition.spec(n, manager.domain_world_size)
+            spec = manager.partition.spec(n, manager.domain_world_size)
         except ConfigError as err:
             raise ConfigError(
                 f"rank {manager.rank}: {type(self).__name__} {self!r} gives {n} output rows "
                 f"along the sharded dim: {err}"
             ) from None
+        notes = _NOTES.get()
+        if notes is not None:
+            notes.append(("spec", spec))
+        return spec
 
     def _transport(self, x: torch.Tensor) -> Transport:
         return self._manager().transport(None, x.device)

@@ -24,6 +24,7 @@ from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.registry import register_layer
 
 __all__ = [
     "DomainParallelConv1d",
@@ -221,3 +222,13 @@ class DomainParallelConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
     """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W). Collective."""
 
     _n = 3
+
+for _t, _l in (
+    (nn.Conv1d, DomainParallelConv1d),
+    (nn.Conv2d, DomainParallelConv2d),
+    (nn.Conv3d, DomainParallelConv3d),
+    (nn.ConvTranspose1d, DomainParallelConvTranspose1d),
+    (nn.ConvTranspose2d, DomainParallelConvTranspose2d),
+    (nn.ConvTranspose3d, DomainParallelConvTranspose3d),
+):
+    register_layer(_t, _l)

@@ -22,6 +22,7 @@ from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.registry import register_layer
 from mpidp.partition import ShardSpec
 
 __all__ = ["MODES", "DomainParallelInterpolate", "interpolate"]
@@ -207,3 +208,5 @@ class DomainParallelInterpolate(DomainParallel, nn.Upsample):
             shard_dim=self.shard_dim,
             layer=self,
         )
+
+register_layer(nn.Upsample, DomainParallelInterpolate)

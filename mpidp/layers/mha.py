@@ -19,6 +19,7 @@ from mpidp.attention import query_rows_masks
 from mpidp.collectives import all_gather_v
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelMultiheadAttention"]
 
@@ -33,6 +34,18 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
     Masks are the serial model's (global shapes). Collective over the domain group."""
 
     keys: str | None = None
+
+    def input_band_dim(self) -> int:
+        return -2 if self.batch_first else -3  # the sequence of (B, L, E) or (L, B, E)
+
+    def output_dims(self, args: tuple, kwargs: dict, n: int) -> list[int | None]:
+        """The sharded dim of each output on ShardedTensor queries: the output's sequence dim,
+        and the weights' query dim ((B, L, S), or (L, S) unbatched)."""
+        query = args[0] if args else kwargs["query"]
+        batched = query.dim() == 3
+        seq = 1 if self.batch_first and batched else 0
+        dims: list[int | None] = [seq, 1 if batched else 0]
+        return dims[:n]
 
     def forward(
         self,
@@ -77,3 +90,5 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
         return super().forward(
             query, k, v, key_padding_mask, need_weights, mask, average_attn_weights, False
         )
+
+register_layer(nn.MultiheadAttention, DomainParallelMultiheadAttention)

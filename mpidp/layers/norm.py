@@ -25,6 +25,7 @@ from mpidp.collectives import all_gather_v
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.registry import register_layer
 
 __all__ = [
     "DomainParallelBatchNorm2d",
@@ -376,3 +377,13 @@ class DomainParallelLayerNorm(DomainParallel, nn.LayerNorm):
         if self.bias is not None:
             y = y + self.bias.narrow(j, rows.start, rows.stop - rows.start)
         return y
+
+for _t, _l in (
+    (nn.GroupNorm, DomainParallelGroupNorm),
+    (nn.LayerNorm, DomainParallelLayerNorm),
+    (nn.InstanceNorm2d, DomainParallelInstanceNorm2d),
+    (nn.InstanceNorm3d, DomainParallelInstanceNorm3d),
+    (nn.BatchNorm2d, DomainParallelBatchNorm2d),
+    (nn.BatchNorm3d, DomainParallelBatchNorm3d),
+):
+    register_layer(_t, _l)

@@ -20,6 +20,7 @@ from torch import nn
 from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.registry import register_layer
 
 # torch pad module base -> (F.pad mode, halo boundary)
 _MODES: dict[type, tuple[str, str]] = {
@@ -109,5 +110,8 @@ PAD_WRAPPERS: dict[type[nn.Module], type[nn.Module]] = {}
 for _t in PAD_TYPES:
     PAD_WRAPPERS[_t] = _wrapper(_t)
     setattr(sys.modules[__name__], PAD_WRAPPERS[_t].__name__, PAD_WRAPPERS[_t])
+
+for _t, _l in PAD_WRAPPERS.items():
+    register_layer(_t, _l)
 
 __all__ = ["PAD_TYPES", "PAD_WRAPPERS", *(w.__name__ for w in PAD_WRAPPERS.values())]

@@ -17,6 +17,7 @@ from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size
 from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -117,3 +118,5 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
             self._pad_w(ext), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
         )
         return y.narrow(2, 0, out_spec.sizes[t.rank])
+
+register_layer(PeriodicConv2d, DomainParallelPeriodicConv2d)

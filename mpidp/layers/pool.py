@@ -32,7 +32,8 @@ from torch import nn
 from mpidp.collectives import all_gather_v, all_reduce
 from mpidp.errors import ConfigError
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, learn_spec, note_replicated, with_rows
+from mpidp.layers.registry import register_layer
 from mpidp.partition import ShardSpec
 
 __all__ = [
@@ -270,6 +271,7 @@ class _Adaptive(DomainParallel):
 
         if oh < t.size:
             y = self._replicated(x, d, spec, oh, window, t)
+            note_replicated()
         else:
             y = self._banded(x, d, spec, oh, window)
         others[k] = y.size(d)
@@ -376,3 +378,6 @@ DomainParallelAdaptiveAvgPool3d: Any = POOL_WRAPPERS[nn.AdaptiveAvgPool3d]
 
 #: the 1-D pools: sharded along their length
 ONE_D_POOLS = (nn.MaxPool1d, nn.AvgPool1d, nn.AdaptiveMaxPool1d, nn.AdaptiveAvgPool1d)
+
+for _t, _l in POOL_WRAPPERS.items():
+    register_layer(_t, _l)

@@ -18,6 +18,7 @@ from torch import nn
 from mpidp.collectives import repartition
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelPixelShuffle", "DomainParallelPixelUnshuffle"]
 
@@ -55,3 +56,6 @@ class DomainParallelPixelUnshuffle(DomainParallel, nn.PixelUnshuffle):
         out_spec = self._out_spec(spec.total // r)
         grouped = repartition(x, spec, [r * n for n in out_spec], -2, group=t)
         return F.pixel_unshuffle(grouped, r)
+
+register_layer(nn.PixelShuffle, DomainParallelPixelShuffle)
+register_layer(nn.PixelUnshuffle, DomainParallelPixelUnshuffle)

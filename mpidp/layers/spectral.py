@@ -16,6 +16,7 @@ import torch
 from mpidp import fft as mfft
 from mpidp.collectives import repartition
 from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.registry import register_layer
 from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
 from mpidp.partition import ShardSpec
 
@@ -35,6 +36,10 @@ class SpectralBands(DomainParallel):
 
     fft_dims: tuple[int, int]
     _rows: ShardSpec | None = None
+
+    def input_band_dim(self) -> int:
+        first = self.fft_dims[0]
+        return first if first < 0 else first - 4  # (B, h, w, C) tokens: rows are dim 1
 
     def forward(self, x: torch.Tensor) -> Any:
         if self._alone():
@@ -92,6 +97,9 @@ class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
     """The band's rows of the learned embedding (channels-last (B, h, w, C): rows are dim 1).
     The gradient of the other rows is zero here; the domain sum of gradients completes it."""
 
+    def input_band_dim(self) -> int:
+        return -3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -105,6 +113,9 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
     pixel rows here, then the rows move to the manager's partition of the output height (only
     the boundary rows travel)."""
 
+    def input_band_dim(self) -> int:
+        return -3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -113,3 +124,11 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
         y = super().forward(x)
         pixels = [self.patch * n for n in tokens]
         return repartition(y, pixels, self._out_spec(sum(pixels)), -2, group=t)
+
+for _t, _l in (
+    (AFNOFilter, DomainParallelAFNOFilter),
+    (SpectralConv2d, DomainParallelSpectralConv2d),
+    (PositionEmbedding, DomainParallelPositionEmbedding),
+    (PatchRecovery, DomainParallelPatchRecovery),
+):
+    register_layer(_t, _l)

@@ -21,6 +21,7 @@ from torch import nn
 
 from mpidp.collectives import fetch_global_rows
 from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.registry import register_layer
 from mpidp.models import WindowAttention, _window_cut
 from mpidp.partition import ShardSpec
 
@@ -76,6 +77,9 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
     not, padded or not. Collective over the domain group (one all-gather of one integer to
     learn the partition, unless the input's spec is known, and one all-to-all)."""
 
+    def input_band_dim(self) -> int:
+        return -3  # channels-last (B, [T,] H, W, C): H is the dim before W
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -112,3 +116,5 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
         for d in others:
             out = out.narrow(d, cuts[d][0], x.size(d))
         return out
+
+register_layer(WindowAttention, DomainParallelWindowAttention)

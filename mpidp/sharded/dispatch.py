@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.errors import MpidpError
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+from mpidp.sharded.where import locate
 
 __all__ = [
     "UnsupportedOp",
@@ -134,6 +135,17 @@ def refuse(func: Any, args: Any, kwargs: Any, why: str, fix: str) -> Unsupported
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse)."""
+    try:
+        return _dispatch(func, args, kwargs)
+    except UnsupportedOp as err:
+        if getattr(err, "located", False):
+            raise
+        located = UnsupportedOp(locate(str(err)))
+        located.located = True  # type: ignore[attr-defined]
+        raise located from None
+
+
+def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     handler = _HANDLERS.get(key(func))
     if handler is not None:
         return handler(func, args, kwargs)

@@ -20,16 +20,38 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import mpidp.fft as dfft
 from mpidp.collectives import copy_to
-from mpidp.convert import _WRAPPERS
 from mpidp.layers.base import DomainParallel, known_spec
 from mpidp.layers.interpolate import interpolate as band_interpolate
-from mpidp.sharded.dispatch import refuse, register
+from mpidp.layers.registry import layer_for
+from mpidp.sharded.dispatch import Handler, refuse
+from mpidp.sharded.dispatch import register as _register
 from mpidp.sharded.rows import move_to_dim
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__ = ["meta_result"]
 
-_WRAPPER_OF = dict(_WRAPPERS)
+def register(*funcs: Any) -> Any:
+    """:func:`mpidp.sharded.register` for the functions of this module, whose input (the
+    first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) is
+    refused before the handler runs."""
+
+    def deco(handler: Handler) -> Handler:
+        def checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, ShardedTensor):
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    "its input is not a band (a sharded weight or other argument)",
+                    "shard the input, not the weights; or gather them (.full_tensor())",
+                )
+            return handler(func, args, kwargs)
+
+        _register(*funcs)(checked)
+        return handler
+
+    return deco
 
 
 def _meta(a: Any) -> Any:
@@ -80,9 +102,10 @@ def _run(
     """``module``'s domain-parallel wrapper on ``x``'s band; the result on the manager's
     partition of the global output length."""
     m = x.manager
-    wrapper = _WRAPPER_OF.get(type(module))
-    if wrapper is None:
+    found = layer_for(type(module))
+    if found is None:
         raise refuse(func, args, kwargs, f"no band form of {type(module).__name__}", "gather")
+    wrapper = found[1]
     dp = wrapper.from_module(module, m, x.shard_dim - x.dim())
     with known_spec(x.local, x.shard_dim, x.spec):
         y = dp(x.local, *call)

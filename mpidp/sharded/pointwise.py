@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError
-from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__ = ["POINTWISE", "pointwise", "local_like"]
@@ -103,6 +103,13 @@ def _set_grad(func: Any, args: Any, kwargs: Any) -> Any:
 @register(("__set__", "requires_grad"))
 def _set_requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
     args[0].local.requires_grad = args[1]
+
+
+@register(("__get__", "_base"))
+def _base(func: Any, args: Any, kwargs: Any) -> Any:
+    """A ShardedTensor is never a view of another tensor (its band may be one: that is the
+    band's business, not the global tensor's)."""
+    return None
 
 
 @register(("__get__", "data"))
@@ -277,14 +284,26 @@ POINTWISE |= {("__get__", "real"), ("__get__", "imag")}
 @register(*POINTWISE)
 def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An element-wise function on the bands (see the module doc for its arguments)."""
-    ref = first_sharded(args, kwargs)
+    if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "where(condition) gives the indices of the true entries, and a band's are not "
+            "the global ones",
+            "call it on x.full_tensor(), or use where(condition, x, y)",
+        )
     leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    # the band that sets the rows: a ShardedTensor of global length 1 broadcasts (as in serial)
+    ref = max((a for a in leaves if isinstance(a, ShardedTensor)), key=lambda a: a.spec.total)
     out_ndim = max(a.dim() for a in leaves)
     axis = out_ndim - ref.dim() + ref.shard_dim  # the sharded dim, counted in the result
     spec, n, t = ref.spec, ref.spec.total, ref.transport
     start, rows = ref.start, ref.spec.sizes[ref.rank]
 
     def band_of(a: Any) -> Any:
+        if isinstance(a, ShardedTensor) and a.spec.total == 1 < n:
+            a = a.full_tensor()  # a length-1 dim broadcasts: its one row, whole on every rank
         if isinstance(a, ShardedTensor):
             if a.dim() - (out_ndim - axis) != a.shard_dim or a.spec.total != n:
                 raise refuse(

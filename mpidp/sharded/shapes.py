@@ -580,6 +580,8 @@ def whole(x: ShardedTensor) -> torch.Tensor:
     torch.Tensor.bmm,
 )
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if len(args) != 2 or kwargs:
+        raise refuse(func, args, kwargs, "a product of other than two tensors", "pass two")
     a, b = args[0], args[1]
     if func is torch.Tensor.__rmatmul__:
         a, b = b, a

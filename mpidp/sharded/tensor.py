@@ -33,8 +33,11 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import PartitionPolicy, ShardSpec
+from mpidp.sharded.where import track
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
+
+_TRACKING: list[bool] = []  # the module stack is tracked (mpidp.sharded.where)
 
 
 class ShardedTensor(torch.Tensor):
@@ -60,6 +63,9 @@ class ShardedTensor(torch.Tensor):
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
+        if not _TRACKING:
+            _TRACKING.append(True)
+            track()
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -164,5 +164,131 @@ def rollout_fills_disk() -> None:
     caught(rollout)
 
 
+def bad_inputs() -> None:
+    """Issue 33's faults that every rank can be told about, in one job over the folder
+    ``argv[2]`` (and ``argv[3]``, a small file system: a 256 kB tmpfs, or with ``argv[4]``
+    given, an ordinary folder where torch.save is made to fail with ENOSPC). Each case raises
+    an mpidp error on every rank; the job then lists the files it left."""
+    import errno
+    from pathlib import Path
+
+    from mpidp.io import (
+        RolloutWriter,
+        ShardedH5Dataset,
+        load_checkpoint,
+        make_sample_data,
+        save_checkpoint,
+        write_sharded,
+    )
+
+    folder, small = Path(sys.argv[2]), Path(sys.argv[3])
+    manager = mpidp.init(domain_parallel_size=2)
+    spec = manager.spec(13)
+    rows = spec.sizes[manager.domain_rank]
+    # 1. a band one row taller on rank 1 only, written against the 13-row spec and grid
+    band = torch.zeros(1, rows + ME, 8)
+    caught(lambda: write_sharded(folder / "field.nc", "t", band, spec=spec, manager=manager))
+
+    def rollout() -> None:
+        lat = torch.linspace(90, -90, 13)
+        with RolloutWriter(folder / "forecast.nc", ["t"], lat, manager=manager) as out:
+            out.write(band)
+
+    caught(rollout)
+    # 2. a file of 15 rows where the model expects 13, on every rank
+    if ME == 0:
+        make_sample_data(folder / "wide.nc", n_lat=15, n_lon=8, n_time=3)
+        make_sample_data(folder / "broken.nc", n_lat=13, n_lon=8, n_time=3)
+        with open(folder / "broken.nc", "r+b") as f:  # 3. garble the superblock
+            f.seek(8)
+            f.write(bytes(b ^ 0x5A for b in f.read(88)))
+    MPI.COMM_WORLD.Barrier()
+    caught(lambda: ShardedH5Dataset(folder / "wide.nc", grid=(13, 8), manager=manager))
+    caught(lambda: ShardedH5Dataset(folder / "broken.nc", manager=manager))
+    good = torch.zeros(1, rows, 8)
+    caught(lambda: write_sharded(folder / "broken.nc", "u", good, manager=manager, mode="a"))
+    # 4. verify passed on rank 0 only, to save and to load
+    model = torch.nn.Linear(3, 2)
+    mpidp.broadcast_parameters(model, manager)
+    ckpt = folder / "model.pt"
+    save_checkpoint(ckpt, model, step=1, manager=manager)
+    caught(lambda: save_checkpoint(ckpt, model, step=2, manager=manager, verify=ME == 0))
+    caught(lambda: load_checkpoint(ckpt, model, manager=manager, verify=ME == 0))
+    # 5. a save on a full disk: the previous checkpoint stays
+    full = small / "model.pt"
+    save_checkpoint(full, model, step=1, manager=manager)
+    big = torch.nn.Linear(256, 256)  # 257 kB of parameters: more than the disk has left
+    mpidp.broadcast_parameters(big, manager)
+    if len(sys.argv) > 4 and ME == 0:  # no tmpfs here: the write fails as on a full disk
+        import mpidp.io.checkpoint as checkpoint
+
+        def full_disk(state, f) -> None:
+            Path(f).write_bytes(b"part of a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        checkpoint.torch.save = full_disk  # type: ignore[assignment]
+    caught(lambda: save_checkpoint(full, big, step=2, manager=manager))
+    # 6. a parameter frozen on rank 1 only
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    if ME == 1:
+        net[1].weight.requires_grad_(False)
+    net(torch.ones(1, 3)).sum().backward()
+    caught(lambda: mpidp.sync_gradients(net, manager))
+    MPI.COMM_WORLD.Barrier()
+    if ME == 0:
+        left = sorted(p.name for p in folder.iterdir()) + sorted(p.name for p in small.iterdir())
+        print(f"LEFT {left} step {torch.load(full, weights_only=False)['step']}", flush=True)
+
+
+def band_height_on_one_rank() -> None:
+    """ShardedTensor.from_local(band, spec=...) with a band one row taller on rank 1 only: the
+    check is local (no communication), so rank 1 raises alone, uncaught; ``python -m mpi4py``
+    aborts the job through MPI with the message while rank 0 waits in its next collective."""
+    manager = mpidp.init(domain_parallel_size=2)
+    spec = manager.spec(13)
+    band = torch.zeros(1, spec.sizes[ME] + ME, 8)
+    print(f"rank {ME} starts at {time.time():.2f}", flush=True)
+    x = mpidp.ShardedTensor.from_local(band, spec=spec, manager=manager)
+    x.full_tensor()
+    time.sleep(60)
+
+
+class _KillWhilePickled:
+    """Pickled inside torch.save, after the temporary file was opened: the writer is killed
+    by ``signal`` mid-write."""
+
+    def __init__(self, signal: int) -> None:
+        self.signal = signal
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        print(f"rank {ME} killed mid-write at {time.time():.2f}", flush=True)
+        os.kill(os.getpid(), self.signal)
+        time.sleep(30)
+        return (int, (0,))
+
+
+def killed_mid_checkpoint() -> None:
+    """``argv[2]``: the checkpoint path; ``argv[3]``: TERM or KILL. The run first saves a
+    checkpoint (step N: the run number ``argv[4]``) over whatever an earlier run left, which
+    removes the temporaries of dead writers; then saves again with rank 0 killed by that
+    signal in the middle of torch.save."""
+    import signal
+    from pathlib import Path
+
+    from mpidp.io import save_checkpoint
+
+    path, sig, run = Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    manager = mpidp.init(domain_parallel_size=2)
+    model = torch.nn.Linear(3, 2)
+    mpidp.broadcast_parameters(model, manager)
+    before = sorted(p.name for p in path.parent.iterdir())
+    save_checkpoint(path, model, step=run, manager=manager)
+    after = sorted(p.name for p in path.parent.iterdir())
+    if ME == 0:
+        print(f"BEFORE {before} AFTER {after}", flush=True)
+    bomb = _KillWhilePickled(getattr(signal, f"SIG{sig}")) if ME == 0 else None
+    save_checkpoint(path, model, step=run + 100, manager=manager, extra={"bomb": bomb})
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")]()

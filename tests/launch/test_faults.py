@@ -6,13 +6,16 @@ communicator whose ranks disagreed must still work for the next correct call."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from test_launch import MPIEXEC, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +23,11 @@ JOBS = str(ROOT / "tests" / "faults" / "jobs.py")
 
 
 def job(case: str, *args: str, n: int = 2, **env: str) -> str:
+    return job_result(case, *args, n=n, **env).stdout
+
+
+def job_result(case: str, *args: str, n: int = 2, **env: str) -> subprocess.CompletedProcess[str]:
+    """The finished job, its output (stdout and stderr together) as ``stdout``."""
     res = subprocess.run(
         [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", JOBS, case, *args],
         env=clean_env(PYTHONPATH=str(ROOT), **env),
@@ -28,7 +36,8 @@ def job(case: str, *args: str, n: int = 2, **env: str) -> str:
         timeout=240,
         cwd=ROOT,
     )
-    return res.stdout + res.stderr
+    res.stdout += res.stderr
+    return res
 
 
 def caught(out: str) -> list[tuple[int, float, str]]:
@@ -51,7 +60,11 @@ def test_disagreeing_ranks_raise_on_every_rank_and_the_group_survives(transport)
     assert "rank 1: ('all_gather_v', (2, 2)" in by_case[0]
     assert "torch.float32" in by_case[1] and "torch.int32" in by_case[1]
     assert "(4,)" in by_case[2] and "(5,)" in by_case[2]
-    assert "('all_reduce', 8" in by_case[3] and "('all_reduce', 6" in by_case[3]  # 6+2 vs 6
+    assert (
+        "sync_gradients: the ranks hold gradients for different parameters: 'bias': "
+        in (by_case[3])
+    )
+    assert "no gradient (requires_grad=False) on ranks [1]" in by_case[3]
     assert "matching send and receive counts" in by_case[4]
     assert (
         "rank 1: ('all_to_all_v', torch.float32, (3,), 'send rows [1, 1]', 'receive rows [1, 2]')"
@@ -199,3 +212,120 @@ def test_a_rollout_that_fills_the_disk_raises_everywhere_and_leaves_nothing(tmp_
     finally:
         if mounted:
             subprocess.run(["umount", str(disk)], check=True)
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str) -> Iterator[bool]:
+    """``folder`` as a tmpfs of ``size`` when the tests run as root (True), else as it is."""
+    folder.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_bad_inputs_raise_on_every_rank_naming_value_rank_and_fix(tmp_path):
+    """Issue 33's faults that every rank can learn of, in one job: a band one row taller on
+    rank 1 only (write_sharded with a spec, RolloutWriter with 13 latitudes), a 15-row file
+    where a 13-row grid is expected, an HDF5 file whose header is garbled (read, and appended
+    to), ``verify`` passed on rank 0 only (save and load: it was MPI's "Message truncated"),
+    a checkpoint save on a full disk (a 256 kB tmpfs) and a parameter frozen on rank 1 only
+    (sync_gradients). Each ends with the same mpidp error on both ranks within seconds; no
+    temporary file is left and the previous checkpoint is intact."""
+    work = tmp_path / "work"
+    work.mkdir()
+    with small_disk(tmp_path / "small", "256k") as mounted:
+        out = job("bad-inputs", str(work), str(tmp_path / "small"), *([] if mounted else ["x"]))
+        left = sorted(p.name for p in (tmp_path / "small").iterdir())
+    assert "NOT CAUGHT" not in out, out
+    got = caught(out)
+    assert sorted(r for r, _, _ in got) == [0] * 9 + [1] * 9, out
+    by_rank: dict[int, list[str]] = {0: [], 1: []}
+    for r, seconds, msg in got:
+        assert seconds < 10 and msg.split(": ")[1].startswith(f"rank {r}"), msg
+        by_rank[r].append(" ".join(msg.split()))
+    cases = list(zip(by_rank[0], by_rank[1], strict=True))
+    for i, (m0, m1) in enumerate(cases):  # the same error on both ranks, each naming itself
+        assert m0.replace("rank 0", "rank *", 1) == m1.replace("rank 1", "rank *", 1), i
+    first = [m0 for m0, _ in cases]
+    assert first[0].startswith("DataError: rank 0: write_sharded(") and (
+        "spec is [7, 6] (rank 1 holds 7 where spec gives it 6)" in first[0]
+    )
+    assert (
+        "bands have [7, 7] rows (14 in all) of 8 longitudes, but the coordinates give a 13 x 8"
+        in (first[1])
+    )
+    assert (
+        "wide.nc holds a 15 x 8 (lat x lon) grid but the model expects (13, 8) (the grid argument)"
+        in first[2]
+    )
+    assert "fix: use the files of the model's resolution" in first[2]
+    assert "rank 1: " in first[3] and "broken.nc: not a readable HDF5/netCDF-4 file" in first[3]
+    assert "Unable to synchronously open file" in first[3] and "fix: pass existing" in first[3]
+    assert (
+        "mode='a' but" in first[4] and "restore it, or write a new file with mode='w'" in first[4]
+    )
+    for save_or_load in first[5:7]:
+        assert "rank 1: verify=False but rank 0 passed True" in save_or_load
+        assert re.search(r"fix: .*the same .*verify", save_or_load), save_or_load
+    assert (
+        first[7].startswith("DataError: rank 0: save_checkpoint(")
+        and "was left as it was" in (first[7])
+    )
+    if mounted:
+        assert "is the disk full?" in first[7] and "free space or write elsewhere" in first[7]
+    assert "'1.weight': gradient (2, 4) torch.float32 on ranks [0]; no gradient " in first[8]
+    assert "(requires_grad=False) on ranks [1]; freeze the same parameters" in first[8]
+    # nothing but the files the job made: the broken file untouched, no temporary file
+    assert "LEFT ['broken.nc', 'model.pt', 'wide.nc', 'model.pt'] step 1" in out, out
+    assert left == ["model.pt"]
+
+
+def test_a_band_of_another_height_on_one_rank_aborts_the_job(tmp_path):
+    """ShardedTensor.from_local(band, spec=...) is local (no communication): the rank whose
+    band does not fit raises alone and ``python -m mpi4py`` aborts the job through MPI with
+    its message, while the other rank waits in its next collective (it would sleep 60 s)."""
+    start = time.monotonic()
+    res = job_result("band-height-on-one-rank")
+    assert time.monotonic() - start < 30, res.stdout
+    assert res.returncode != 0
+    text = " ".join(res.stdout.split())
+    assert (
+        "ConfigError: rank 1: from_local: the band has 7 rows but spec [7, 6] gives domain rank "
+        "1 6; pass this band's own spec" in text
+    ), res.stdout
+    assert "MPI_Abort" in text
+
+
+def test_a_job_killed_mid_checkpoint_leaves_nothing_for_the_next_run(tmp_path):
+    """SIGTERM, then SIGKILL, to rank 0 in the middle of torch.save of a checkpoint: each job
+    ends at once, the previous checkpoint is intact, and the temporary file it leaves is
+    removed by the next save to that path (its writer, named in the file name, is dead): the
+    second job's first save removes the first job's; the second job's is removed by the same
+    call that save makes (here, instead of a third job)."""
+    from mpidp.io._common import remove_dead_temporaries
+
+    path = tmp_path / "model.pt"
+    left: list[str] = []
+    for run, sig in enumerate(["TERM", "KILL"], 1):
+        start = time.monotonic()
+        res = job_result("killed-mid-checkpoint", str(path), sig, str(run))
+        assert time.monotonic() - start < 60, res.stdout
+        assert res.returncode != 0 and "rank 0 killed mid-write" in res.stdout, res.stdout
+        assert torch.load(path, weights_only=False)["step"] == run, res.stdout
+        tmp = sorted(p.name for p in tmp_path.iterdir() if p.name != "model.pt")
+        assert len(tmp) == 1, (tmp, res.stdout)
+        assert re.fullmatch(r"\.model\.pt\.tmp-[0-9a-f]+-p\d+-h[0-9a-f]{8}", tmp[0])
+        if left:  # this run's first save removed the previous run's temporary file
+            assert f"BEFORE {sorted(['model.pt', *left])} AFTER ['model.pt']" in res.stdout
+        left = tmp
+    assert remove_dead_temporaries(path) == left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]

@@ -18,6 +18,7 @@ from mpidp.graph import (
     Graph,
     Nodes,
     ShardedGraph,
+    get_k_hop_edges,
     graph_halo_exchange,
     plan_graph_halo,
     plan_graph_halo_local,
@@ -163,6 +164,33 @@ def test_1hop_sharding_puts_each_ranks_edges_together(t):
         assert got_attr[at : at + len(mine), 0].tolist() == mine
         assert torch.equal(got_index[:, at : at + len(mine)], edge_index[:, mine])
         at += len(mine)
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+@pytest.mark.parametrize("cut", list(cuts(23)))
+def test_k_hop_edges_of_each_ranks_node_mask_give_the_whole_graph(manager, cut, hops):
+    """anemoi's k-hop selection with a boolean mask of this rank's nodes (and with their ids):
+    ``hops`` layers of message passing on the selected edges give this rank's nodes their
+    whole-graph values, bit for bit, and the bands gathered are the whole graph's result."""
+    edge_index, n, _ = graphs()["directed"]
+    attr = torch.arange(edge_index.size(1), dtype=F64)[:, None]
+    spec = cuts(n)[cut]
+    x = torch.randn(n, 3, dtype=F64, generator=torch.Generator().manual_seed(7))
+
+    def layers(index):
+        h = x
+        for _ in range(hops):
+            h = torch.tanh(h + torch.zeros_like(h).index_add(0, index[1], h[index[0]]))
+        return h
+
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[spec.slice(ME)] = True
+    _, by_mask = get_k_hop_edges(mask, attr, edge_index, hops, num_nodes=n)
+    _, by_ids = get_k_hop_edges(torch.nonzero(mask).flatten(), attr, edge_index, hops, n)
+    assert torch.equal(by_mask, by_ids)
+    band = layers(by_mask)[spec.slice(ME)]
+    t = manager.transport("domain", "cpu")
+    assert torch.equal(t.all_gather_v(band.contiguous(), list(spec.sizes)), layers(edge_index))
 
 
 def exchange_case(name, route, cut):

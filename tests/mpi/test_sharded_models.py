@@ -72,7 +72,8 @@ def test_a_row_mixing_op_inside_a_model_raises_on_every_rank(m):
             return torch.cumsum(torch.relu(x), dim=2)
 
     x = shard(rand((1, 2, H, 4), 1), 2, m)
-    with pytest.raises(UnsupportedOp, match=rf"rank {m.rank}: torch.cumsum\(ShardedTensor"):
+    where = r"in Cumulative.forward: torch.cumsum\(ShardedTensor"
+    with pytest.raises(UnsupportedOp, match=rf"rank {m.rank}: {where}"):
         Cumulative()(x)
 
 

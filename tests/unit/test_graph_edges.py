@@ -59,6 +59,68 @@ def test_k_hop_edges_compute_the_nodes_exactly():
     assert torch.equal(part[nodes], full[nodes])
 
 
+def brute_force_k_hop(index, nodes, hops):
+    """Edge positions by the definition: an edge counts when its destination is within
+    hops-1 steps upstream of ``nodes`` (a set of ids)."""
+    frontier, keep = set(nodes), set()
+    for _ in range(hops):
+        new = {e for e in range(index.size(1)) if int(index[1, e]) in frontier}
+        keep |= new
+        frontier = frontier | {int(index[0, e]) for e in new}
+    return sorted(keep)
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+@pytest.mark.parametrize(
+    "picked", [[], [3, 11], [0, 16], list(range(17)), [5, 5, 2]], ids=lambda p: f"{len(p)}nodes"
+)
+def test_k_hop_edges_of_a_mask_equal_those_of_its_ids_and_the_definition(hops, picked):
+    """anemoi calls get_k_hop_edges with a boolean node mask as well as with ids: both give
+    the brute-force edges, in edge order (an empty mask: none; an all-true mask: every edge)."""
+    index, attr = random_graph()
+    mask = torch.zeros(17, dtype=torch.bool)
+    mask[picked] = True
+    want = brute_force_k_hop(index, picked, hops)
+    for nodes in (mask, torch.tensor(picked, dtype=torch.long), mask.nonzero().flatten()):
+        for n in (17, None):
+            got_attr, got_index = get_k_hop_edges(nodes, attr, index, hops, num_nodes=n)
+            assert got_index.tolist() == index[:, want].tolist(), (nodes, n)
+            assert got_attr[:, 0].tolist() == [float(e) for e in want]
+    if len(set(picked)) == 17:
+        assert len(want) == index.size(1)
+
+
+def test_k_hop_edges_of_a_mask_with_isolated_trailing_nodes():
+    """A mask longer than the largest id in edge_index (nodes without edges) is exact too."""
+    index, attr = random_graph()
+    mask = torch.zeros(20, dtype=torch.bool)
+    mask[[4, 19]] = True
+    _, got = get_k_hop_edges(mask, attr, index, 2)
+    assert got.tolist() == index[:, brute_force_k_hop(index, [4], 2)].tolist()
+
+
+def test_k_hop_edges_refuse_what_they_cannot_do_exactly():
+    index, attr = random_graph()
+    with pytest.raises(ConfigError, match="a node mask of 16 entries for a graph of 17 nodes"):
+        get_k_hop_edges(torch.ones(16, dtype=torch.bool), attr, index, num_nodes=17)
+    with pytest.raises(ConfigError, match="a node mask of 10 entries for a graph of at least 17"):
+        get_k_hop_edges(torch.ones(10, dtype=torch.bool), attr, index)
+    with pytest.raises(ConfigError, match="a node mask of shape \\(1, 17\\)"):
+        get_k_hop_edges(torch.ones(1, 17, dtype=torch.bool), attr, index)
+    with pytest.raises(ConfigError, match=r"node ids span \[-1, 3\].*no negative ids"):
+        get_k_hop_edges(torch.tensor([3, -1]), attr, index)
+    with pytest.raises(ConfigError, match=r"node ids span \[2, 17\] but the graph has 17"):
+        get_k_hop_edges(torch.tensor([2, 17]), attr, index, num_nodes=17)
+    with pytest.raises(ConfigError, match=r"dtype torch\.float32"):
+        get_k_hop_edges(torch.tensor([1.0, 0.0]), attr, index)
+    with pytest.raises(ConfigError, match="edge_index names node 16 but num_nodes=10"):
+        get_k_hop_edges(torch.tensor([1]), attr, index, num_nodes=10)
+    with pytest.raises(ConfigError, match="num_hops=0"):
+        get_k_hop_edges(torch.tensor([1]), attr, index, 0)
+    with pytest.raises(ConfigError, match="3 edge attributes for 60 edges"):
+        get_k_hop_edges(torch.tensor([1]), attr[:3], index)
+
+
 @pytest.mark.parametrize("chunks", [1, 3, 5])
 def test_1hop_chunks_hold_each_chunks_incoming_edges_in_order(chunks):
     index, attr = random_graph()

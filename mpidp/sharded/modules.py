@@ -1,0 +1,247 @@
+"""Modules on ShardedTensors: a converted layer is the kernel dispatch runs for its type, a
+converted model runs its own ``forward`` on ShardedTensors.
+
+Three entries, one rule each:
+
+* :func:`run_layer`: a :class:`~mpidp.layers.base.DomainParallel` layer called with
+  ShardedTensors runs on their bands with their partitions known (no all-gather to learn
+  them) and its result is a ShardedTensor again. A layer that does not apply to the layout
+  (it asks for the partition along a dim the band is not cut along: Conv2d fed windows folded
+  into the batch) runs its torch form instead, whose functional calls dispatch op by op.
+* :func:`enter_module` / :func:`leave_module`, the hooks conversion gives a model: it takes
+  plain bands, wraps them as ShardedTensors, runs the user's unchanged ``forward`` and returns
+  plain bands; and a module that computes on a band as it is (``safe=``, probed local) or a
+  user's band form (``custom_converters``) gets the bands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_unflatten as _unflatten
+
+from mpidp.collectives import copy_to
+from mpidp.errors import MpidpError
+from mpidp.layers import base
+from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import ShardSpec
+from mpidp.sharded.dispatch import UnsupportedOp
+from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
+from mpidp.sharded.where import entered
+
+__all__ = ["enter_module", "leave_module", "run_layer", "torch_forward"]
+
+
+def torch_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward of the torch module a layer wraps (its first base that is not a layer)."""
+    for kind in type(module).__mro__:
+        if issubclass(kind, DomainParallel) or kind is object:
+            continue
+        forward = kind.__dict__.get("forward")
+        if forward is not None:
+            return getattr(forward, "__wrapped__", forward)
+    raise MpidpError(f"{type(module).__name__} has no torch forward")
+
+
+def _unwrap(args: Any, t: Any) -> Any:
+    """Bands for ShardedTensors; a Replicated value enters the band computation through
+    ``copy_to`` (its gradient: every rank's share summed, whole again)."""
+
+    def one(a: Any) -> Any:
+        if isinstance(a, ShardedTensor):
+            return a.local
+        if isinstance(a, Replicated):
+            plain = a.as_subclass(torch.Tensor)
+            return copy_to(plain, t) if plain.requires_grad else plain
+        return a
+
+    return tree_map(one, args)
+
+
+@contextlib.contextmanager
+def _known(sharded: list[ShardedTensor]) -> Iterator[list[Any]]:
+    with contextlib.ExitStack() as stack:
+        for a in sharded:
+            stack.enter_context(known_spec(a.local, a.shard_dim, a.spec))
+        yield stack.enter_context(band_call(tuple((a.local, a.shard_dim) for a in sharded)))
+
+
+def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
+    leaves, _ = tree_flatten((args, kwargs))
+    return [a for a in leaves if isinstance(a, ShardedTensor)]
+
+
+def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``layer`` (a DomainParallel module) on ShardedTensor arguments. Collective over the
+    domain group, as the layer is."""
+    sharded = _sharded(args, kwargs)
+    ref = sharded[0]
+    t = ref.transport
+    try:
+        with _known(sharded) as notes:
+            out = forward(layer, *_unwrap(args, t), **_unwrap(kwargs, t))
+    except LayoutMismatch:
+        return torch_forward(layer)(layer, *args, **kwargs)
+    if notes and notes[-1][0] == "replicated":
+        # the layer's backward sums every rank's share of its output's gradient; a Replicated
+        # value holds the whole gradient on every rank: rank 0 gives it, the others zeros
+        return tree_map(
+            lambda o: replicated(_RankZeroGrad.apply(o, t.rank), t) if _plain(o) else o, out
+        )
+    # a layer that cut its output by the policy (``_out_spec``) cut it along its own sharded
+    # dim (a patch recovery: tokens in, pixels out); one that did not keeps the input's cut
+    spec = notes[-1][1] if notes else ref.spec
+    outs, tree = tree_flatten(out)
+    dims = getattr(layer, "output_dims", None)
+    if dims is not None:
+        want = dims(args, kwargs, len(outs))
+    else:
+        want = [o.dim() + layer.shard_dim if notes and _plain(o) else ref.shard_dim for o in outs]
+    wrapped = [
+        _band(o, d, spec, ref, type(layer).__name__) if _plain(o) and d is not None else o
+        for o, d in zip(outs, want, strict=True)
+    ]
+    return _unflatten(wrapped, tree)
+
+
+def _plain(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and not isinstance(o, (ShardedTensor, Replicated))
+
+
+def _band(o: torch.Tensor, d: int, spec: ShardSpec, ref: ShardedTensor, who: str) -> Any:
+    m = ref.manager
+    if spec.parts == 1:
+        spec = ShardSpec((o.size(d),))
+    if o.dim() <= d or o.size(d) != spec.sizes[ref.rank]:
+        raise MpidpError(
+            f"rank {m.rank}: internal error: {who} returned {tuple(o.shape)} for a band of "
+            f"{list(spec.sizes)} rows along dim {d}; report it with the model"
+        )
+    return ShardedTensor(o, spec, d, m)
+
+
+def _band_outputs(out: Any, ref: ShardedTensor, learn: bool, who: str) -> Any:
+    """A band module's tensor outputs of the input's rank as bands along its sharded dim: with
+    ``learn`` their partition is learned (one all-gather of the lengths), else the input's."""
+    outs, tree = tree_flatten(out)
+    local = tuple(ref.local.shape)
+    at = []
+    for i, o in enumerate(outs):
+        if not _plain(o):
+            continue
+        # the same rank, or the input's dims with more after (an embedding): cut alike
+        if o.dim() == ref.dim() or (o.dim() > ref.dim() and tuple(o.shape[: ref.dim()]) == local):
+            at.append(i)
+        elif o.dim() > ref.shard_dim:
+            raise UnsupportedOp(
+                f"rank {ref.manager.rank}: {who} on a band of {tuple(ref.shape)} returned "
+                f"{tuple(o.shape)}: mpidp cannot tell which of its dims is the band's; give "
+                f"it a converter (custom_converters) or mark it with safe= only if its output "
+                f"keeps the input's dims"
+            )
+    if learn and ref.spec.parts > 1:
+        rows = ref.transport.all_gather_ints([outs[i].size(ref.shard_dim) for i in at])
+        specs = [ShardSpec(tuple(r[j] for r in rows)) for j in range(len(at))]
+    else:
+        specs = [ref.spec] * len(at)
+    for i, spec in zip(at, specs, strict=True):
+        outs[i] = _band(outs[i], ref.shard_dim, spec, ref, who)
+    return _unflatten(outs, tree)
+
+
+def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
+    """Every plain tensor argument whose sharded dim is not its first (``x.dim() >= 1 -
+    shard_dim``) as the ShardedTensor of this rank's band (the partitions learned in one
+    all-gather); other arguments as they are."""
+    leaves, tree = tree_flatten((args, kwargs))
+    at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(1 - shard_dim, 1)]
+    if at:
+        dims = [leaves[i].dim() + shard_dim for i in at]
+        if m.domain_world_size > 1:
+            t = m.transport(None, leaves[at[0]].device)
+            rows = t.all_gather_ints([leaves[i].size(d) for i, d in zip(at, dims, strict=True)])
+            specs = [ShardSpec(tuple(r[j] for r in rows)) for j in range(len(at))]
+        else:
+            specs = [ShardSpec((leaves[i].size(d),)) for i, d in zip(at, dims, strict=True)]
+        for i, d, spec in zip(at, dims, specs, strict=True):
+            leaves[i] = ShardedTensor(leaves[i], spec, d, m)
+    return _unflatten(leaves, tree)
+
+
+def _to_band(o: Any, inputs: list[ShardSpec]) -> Any:
+    """A result's band: on an input's cut when it has one (a model that keeps its input's
+    partition returns it so), else on the manager's partition of its length."""
+    if not isinstance(o, ShardedTensor):
+        return o
+    if o.spec in inputs:
+        return o.local
+    m = o.manager
+    spec = m.partition.spec(o.spec.total, m.domain_world_size)
+    return (o.redistribute(spec) if spec != o.spec else o).local
+
+
+def _fits(d: int, rule: tuple[str, int]) -> bool:
+    """Whether a band cut along ``d`` (from the end) is one the module computes on as it is:
+    ``("at", k)``: only along k; ``("before", k)``: along any dim but the last k."""
+    return d == rule[1] if rule[0] == "at" else d < -rule[1]
+
+
+def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Forward pre-hook of a converted module (``module._mpidp_band``: kind, sharded dim,
+    manager, the calls in progress).
+
+    ``"model"``: the model :func:`mpidp.convert_to_domain_parallel` returns. Plain bands become
+    ShardedTensors and the user's unchanged ``forward`` runs on them; :func:`leave_module`
+    returns band results as this rank's plain band on the manager's partition and Replicated
+    results (a global mean, a pooled vector) as they are, the same on every rank.
+    ShardedTensor, Replicated and smaller tensors (a time embedding, a condition vector) pass
+    as they are. Collective over the domain group.
+
+    ``"band"`` / ``"learn"``: a module that computes on bands as it is (``safe=``, probed
+    local: each output row from its own input row) or a user's band form
+    (``custom_converters``) gets the bands of ShardedTensors cut along its dim; cut along
+    another dim, its forward runs on them through dispatch."""
+    kind, dim, manager, calls = module.__dict__["_mpidp_band"]
+    if kind == "model":
+        if base.in_torch_path():
+            calls.append(None)
+            return None
+        m = manager if manager is not None else get_manager()
+        args, kwargs = _wrap_bands(args, kwargs, dim, m)
+        specs = [a.spec for a in _sharded(args, kwargs)]
+        calls.append(("model", entered(module), specs))
+        calls[-1][1].__enter__()
+        return args, kwargs
+    sharded = _sharded(args, kwargs)
+    if not sharded or not all(_fits(a.shard_dim - a.dim(), dim) for a in sharded):
+        calls.append(None)
+        return None
+    ref = sharded[0]
+    calls.append(("band", ref))
+    return _unwrap(args, ref.transport), _unwrap(kwargs, ref.transport)
+
+
+def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+    """Forward hook of a converted module: see :func:`enter_module` (runs after an exception
+    too, to close the call)."""
+    kind, _, _, calls = module.__dict__["_mpidp_band"]
+    call = calls.pop() if calls else None
+    if call is None:
+        return None
+    if call[0] == "model":
+        call[1].__exit__(None, None, None)
+        return tree_map(lambda o: _to_band(o, call[2]), out)
+    return _band_outputs(out, call[1], kind == "learn", type(module).__name__)
+
+
+def install() -> None:
+    """Route DomainParallel layers called with ShardedTensors through :func:`run_layer`."""
+    if not base.SHARDED_CALL:
+        base.SHARDED_CALL.append(run_layer)
+        base.SHARDED_TYPES.append(ShardedTensor)

@@ -1,0 +1,263 @@
+"""One exact front end: nine models whose own ``forward`` makes one shape- or neighbour-
+dependent torch call (the calls that made conversion silently wrong) run through BOTH entry
+points, ``convert_to_domain_parallel`` (plain bands in and out) and ``mpidp.shard`` input
+(ShardedTensor), float64, H = 13 (uneven bands), and equal the serial model: output, input
+gradient and every parameter gradient, 1e-10 relative. A user's ``torch.autograd.Function``
+(a straight-through estimator, and one whose backward is not its forward's autograd) keeps
+its gradients on ShardedTensors; one that calls numpy is refused on every rank, naming
+where. A refusal names the module path. A broken handler makes the comparison fail."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+from mpidp.sharded import UnsupportedOp, shard
+from mpidp.testing import assert_matches_serial
+from tests.mpi.helpers import check_sharded, rand
+
+WORLD = MPI.COMM_WORLD.Get_size()
+F64 = torch.float64
+H, W = 13, 8
+
+
+@pytest.fixture(scope="module")
+def m():
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as manager:
+        yield manager
+
+
+class Base(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+
+class InterpolateToSkip(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 3, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        h = self.down(x)
+        return self.conv(F.interpolate(h, size=x.shape[-2:], mode="bilinear") + x)
+
+
+class UpsampleCatSkip(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.merge = nn.Conv2d(6, 3, 3, padding=1)
+
+    def forward(self, x):
+        d = F.avg_pool2d(self.conv(x), 2)
+        u = F.interpolate(d, scale_factor=2, mode="nearest")
+        return self.merge(torch.cat([u, x[..., : u.shape[-2], :]], dim=1))
+
+
+class MeanGate(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        g = torch.sigmoid(self.lin(x.mean((-2, -1))))
+        return self.conv(x) * g[..., None, None]
+
+
+class ReflectPad(Base):
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (1, 1, 2, 2), mode="reflect"), self.conv.weight, padding=0)
+
+
+class Roll(Base):
+    def forward(self, x):
+        return self.conv(torch.roll(x, 3, -2)) + torch.roll(x, -2, -1)
+
+
+class PoleRow(Base):
+    def forward(self, x):
+        return self.conv(x) + x[..., 0, :].unsqueeze(-2)
+
+
+class SoftmaxOverGrid(Base):
+    def forward(self, x):
+        h = self.conv(x)
+        return torch.softmax(h.flatten(-2), dim=-1).view_as(h)
+
+
+class FunctionalConv(Base):
+    def forward(self, x):
+        return F.conv2d(torch.tanh(self.conv(x)), self.conv.weight, self.conv.bias, padding=1)
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: the backward is not the forward's autograd (zero)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(4 * x) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class ScaledSquare(torch.autograd.Function):
+    """y = s * x**2 with s a parameter: saves tensors, a band input and a plain one."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return s * x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return 2 * s * x * g, (g * x * x).sum().reshape(s.shape)
+
+
+class UserFunctions(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([0.7]))
+
+    def forward(self, x):
+        return ScaledSquare.apply(self.conv(RoundSTE.apply(x) + x), self.s)
+
+
+PATTERNS = {
+    "interpolate_to_skip_size": InterpolateToSkip,
+    "nearest_x2_then_cat_skip": UpsampleCatSkip,
+    "spatial_mean_gate": MeanGate,
+    "reflect_pad_functional": ReflectPad,
+    "roll_lat_and_lon": Roll,
+    "pole_row": PoleRow,
+    "softmax_over_grid": SoftmaxOverGrid,
+    "functional_conv2d": FunctionalConv,
+    "autograd_function": UserFunctions,
+}
+
+
+def build(name):
+    torch.manual_seed(7)
+    return PATTERNS[name]().to(F64)
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_pattern_through_conversion_equals_serial(m, name):
+    serial = build(name)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
+    assert_matches_serial(
+        serial,
+        dist,
+        [rand((2, 3, H, W), 3)],
+        manager=m,
+        modules=(serial, dist),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_pattern_on_sharded_tensors_equals_serial(m, name):
+    model = build(name)
+    check_sharded(m, model, rand((2, 3, H, W), 3), dim=2, module=model, rtol=1e-10, atol=1e-12)
+
+
+def test_a_broken_handler_fails_the_comparison(m, monkeypatch):
+    """Mutation: torch.roll's handler rolls the band alone; the conversion test sees it."""
+    if WORLD == 1:
+        pytest.skip("one band is the whole field: a band-local roll is the serial roll")
+    from mpidp.sharded import dispatch
+
+    def band_roll(func, args, kwargs):
+        x = args[0]
+        return mpidp.ShardedTensor(
+            torch.roll(x.local, *args[1:], **kwargs), x.spec, x.shard_dim, x.manager
+        )
+
+    monkeypatch.setitem(dispatch._HANDLERS, dispatch.key(torch.roll), band_roll)
+    with pytest.raises(AssertionError, match="output"):
+        test_pattern_through_conversion_equals_serial(m, "roll_lat_and_lon")
+
+
+class NumpyFilter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.from_numpy(np.cumsum(x.detach().numpy(), axis=-2))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class CallsNumpy(Base):
+    def forward(self, x):
+        return NumpyFilter.apply(self.conv(x))
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = nn.Sequential(nn.Conv2d(3, 3, 1), CumsumBlock())
+
+    def forward(self, x):
+        return self.decoder(x)
+
+
+class CumsumBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return torch.cumsum(self.conv(x), dim=-2)
+
+
+def test_non_torch_code_in_a_function_is_refused_on_every_rank(m):
+    torch.manual_seed(0)
+    model = mpidp.convert_to_domain_parallel(CallsNumpy().to(F64), m)
+    band = shard(rand((1, 3, H, W), 1), 2, m).local
+    where = "in autograd.Function NumpyFilter.forward, in CallsNumpy.forward"
+    with pytest.raises(UnsupportedOp, match=rf"rank {m.rank}: {where}: Tensor.numpy"):
+        model(band)
+
+
+def test_a_refusal_names_the_module_path(m):
+    torch.manual_seed(0)
+    model = mpidp.convert_to_domain_parallel(Nested().to(F64), m)
+    band = shard(rand((1, 3, H, W), 1), 2, m).local
+    where = r"in module decoder\.1 \(CumsumBlock\) of Nested: torch\.cumsum"
+    with pytest.raises(UnsupportedOp, match=rf"rank {m.rank}: {where}"):
+        model(band)
+    with pytest.raises(UnsupportedOp, match=rf"rank {m.rank}: {where}"):
+        Nested().to(F64)(shard(rand((1, 3, H, W), 1), 2, m))
+
+
+def test_inputs_that_are_not_bands_pass_unchanged_and_replicated_outputs_come_back(m):
+    """A condition vector passes as it is; a pooled output is the same on every rank."""
+
+    class Conditioned(Base):
+        def forward(self, x, cond):
+            h = self.conv(x) * cond[:, :, None, None]
+            return h, h.mean((-2, -1))
+
+    torch.manual_seed(3)
+    serial = Conditioned().to(F64)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
+    full, cond = rand((2, 3, H, W), 4), rand((2, 3), 5)
+    y, pooled = serial(full, cond)
+    s = m.partition.spec(H, m.domain_world_size)
+    band = full.narrow(2, s.start(m.domain_rank), s.sizes[m.domain_rank])
+    yb, pb = dist(band, cond)
+    assert type(yb) is torch.Tensor
+    torch.testing.assert_close(yb, y.narrow(2, s.start(m.domain_rank), s.sizes[m.domain_rank]))
+    assert isinstance(pb, mpidp.Replicated)
+    torch.testing.assert_close(pb.as_subclass(torch.Tensor), pooled, rtol=1e-12, atol=1e-13)
