@@ -19,7 +19,10 @@ _FAMILY = {
     "mpidp.sharded.layers": "layers (convolution, padding, interpolation, pooling, norms, FFT)",
     "mpidp.sharded.pointwise": "element-wise, tensor attributes, autograd",
     "mpidp.sharded.reductions": "reductions",
-    "mpidp.sharded.shapes": "shapes, selection, joining, products, attention",
+    "mpidp.sharded.shapes": "reshapes, dim moves, new tensors",
+    "mpidp.sharded.select": "selecting rows (global indices), writing into bands",
+    "mpidp.sharded.join": "joining and splitting",
+    "mpidp.sharded.products": "products and attention",
 }
 
 

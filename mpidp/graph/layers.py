@@ -83,6 +83,9 @@ class InteractionNetwork(nn.Module):
     messages it receives and updates itself (an MLP); both are residual. ``forward(x_src,
     x_dst, edge_attr, graph)`` returns the new destination and edge features."""
 
+    #: written for node bands and a ShardedGraph: a converted model runs it on the bands
+    _mpidp_band_forward = True
+
     def __init__(
         self,
         src_dim: int,
@@ -118,6 +121,9 @@ class GraphTransformerLayer(nn.Module):
     into it (queries from the destination, keys and values from the source plus an edge
     embedding; softmax per destination), then an MLP; pre-norm and residual.
     ``forward(x_src, x_dst, edge_attr, graph)`` returns the new destination features."""
+
+    #: written for node bands and a ShardedGraph: a converted model runs it on the bands
+    _mpidp_band_forward = True
 
     def __init__(self, src_dim: int, dst_dim: int, edge_dim: int, heads: int, hidden: int):
         super().__init__()

@@ -30,6 +30,7 @@ from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__ = ["meta_result"]
 
+
 def register(*funcs: Any) -> Any:
     """:func:`mpidp.sharded.register` for the functions of this module, whose input (the
     first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) is

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError
 from mpidp.sharded.dispatch import refuse, register
-from mpidp.sharded.tensor import Replicated, ShardedTensor
+from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
 __all__ = ["POINTWISE", "pointwise", "local_like"]
 
@@ -64,6 +64,10 @@ _GLOBAL_METHODS = (
     torch.is_floating_point,
     torch.is_complex,
 )
+
+
+META_GETTERS.update(_GLOBAL_GETTERS)  # answered before dispatch (ShardedTensor's fast path)
+META_METHODS.update(_GLOBAL_METHODS)
 
 
 @register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS)
@@ -293,7 +297,10 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "the global ones",
             "call it on x.full_tensor(), or use where(condition, x, y)",
         )
-    leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    # flat arguments (nearly every call) skip pytree, which cost more than the op itself
+    flat = not kwargs and not any(isinstance(a, list | tuple | dict) for a in args)
+    every = args if flat else tree_flatten((args, kwargs))[0]
+    leaves = [a for a in every if isinstance(a, torch.Tensor)]
     # the band that sets the rows: a ShardedTensor of global length 1 broadcasts (as in serial)
     ref = max((a for a in leaves if isinstance(a, ShardedTensor)), key=lambda a: a.spec.total)
     out_ndim = max(a.dim() for a in leaves)
@@ -338,11 +345,16 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "broadcasts along the sharded dim",
         )
 
-    local_args, local_kwargs = tree_map(band_of, (args, kwargs))
+    if flat:
+        local_args, local_kwargs = tuple(band_of(a) for a in args), {}
+    else:
+        local_args, local_kwargs = tree_map(band_of, (args, kwargs))
     out = func(*local_args, **local_kwargs)
     first = args[0] if args else None
     if isinstance(first, ShardedTensor) and out is local_args[0]:
         return first  # in place on the band
+    if isinstance(out, torch.Tensor):
+        return _wrap_out(out, out_ndim, axis, ref)
     return tree_map(lambda o: _wrap_out(o, out_ndim, axis, ref), out)
 
 

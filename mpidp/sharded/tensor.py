@@ -37,6 +37,11 @@ from mpidp.sharded.where import track
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 
+#: Tensor methods and properties whose answer is the wrapper's global metadata (filled by
+#: :mod:`mpidp.sharded.pointwise`, which registers the same ones as handlers)
+META_METHODS: set[Any] = set()
+META_GETTERS: set[str] = set()
+
 _TRACKING: list[bool] = []  # the module stack is tracked (mpidp.sharded.where)
 
 
@@ -215,6 +220,12 @@ class ShardedTensor(torch.Tensor):
     def __torch_function__(
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if func in META_METHODS or (
+            getattr(func, "__name__", "") == "__get__"
+            and getattr(getattr(func, "__self__", None), "__name__", "") in META_GETTERS
+        ):  # global metadata (shape, dim(), dtype): the wrapper's own, without the registry
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         from mpidp.sharded.dispatch import dispatch
 
         return dispatch(func, tuple(args), kwargs or {})

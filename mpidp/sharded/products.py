@@ -1,0 +1,286 @@
+"""Handlers: products (``F.linear``, ``matmul``/``@``, ``einsum``) and attention
+(``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``).
+
+Local when the sharded dim is not contracted; a contraction over it in both operands gives the
+global, Replicated sum; two bands where the result keeps one operand's rows gather the other.
+SDPA with at least as many heads as ranks runs Ulysses-style (one all-to-all each way).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from mpidp.attention import query_rows_masks
+from mpidp.collectives import all_gather_v, reduce_from
+from mpidp.partition import ShardSpec
+from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.rows import move_to_dim, to_spec
+from mpidp.sharded.shapes import _plain, _wrap
+from mpidp.sharded.tensor import ShardedTensor, replicated
+
+__all__: list[str] = []
+
+
+# -- products over unsharded dims ---------------------------------------------------------------
+
+
+@register(F.linear)
+def _linear(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    if not isinstance(x, ShardedTensor) or x.shard_dim == x.dim() - 1:
+        raise refuse(
+            func, args, kwargs, "a linear map over the sharded dim", "shard along another dim"
+        )
+    t = x.transport
+    rest = tree_map(lambda a: _plain(a, t), (args[1:], kwargs))
+    return _wrap(x, F.linear(x.local, *rest[0], **rest[1]), x.shard_dim)
+
+
+def whole(x: ShardedTensor) -> torch.Tensor:
+    """``x`` gathered on every rank for a computation that differs by rank (the partial
+    rule: the backward sums every rank's gradient and hands each band its rows)."""
+    return all_gather_v(x.local, list(x.spec.sizes), x.shard_dim, group=x.transport)
+
+
+@register(
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.mm,
+    torch.bmm,
+    torch.Tensor.mm,
+    torch.Tensor.bmm,
+)
+def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if len(args) != 2 or kwargs:
+        raise refuse(func, args, kwargs, "a product of other than two tensors", "pass two")
+    a, b = args[0], args[1]
+    if func is torch.Tensor.__rmatmul__:
+        a, b = b, a
+    out_ndim = max(a.dim(), b.dim())
+    ok = True
+    if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
+        na, nb = a.dim(), b.dim()
+        if a.shard_dim < na - 2 and na - a.shard_dim == nb - b.shard_dim:  # a batch dim of both
+            b = to_spec(b, a.spec)
+        elif a.shard_dim == na - 2 and nb >= 2:  # a's rows: b whole on every rank (k, v)
+            b = whole(b)
+        elif nb >= 2 and b.shard_dim == nb - 1 and na >= 2:  # b's columns: a whole
+            a = whole(a)
+        elif a.shard_dim == na - 1 and nb >= 2 and b.shard_dim == nb - 2:  # both contracted
+            t = a.transport
+            partial = torch.matmul(a.local, to_spec(b, a.spec).local)
+            return replicated(reduce_from(partial, t), t)
+        else:
+            ok = False
+    elif isinstance(a, ShardedTensor):
+        ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
+    else:
+        ok = b.dim() >= 2 and b.shard_dim != b.dim() - 2
+    ref = first_sharded((a, b))
+    t = ref.transport
+    if not ok:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "a product that contracts the sharded dim (or two bands of different rows)",
+            "contract other dims, or gather one side (full_tensor())",
+        )
+    x = ref
+    axis = out_ndim - x.dim() + x.shard_dim
+    if b.dim() == 1 and x is a:
+        axis = x.shard_dim  # the last dim is dropped, the sharded dim is before it
+
+    def band_of(op: Any) -> torch.Tensor:
+        if isinstance(op, ShardedTensor):
+            return op.local
+        op = _plain(op, t)
+        i = op.dim() - (x.dim() - x.shard_dim)  # the plain operand's dim beside the bands'
+        if op.dim() > 2 and i >= 0 and i < op.dim() - 2 and op.size(i) != 1:
+            if op.size(i) != x.spec.total:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    f"a plain operand of shape {tuple(op.shape)} has {op.size(i)} entries "
+                    f"along the batch dim the bands are cut along ({x.spec.total} rows)",
+                    "pass the global length or 1 there",
+                )
+            op = op.narrow(i, x.start, x.spec.sizes[x.rank])
+        return op
+
+    return _wrap(x, torch.matmul(band_of(a), band_of(b)), axis)
+
+
+def _expand_ellipsis(eq: str, ops: Sequence[Any]) -> str:
+    """``eq`` with each '...' spelled out in letters the equation does not use (right-aligned
+    broadcasting dims, as torch aligns them)."""
+    if "..." not in eq and "->" in eq:
+        return eq
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widths = [op.dim() - len(term.replace("...", "")) for term, op in zip(terms, ops, strict=True)]
+    most = max((w for t, w in zip(terms, widths, strict=True) if "..." in t), default=0)
+    fill = "".join(spare[:most])
+    terms = [t.replace("...", fill[most - w :]) for t, w in zip(terms, widths, strict=True)]
+    if arrow:
+        rhs = rhs.replace("...", fill)
+    else:
+        counted = "".join(t for t in terms)
+        rhs = fill + "".join(sorted(c for c in set(counted) - set(fill) if counted.count(c) == 1))
+    return ",".join(terms) + "->" + rhs
+
+
+@register(torch.einsum)
+def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    eq = _expand_ellipsis(args[0].replace(" ", ""), ops)
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    ref = first_sharded(ops)
+    letter = terms[next(i for i, o in enumerate(ops) if o is ref)][ref.shard_dim]
+    t = ref.transport
+    local_ops = []
+    for term, op in zip(terms, ops, strict=True):
+        if isinstance(op, ShardedTensor):
+            if term[op.shard_dim] != letter:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    "operands sharded along different letters",
+                    "redistribute one",
+                )
+            local_ops.append(to_spec(op, ref.spec).local)
+        else:
+            op = _plain(op, t)
+            if letter in term and op.size(term.index(letter)) == ref.spec.total:
+                op = op.narrow(term.index(letter), ref.start, ref.spec.sizes[ref.rank])
+            elif letter in term and op.size(term.index(letter)) != 1:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    "a plain operand of another length along the sharded letter",
+                    "pass the global length",
+                )
+            local_ops.append(op)
+    out = torch.einsum(f"{lhs}->{rhs}", *local_ops)
+    if letter in rhs:
+        return _wrap(ref, out, rhs.index(letter))
+    return replicated(reduce_from(out, t), t)
+
+
+def _ulysses(
+    func: Any, q: ShardedTensor, k: Any, v: Any, a: dict[str, Any]
+) -> ShardedTensor | None:
+    """DeepSpeed-Ulysses on uneven cuts: one all-to-all each takes q, k and v from
+    sequence-cut to head-cut (7 heads over 4 ranks: 2, 2, 2, 1), every rank attends its heads
+    over the whole sequence with torch's kernel, one all-to-all takes the result back to q's
+    rows. K and V are never whole on a rank. None when it does not apply (fewer heads than
+    ranks, grouped-query heads, keys not cut along the sequence, a mask cut into bands):
+    then the keys and values are gathered instead."""
+    p, n = q.spec.parts, q.dim()
+    mask = a.get("attn_mask")
+    if (
+        n != 4
+        or q.shape[1] < p
+        or not all(isinstance(z, ShardedTensor) and z.shard_dim == n - 2 for z in (k, v))
+        or k.shape[1] != q.shape[1]
+        or isinstance(mask, ShardedTensor)
+    ):
+        return None
+    heads = ShardSpec.balanced(q.shape[1], p)
+    qh, kh, vh = (move_to_dim(z, 1, heads) for z in (q, k, v))
+    if isinstance(mask, torch.Tensor):
+        mask = _plain(mask, q.transport)
+        if mask.dim() == 4 and mask.size(1) == q.shape[1] and q.shape[1] != 1:
+            mask = mask.narrow(1, heads.start(q.rank), heads.sizes[q.rank])
+    kw = {**a, "attn_mask": mask}
+    y = ShardedTensor(func(qh.local, kh.local, vh.local, **kw), heads, 1, q.manager)
+    return move_to_dim(y, n - 2, q.spec)
+
+
+@register(F.scaled_dot_product_attention)
+def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Attention with the queries cut along the sequence (dim -2): every rank gathers the keys
+    and values whole and attends its own queries to all of them (exact: torch's kernel on
+    every query row; K and V whole on every rank, the attention matrix only for its rows). An
+    additive or boolean mask of the global (L, S) shape is cut to the rows; ``is_causal``
+    becomes the mask of the rows' global positions. Queries cut along a batch or head dim
+    (keys and values cut the same way) attend locally."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    a = dict(zip(names, args, strict=False))
+    a.update(kwargs)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    if not isinstance(q, ShardedTensor):
+        raise refuse(func, args, kwargs, "keys or values cut but not the queries", "shard q")
+    t, n = q.transport, q.dim()
+    if q.shard_dim < n - 2:  # heads or batch: independent problems
+        k2, v2 = (to_spec(z, q.spec).local if isinstance(z, ShardedTensor) else z for z in (k, v))
+        mask = a.get("attn_mask")
+        if isinstance(mask, ShardedTensor):
+            a["attn_mask"] = to_spec(mask, q.spec).local
+        return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
+    if q.shard_dim != n - 2:
+        raise refuse(func, args, kwargs, "queries cut along the head dim size", "cut the sequence")
+    ulysses = _ulysses(func, q, k, v, a)
+    if ulysses is not None:
+        return ulysses
+    k2, v2 = (whole(z) if isinstance(z, ShardedTensor) else _plain(z, t) for z in (k, v))
+    rows, start = q.spec.sizes[q.rank], q.start
+    mask = a.get("attn_mask")
+    if isinstance(mask, ShardedTensor):
+        mask = to_spec(mask, q.spec).local if mask.shard_dim == mask.dim() - 2 else whole(mask)
+    elif isinstance(mask, torch.Tensor):
+        mask = _plain(mask, t)
+        if mask.dim() >= 2 and mask.size(-2) == q.spec.total and q.spec.total != 1:
+            mask = mask.narrow(-2, start, rows)
+    if a.pop("is_causal", False):
+        s = k2.size(-2)
+        r = torch.arange(start, start + rows, device=q.local.device).unsqueeze(-1)
+        causal = torch.arange(s, device=q.local.device) <= r
+        mask = causal if mask is None else mask & causal
+    a["attn_mask"] = mask
+    return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
+
+
+_MHA_ARGS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
+
+
+@register(F.multi_head_attention_forward)
+def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``nn.MultiheadAttention`` with the queries cut along the sequence (dim 0 of the
+    ``(L, B, E)`` or ``(L, E)`` torch's module passes): the keys and values are gathered whole
+    and each rank attends its queries to all of them with torch's code (as the converted
+    module does; exact for any heads, masks, ``bias_k``, ``need_weights``). Masks of the
+    global shapes are cut to the rows; output and weights are cut along L."""
+    a = dict(zip(_MHA_ARGS, args, strict=False))
+    a.update(kwargs)
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    if not isinstance(q, ShardedTensor) or q.shard_dim != 0:
+        raise refuse(func, args, kwargs, "queries not cut along the sequence", "cut the tokens")
+    t = q.transport
+    k2 = whole(k) if isinstance(k, ShardedTensor) else _plain(k, t)
+    v2 = k2 if v is k else whole(v) if isinstance(v, ShardedTensor) else _plain(v, t)
+    kpm = a.get("key_padding_mask")
+    kpm = whole(kpm) if isinstance(kpm, ShardedTensor) else _plain(kpm, t)
+    a["key_padding_mask"] = kpm
+    mask = a.get("attn_mask")
+    mask = whole(mask) if isinstance(mask, ShardedTensor) else _plain(mask, t)
+    a["attn_mask"] = query_rows_masks(mask, kpm, q.spec, q.rank, k2.size(0), func.__name__)
+    if a.get("is_causal") and a["attn_mask"] is None:
+        raise refuse(func, args, kwargs, "is_causal without attn_mask", "pass the causal mask")
+    a["is_causal"] = False
+    a = {n: _plain(z, t) for n, z in a.items()}
+    out, weights = func(q.local, k2, v2, **a)
+    return _wrap(q, out, 0), None if weights is None else _wrap(q, weights, weights.dim() - 2)

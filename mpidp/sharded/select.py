@@ -1,0 +1,260 @@
+"""Handlers: selecting rows by GLOBAL index (slicing, ``narrow``, ``select``, integer
+indexing, ``index_select``, ``roll``, ``flip``) and writing into a band (``x[...] = v``, a
+plain tensor of the global shape adopting bands: FNO's spectrum).
+
+A slice keeps each rank's rows of the selection (no communication; the partition may become
+uneven or empty on some ranks); ``index_select``, ``roll`` and ``flip`` along the sharded dim
+move rows (:mod:`mpidp.sharded.rows`); an integer index gives the row on every rank
+(Replicated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpidp.partition import ShardSpec
+from mpidp.sharded.dispatch import refuse, register
+from mpidp.sharded.rows import remap, to_spec
+from mpidp.sharded.shapes import _plain, _wrap
+from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+
+__all__: list[str] = []
+
+
+# -- selecting rows --------------------------------------------------------------------------------
+
+
+def _keep(x: ShardedTensor, start: int, stop: int, step: int) -> tuple[ShardSpec, slice]:
+    """The partition of rows ``range(start, stop, step)`` when each rank keeps its own, and
+    this rank's local slice."""
+    sizes = []
+    mine = slice(0, 0)
+    for r in range(x.spec.parts):
+        lo, hi = x.spec.start(r), x.spec.stop(r)
+        first = start if lo <= start else start + -(-(lo - start) // step) * step
+        last = min(hi, stop)
+        count = max(0, -(-(last - first) // step)) if first < last else 0
+        sizes.append(count)
+        if r == x.rank:
+            mine = (
+                slice(first - lo, first - lo + (count - 1) * step + 1, step)
+                if count
+                else slice(0, 0)
+            )
+    return ShardSpec(tuple(sizes)), mine
+
+
+def _one_row(x: ShardedTensor, i: int) -> Replicated:
+    """Row ``i`` along the sharded dim (the dim removed), on every rank."""
+    spec, mine = _keep(x, i, i + 1, 1)
+    band = ShardedTensor(
+        x.local[(slice(None),) * x.shard_dim + (mine,)], spec, x.shard_dim, x.manager
+    )
+    whole = band.full_tensor()
+    return replicated(whole.as_subclass(torch.Tensor).squeeze(x.shard_dim), x.transport)
+
+
+def _index_parts(x: ShardedTensor, index: Any) -> list[Any]:
+    parts = list(index) if isinstance(index, tuple) else [index]
+    used = sum(1 for p in parts if p is not None and p is not Ellipsis and not isinstance(p, bool))
+    at = next((i for i, p in enumerate(parts) if p is Ellipsis), None)
+    if at is not None:
+        parts[at : at + 1] = [slice(None)] * (x.dim() - used)
+    return parts + [slice(None)] * (x.dim() - sum(1 for p in parts if p is not None))
+
+
+@register(torch.Tensor.__getitem__)
+def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, index = args[0], args[1]
+    parts = _index_parts(x, index)
+    if any(isinstance(p, (torch.Tensor, list, bool)) for p in parts):
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "tensor, list or boolean indexing of a band",
+            "index with ints and slices, or use index_select along the sharded dim",
+        )
+    d, n = x.shard_dim, x.spec.total
+    local_idx: list[Any] = []
+    dim = out = 0
+    axis: int | None = None
+    spec = x.spec
+    for at, p in enumerate(parts):
+        if p is None:
+            local_idx.append(None)
+            out += 1
+            continue
+        if dim == d:
+            if isinstance(p, int):  # the row, on every rank; the other parts index it
+                row = _one_row(x, p % n)
+                rest = (*local_idx, *parts[at + 1 :])
+                return row[rest] if rest else row
+            start, stop, step = p.indices(n)
+            spec, mine = _keep(x, start, stop, step)
+            local_idx.append(mine)
+            axis = out
+        else:
+            local_idx.append(p)
+        if not isinstance(p, int):
+            out += 1
+        dim += 1
+    assert axis is not None
+    return ShardedTensor(x.local[tuple(local_idx)], spec, axis, x.manager)
+
+
+@register(torch.narrow, torch.Tensor.narrow)
+def _narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, dim, start, length = args[0], int(args[1]) % args[0].dim(), int(args[2]), int(args[3])
+    if dim != x.shard_dim:
+        return _wrap(x, x.local.narrow(dim, start, length), x.shard_dim)
+    start %= x.spec.total
+    spec, mine = _keep(x, start, start + length, 1)
+    return ShardedTensor(
+        x.local.narrow(dim, mine.start, mine.stop - mine.start), spec, dim, x.manager
+    )
+
+
+@register(torch.select, torch.Tensor.select)
+def _select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, dim, i = args[0], int(args[1]) % args[0].dim(), int(args[2])
+    if dim == x.shard_dim:
+        return _one_row(x, i % x.spec.total)
+    return _wrap(x, x.local.select(dim, i), x.shard_dim - (1 if dim < x.shard_dim else 0))
+
+
+@register(torch.index_select, torch.Tensor.index_select)
+def _index_select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, dim, index = args[0], int(args[1]) % args[0].dim(), args[2]
+    if dim != x.shard_dim:
+        return _wrap(x, x.local.index_select(dim, index), x.shard_dim)
+    rows = [int(i) % x.spec.total for i in index.tolist()]
+    m = x.manager
+    spec = m.partition.spec(len(rows), m.domain_world_size)
+
+    def runs(a: int, b: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for r in rows[a:b]:
+            if out and out[-1][1] == r:
+                out[-1] = (out[-1][0], r + 1)
+            else:
+                out.append((r, r + 1))
+        return out
+
+    return remap(x, spec, runs)
+
+
+@register(torch.roll, torch.Tensor.roll)
+def _roll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    shifts = args[1] if len(args) > 1 else kwargs["shifts"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims")
+    if dims is None:
+        raise refuse(func, args, kwargs, "roll of the flattened tensor", "pass dims")
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    d, n = x.shard_dim, x.spec.total
+    own = [(s, i) for s, i in zip(shifts, dims, strict=True) if int(i) % x.dim() == d]
+    rest = [(s, i) for s, i in zip(shifts, dims, strict=True) if int(i) % x.dim() != d]
+    if rest:
+        x = _wrap(x, x.local.roll([s for s, _ in rest], [i for _, i in rest]), d)
+    shift = sum(s for s, _ in own) % n
+    if not shift:
+        return x
+
+    def source(a: int, b: int) -> list[tuple[int, int]]:
+        lo, hi = (a - shift) % n, (b - shift) % n  # rows [a, b) come from [a - s, b - s) mod n
+        if b <= a:
+            return []
+        return [(lo, hi)] if lo < hi else [(lo, n), (0, hi)] if hi else [(lo, n)]
+
+    return remap(x, x.spec, source)
+
+
+@register(torch.flip, torch.Tensor.flip)
+def _flip(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    dims = args[1:] if len(args) > 1 else [kwargs["dims"]]
+    dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else list(dims)
+    dims = [int(i) % x.dim() for i in dims]
+    d, n = x.shard_dim, x.spec.total
+    if d in dims:
+        x = remap(x, x.spec, lambda a, b: [(n - b, n - a)] if b > a else [])
+    return _wrap(x, x.local.flip(dims), d)
+
+
+def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedTensor:
+    """``out = torch.zeros(global shape); out[..., :k, :m] = band`` (FNO's spectral
+    convolution): the plain target becomes, in place, a band of the dim the value is sharded
+    along, cut by the manager's policy (its whole storage stays allocated, unused)."""
+    x, index, value = args
+    if not isinstance(value, ShardedTensor) or isinstance(x, Replicated) or x.requires_grad:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "a band written into a tensor that is not a band and cannot become one",
+            "make the target from the band (x.new_zeros(global shape)) so it is a band too",
+        )
+    parts = _index_parts(x, index)
+    slices = [i for i, p in enumerate(parts) if not isinstance(p, int)]
+    at = value.shard_dim + (len(slices) - value.dim())
+    if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts) or not (
+        0 <= at < len(slices)
+    ):
+        raise refuse(func, args, kwargs, "this index with a band value", "use ints and slices")
+    d = slices[at]
+    m = value.manager
+    spec = m.partition.spec(x.shape[d], m.domain_world_size)
+    band = x.narrow(d, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).clone()
+    x.__class__ = ShardedTensor
+    x._local, x._spec, x._dim, x._manager = band, spec, d, m
+    return x
+
+
+@register(torch.Tensor.__setitem__)
+def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x[index] = value`` with GLOBAL indices along the sharded dim: each rank writes the
+    part of the selection it holds; a value that is a band is moved to the selection's
+    partition first, a plain one of the selection's length is cut to this rank's part."""
+    x, index, value = args
+    if not isinstance(x, ShardedTensor):
+        x = _adopt(func, args, kwargs)
+    parts = _index_parts(x, index)
+    if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts):
+        raise refuse(
+            func, args, kwargs, "tensor, list, bool or None indices", "use ints and slices"
+        )
+    d, n = x.shard_dim, x.spec.total
+    local_idx: list[Any] = []
+    axis = 0
+    spec = None
+    for dim, p in enumerate(parts):
+        if dim == d:
+            if isinstance(p, int):
+                i = p % n
+                if not x.spec.start(x.rank) <= i < x.spec.stop(x.rank):
+                    return None  # another rank holds that row
+                local_idx.append(i - x.start)
+                continue
+            start, stop, step = p.indices(n)
+            spec, mine = _keep(x, start, stop, step)
+            local_idx.append(mine)
+            axis = sum(1 for q in parts[:dim] if not isinstance(q, int))
+        else:
+            local_idx.append(p)
+    ndim = sum(1 for q in parts if not isinstance(q, int))
+    v = value
+    if isinstance(v, ShardedTensor):
+        if spec is None or v.dim() - (ndim - axis) != v.shard_dim:
+            raise refuse(func, args, kwargs, "a band written across the sharded dim", "align them")
+        v = to_spec(v, spec).local
+    elif isinstance(v, torch.Tensor):
+        v = _plain(v, x.transport)
+        i = v.dim() - (ndim - axis)
+        if spec is not None and i >= 0 and v.size(i) == spec.total and spec.total != 1:
+            v = v.narrow(i, sum(spec.sizes[: x.rank]), spec.sizes[x.rank])
+    x.local[tuple(local_idx)] = v
+    return None
