@@ -172,16 +172,14 @@ def test_pattern_on_sharded_tensors_equals_serial(m, name):
 
 
 def test_a_broken_handler_fails_the_comparison(m, monkeypatch):
-    """Mutation: torch.roll's handler rolls the band alone; the conversion test sees it."""
-    if WORLD == 1:
-        pytest.skip("one band is the whole field: a band-local roll is the serial roll")
+    """Mutation: torch.roll's handler rolls the band alone (at one rank, where that is the
+    serial roll, it does not roll at all); the conversion test sees it."""
     from mpidp.sharded import dispatch
 
     def band_roll(func, args, kwargs):
         x = args[0]
-        return mpidp.ShardedTensor(
-            torch.roll(x.local, *args[1:], **kwargs), x.spec, x.shard_dim, x.manager
-        )
+        local = torch.roll(x.local, *args[1:], **kwargs) if WORLD > 1 else x.local
+        return mpidp.ShardedTensor(local, x.spec, x.shard_dim, x.manager)
 
     monkeypatch.setitem(dispatch._HANDLERS, dispatch.key(torch.roll), band_roll)
     with pytest.raises(AssertionError, match="output"):
