@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.errors import MpidpError
+from mpidp.sharded.batch import NOT_LOCAL, batch_local
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 from mpidp.sharded.where import locate
 
@@ -44,6 +45,8 @@ __all__ = [
 Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
 _HANDLERS: dict[Any, Handler] = {}
+#: handlers that take ShardedTensors whose sharded dim holds blocks (``blocks > 1``)
+_BLOCKS_OK: set[Handler] = set()
 _FALLBACK = {"on": os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0")}
 _WARNED: set[str] = set()
 
@@ -61,13 +64,18 @@ def key(func: Any) -> Any:
     return func
 
 
-def register(*funcs: Any) -> Callable[[Handler], Handler]:
+def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
     """Decorator: the handler of ``funcs`` (torch functions, Tensor methods, or
-    ``("__get__", "name")`` for properties) on ShardedTensors. A later registration wins."""
+    ``("__get__", "name")`` for properties) on ShardedTensors. A later registration wins.
+    ``blocks=True``: the handler also takes tensors whose sharded dim holds blocks merged
+    before the band (``ShardedTensor.blocks > 1``); any other handler never sees one (the
+    call is refused first)."""
 
     def deco(handler: Handler) -> Handler:
         for f in funcs:
             _HANDLERS[key(f)] = handler
+        if blocks:
+            _BLOCKS_OK.add(handler)
         return handler
 
     return deco
@@ -113,9 +121,10 @@ def name_of(func: Any) -> str:
 def describe(args: Any, kwargs: Any) -> str:
     def one(a: Any) -> str:
         if isinstance(a, ShardedTensor):
+            blocks = f" in {a.blocks} blocks" if a.blocks > 1 else ""
             return (
                 f"ShardedTensor{tuple(a.shape)} sharded along dim {a.shard_dim} "
-                f"{list(a.spec.sizes)}"
+                f"{list(a.spec.sizes)}{blocks}"
             )
         if isinstance(a, torch.Tensor):
             return f"{'Replicated' if isinstance(a, Replicated) else 'tensor'}{tuple(a.shape)}"
@@ -146,8 +155,20 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    out = batch_local(func, args, kwargs)
+    if out is not NOT_LOCAL:
+        return out
     handler = _HANDLERS.get(key(func))
     if handler is not None:
+        if handler not in _BLOCKS_OK and _has_blocks(args, kwargs):
+            raise refuse(
+                func,
+                args,
+                kwargs,
+                "its sharded dim holds blocks merged before the band (windows folded into the "
+                "batch, (Z, H, W) tokens) and this function reads across that dim",
+                "unflatten the dim back (reshape/view to the separate dims) before the call",
+            )
         return handler(func, args, kwargs)
     if _FALLBACK["on"]:
         return _gather_fallback(func, args, kwargs)
@@ -161,6 +182,13 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         "let mpidp gather for it (mpidp.sharded.allow_fallback(), or "
         "MPIDP_SHARDED_FALLBACK=1: slow, every rank runs the serial op)",
     )
+
+
+def _has_blocks(args: Any, kwargs: Any) -> bool:
+    leaves = args if not kwargs and not any(isinstance(a, list | tuple) for a in args) else (
+        tree_flatten((args, kwargs))[0]
+    )
+    return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves)
 
 
 def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

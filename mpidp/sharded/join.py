@@ -37,7 +37,12 @@ def _bands(
     out = []
     for a in tensors:
         if isinstance(a, ShardedTensor):
-            if a.dim() != ndim or a.shard_dim != axis or a.spec.total != ref.spec.total:
+            if (
+                a.dim() != ndim
+                or a.shard_dim != axis
+                or a.spec.total != ref.spec.total
+                or a.blocks != ref.blocks
+            ):
                 raise refuse(
                     func,
                     args,
@@ -49,8 +54,8 @@ def _bands(
             continue
         if isinstance(a, Replicated):
             a = copy_to(a.as_subclass(torch.Tensor), ref.transport)
-        if a.dim() == ndim and a.size(axis) == ref.spec.total:
-            out.append(a.narrow(axis, ref.start, ref.spec.sizes[ref.rank]))
+        if a.dim() == ndim and a.size(axis) == ref.size(ref.shard_dim):
+            out.append(ref.rows_of(a, axis))
         else:
             raise refuse(
                 func,
@@ -62,13 +67,17 @@ def _bands(
     return out
 
 
-@register(torch.cat, torch.concat, torch.concatenate)
+@register(torch.cat, torch.concat, torch.concatenate, blocks=True)
 def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = list(args[0] if args else kwargs["tensors"])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
     ref = first_sharded(tensors)
     dim = int(dim) % ref.dim()
     if dim == ref.shard_dim:
+        if any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in tensors):
+            raise refuse(
+                func, args, kwargs, "joining along a dim that holds blocks", "unflatten first"
+            )
         return _cat_rows(func, args, kwargs, tensors, ref)
     locals_ = _bands(func, args, kwargs, tensors, ref.dim(), ref.shard_dim, ref)
     return _wrap(ref, torch.cat(locals_, dim), ref.shard_dim)
@@ -109,7 +118,7 @@ def _cat_rows(
     return ShardedTensor(torch.cat(parts, d), spec, d, m)
 
 
-@register(torch.stack)
+@register(torch.stack, blocks=True)
 def _stack(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = list(args[0] if args else kwargs["tensors"])
     ref = first_sharded(tensors)
@@ -128,6 +137,7 @@ def _stack(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     torch.Tensor.unbind,
     torch.tensor_split,
     torch.Tensor.tensor_split,
+    blocks=True,
 )
 def _split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
@@ -148,7 +158,11 @@ def _split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 @register(
-    torch.Tensor.expand, torch.broadcast_to, torch.Tensor.broadcast_to, torch.Tensor.expand_as
+    torch.Tensor.expand,
+    torch.broadcast_to,
+    torch.Tensor.broadcast_to,
+    torch.Tensor.expand_as,
+    blocks=True,
 )
 def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
@@ -157,13 +171,13 @@ def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     else:
         sizes = _shape_arg(args[1:] or [kwargs.get("size")])
     axis = len(sizes) - x.dim() + x.shard_dim
-    if sizes[axis] not in (-1, x.spec.total):
+    if sizes[axis] not in (-1, x.size(x.shard_dim)):
         raise refuse(func, args, kwargs, "expanding the sharded dim", "expand other dims")
-    sizes[axis] = x.spec.sizes[x.rank]
+    sizes[axis] = x.local.size(x.shard_dim)
     return _wrap(x, x.local.expand(sizes), axis)
 
 
-@register(torch.Tensor.repeat)
+@register(torch.Tensor.repeat, blocks=True)
 def _repeat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     reps = _shape_arg(args[1:])

@@ -535,9 +535,7 @@ def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     x = a["input"]
     shape = tuple(a["normalized_shape"])
     w, b = _weight(a["weight"], x), _weight(a["bias"], x)
-    if x.shard_dim < x.dim() - len(shape):  # normalises dims after the sharded one: local
-        local = F.layer_norm(x.local, shape, w, b, a["eps"])
-        return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+    # normalising dims after the sharded one, the batch rule ran it locally
     mod = _module(
         nn.LayerNorm,
         normalized_shape=shape,

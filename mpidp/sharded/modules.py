@@ -83,6 +83,8 @@ def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict
     sharded = _sharded(args, kwargs)
     ref = sharded[0]
     t = ref.transport
+    if any(a.blocks > 1 for a in sharded):  # blocks merged before the band: op by op
+        return torch_forward(layer)(layer, *args, **kwargs)
     try:
         with _known(sharded) as notes:
             out = forward(layer, *_unwrap(args, t), **_unwrap(kwargs, t))
@@ -219,7 +221,9 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][1].__enter__()
         return args, kwargs
     sharded = _sharded(args, kwargs)
-    if not sharded or not all(_fits(a.shard_dim - a.dim(), dim) for a in sharded):
+    if not sharded or not all(
+        _fits(a.shard_dim - a.dim(), dim) and a.blocks == 1 for a in sharded
+    ):
         calls.append(None)
         return None
     ref = sharded[0]

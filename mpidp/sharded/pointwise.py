@@ -25,8 +25,8 @@ __all__ = ["POINTWISE", "pointwise", "local_like"]
 
 
 def local_like(x: ShardedTensor, local: torch.Tensor) -> ShardedTensor:
-    """``local`` as a ShardedTensor on ``x``'s partition and dim."""
-    return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+    """``local`` as a ShardedTensor on ``x``'s partition, dim and blocks."""
+    return x.like(local)
 
 
 # -- metadata ----------------------------------------------------------------------------------
@@ -70,70 +70,70 @@ META_GETTERS.update(_GLOBAL_GETTERS)  # answered before dispatch (ShardedTensor'
 META_METHODS.update(_GLOBAL_METHODS)
 
 
-@register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS)
+@register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS, blocks=True)
 def _global_meta(func: Any, args: Any, kwargs: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
 
-@register(("__get__", "requires_grad"))
+@register(("__get__", "requires_grad"), blocks=True)
 def _requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.requires_grad
 
 
-@register(("__get__", "is_leaf"))
+@register(("__get__", "is_leaf"), blocks=True)
 def _is_leaf(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.is_leaf
 
 
-@register(("__get__", "grad_fn"))
+@register(("__get__", "grad_fn"), blocks=True)
 def _grad_fn(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.grad_fn
 
 
-@register(("__get__", "grad"))
+@register(("__get__", "grad"), blocks=True)
 def _grad(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     g = x.local.grad
     return None if g is None else local_like(x, g)
 
 
-@register(("__set__", "grad"))
+@register(("__set__", "grad"), blocks=True)
 def _set_grad(func: Any, args: Any, kwargs: Any) -> Any:
     x, g = args
     x.local.grad = g.local if isinstance(g, ShardedTensor) else g
 
 
-@register(("__set__", "requires_grad"))
+@register(("__set__", "requires_grad"), blocks=True)
 def _set_requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
     args[0].local.requires_grad = args[1]
 
 
-@register(("__get__", "_base"))
+@register(("__get__", "_base"), blocks=True)
 def _base(func: Any, args: Any, kwargs: Any) -> Any:
     """A ShardedTensor is never a view of another tensor (its band may be one: that is the
     band's business, not the global tensor's)."""
     return None
 
 
-@register(("__get__", "data"))
+@register(("__get__", "data"), blocks=True)
 def _data(func: Any, args: Any, kwargs: Any) -> Any:
     return local_like(args[0], args[0].local.data)
 
 
-@register(torch.Tensor.requires_grad_)
+@register(torch.Tensor.requires_grad_, blocks=True)
 def _requires_grad_(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     x.local.requires_grad_(*args[1:], **kwargs)
     return x
 
 
-@register(torch.Tensor.retain_grad)
+@register(torch.Tensor.retain_grad, blocks=True)
 def _retain_grad(func: Any, args: Any, kwargs: Any) -> Any:
     args[0].local.retain_grad()
 
 
-@register(torch.Tensor.backward)
+@register(torch.Tensor.backward, blocks=True)
 def _backward(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
@@ -150,7 +150,7 @@ def _backward(func: Any, args: Any, kwargs: Any) -> Any:
     x.local.backward(g, *args[2:], **kwargs)
 
 
-@register(torch.Tensor.register_hook)
+@register(torch.Tensor.register_hook, blocks=True)
 def _register_hook(func: Any, args: Any, kwargs: Any) -> Any:
     x, hook = args[0], args[1]
 
@@ -216,7 +216,7 @@ _SAME_LAYOUT = (
 )
 
 
-@register(*_SAME_LAYOUT)
+@register(*_SAME_LAYOUT, blocks=True)
 def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
     """Functions of the band alone whose result has the band's shape (a copy, a cast, a
     tensor like it): run on the band, same partition."""
@@ -285,7 +285,7 @@ POINTWISE = _collect()
 POINTWISE |= {("__get__", "real"), ("__get__", "imag")}
 
 
-@register(*POINTWISE)
+@register(*POINTWISE, blocks=True)
 def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An element-wise function on the bands (see the module doc for its arguments)."""
     if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
@@ -302,17 +302,24 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     every = args if flat else tree_flatten((args, kwargs))[0]
     leaves = [a for a in every if isinstance(a, torch.Tensor)]
     # the band that sets the rows: a ShardedTensor of global length 1 broadcasts (as in serial)
-    ref = max((a for a in leaves if isinstance(a, ShardedTensor)), key=lambda a: a.spec.total)
+    ref = max(
+        (a for a in leaves if isinstance(a, ShardedTensor)),
+        key=lambda a: a.blocks * a.spec.total,
+    )
     out_ndim = max(a.dim() for a in leaves)
     axis = out_ndim - ref.dim() + ref.shard_dim  # the sharded dim, counted in the result
-    spec, n, t = ref.spec, ref.spec.total, ref.transport
-    start, rows = ref.start, ref.spec.sizes[ref.rank]
+    spec, t = ref.spec, ref.transport
+    n = ref.blocks * spec.total  # the global length along the sharded dim
 
     def band_of(a: Any) -> Any:
-        if isinstance(a, ShardedTensor) and a.spec.total == 1 < n:
+        if isinstance(a, ShardedTensor) and a.blocks * a.spec.total == 1 < n:
             a = a.full_tensor()  # a length-1 dim broadcasts: its one row, whole on every rank
         if isinstance(a, ShardedTensor):
-            if a.dim() - (out_ndim - axis) != a.shard_dim or a.spec.total != n:
+            if (
+                a.dim() - (out_ndim - axis) != a.shard_dim
+                or a.spec.total != spec.total
+                or a.blocks != ref.blocks
+            ):
                 raise refuse(
                     func,
                     args,
@@ -334,7 +341,7 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if i < 0 or a.size(i) == 1:
             return a
         if a.size(i) == n:
-            return a.narrow(i, start, rows)
+            return ref.rows_of(a, i)
         raise refuse(
             func,
             args,
@@ -360,17 +367,17 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _wrap_out(o: Any, ndim: int, axis: int, ref: ShardedTensor) -> Any:
     if isinstance(o, torch.Tensor) and o.dim() == ndim:
-        if o.size(axis) != ref.spec.sizes[ref.rank]:
+        if o.size(axis) != ref.local.size(ref.shard_dim):
             raise ConfigError(
                 f"rank {ref.manager.rank}: internal error: an element-wise result of shape "
-                f"{tuple(o.shape)} does not have this rank's {ref.spec.sizes[ref.rank]} rows "
-                f"along dim {axis}"
+                f"{tuple(o.shape)} does not have this rank's {ref.local.size(ref.shard_dim)} "
+                f"rows along dim {axis}"
             )
-        return ShardedTensor(o, ref.spec, axis, ref.manager)
+        return ref.like(o, axis)
     return o
 
 
-@register(F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout)
+@register(F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout, blocks=True)
 def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Channel dropout draws one mask entry per (sample, channel): each rank would draw its
     own and drop a channel on some bands only. Identity when it is off."""
@@ -388,7 +395,7 @@ def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     )
 
 
-@register(F.prelu, torch.prelu, torch.Tensor.prelu)
+@register(F.prelu, torch.prelu, torch.Tensor.prelu, blocks=True)
 def _prelu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """PReLU's weight runs along dim 1 (the channels), not right-aligned: bands along any
     other dim use it whole; bands along the channels are refused."""

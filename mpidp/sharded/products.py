@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 from mpidp.attention import query_rows_masks
 from mpidp.collectives import all_gather_v, reduce_from
@@ -32,14 +31,15 @@ __all__: list[str] = []
 
 @register(F.linear)
 def _linear(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x = args[0]
-    if not isinstance(x, ShardedTensor) or x.shard_dim == x.dim() - 1:
-        raise refuse(
-            func, args, kwargs, "a linear map over the sharded dim", "shard along another dim"
-        )
-    t = x.transport
-    rest = tree_map(lambda a: _plain(a, t), (args[1:], kwargs))
-    return _wrap(x, F.linear(x.local, *rest[0], **rest[1]), x.shard_dim)
+    """Over other dims the batch rule runs it locally (mpidp.sharded.batch); here: over the
+    sharded dim, or a sharded weight."""
+    raise refuse(
+        func,
+        args,
+        kwargs,
+        "a linear map over the sharded dim (or a sharded weight)",
+        "shard along another dim",
+    )
 
 
 def whole(x: ShardedTensor) -> torch.Tensor:
@@ -57,6 +57,7 @@ def whole(x: ShardedTensor) -> torch.Tensor:
     torch.bmm,
     torch.Tensor.mm,
     torch.Tensor.bmm,
+    blocks=True,
 )
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if len(args) != 2 or kwargs:
@@ -68,8 +69,12 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     ok = True
     if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
         na, nb = a.dim(), b.dim()
-        if a.shard_dim < na - 2 and na - a.shard_dim == nb - b.shard_dim:  # a batch dim of both
+        if (
+            a.shard_dim < na - 2 and na - a.shard_dim == nb - b.shard_dim and a.blocks == b.blocks
+        ):  # a batch dim of both
             b = to_spec(b, a.spec)
+        elif a.blocks > 1 or b.blocks > 1:
+            ok = False
         elif a.shard_dim == na - 2 and nb >= 2:  # a's rows: b whole on every rank (k, v)
             b = whole(b)
         elif nb >= 2 and b.shard_dim == nb - 1 and na >= 2:  # b's columns: a whole
@@ -82,8 +87,10 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             ok = False
     elif isinstance(a, ShardedTensor):
         ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
+        ok = ok and (a.blocks == 1 or a.shard_dim < a.dim() - 2)
     else:
         ok = b.dim() >= 2 and b.shard_dim != b.dim() - 2
+        ok = ok and (b.blocks == 1 or b.shard_dim < b.dim() - 2)
     ref = first_sharded((a, b))
     t = ref.transport
     if not ok:
@@ -105,16 +112,16 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         op = _plain(op, t)
         i = op.dim() - (x.dim() - x.shard_dim)  # the plain operand's dim beside the bands'
         if op.dim() > 2 and i >= 0 and i < op.dim() - 2 and op.size(i) != 1:
-            if op.size(i) != x.spec.total:
+            if op.size(i) != x.size(x.shard_dim):
                 raise refuse(
                     func,
                     args,
                     kwargs,
                     f"a plain operand of shape {tuple(op.shape)} has {op.size(i)} entries "
-                    f"along the batch dim the bands are cut along ({x.spec.total} rows)",
+                    f"along the batch dim the bands are cut along ({x.size(x.shard_dim)} rows)",
                     "pass the global length or 1 there",
                 )
-            op = op.narrow(i, x.start, x.spec.sizes[x.rank])
+            op = x.rows_of(op, i)
         return op
 
     return _wrap(x, torch.matmul(band_of(a), band_of(b)), axis)

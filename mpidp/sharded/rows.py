@@ -26,9 +26,12 @@ Ranges = list[list[tuple[int, int]]]
 
 def fetch_rows(x: ShardedTensor, wanted: Ranges) -> torch.Tensor:
     """This rank's ``wanted[rank]`` rows of ``x`` (global indices, in that order) along its
-    sharded dim, as a plain tensor. ``wanted`` must be the same list on every rank.
-    Collective (one all-to-all; none when every rank wants exactly its own rows)."""
-    return fetch_global_rows(x.local, x.spec, x.shard_dim, wanted, x.transport)
+    sharded dim, as a plain tensor (of every block, when ``x.blocks > 1``). ``wanted`` must be
+    the same list on every rank. Collective (one all-to-all; none when every rank wants
+    exactly its own rows)."""
+    local, d = x.unblocked()
+    out = fetch_global_rows(local, x.spec, d, wanted, x.transport)
+    return out if d == x.shard_dim else out.flatten(d - 1, d)
 
 
 def remap(
@@ -37,7 +40,7 @@ def remap(
     """The tensor whose new partition is ``spec`` and whose rows ``[a, b)`` come from the old
     rows ``source(a, b)`` (runs, in order)."""
     wanted = [source(spec.start(q), spec.stop(q)) for q in range(spec.parts)]
-    return ShardedTensor(fetch_rows(x, wanted), spec, x.shard_dim, x.manager)
+    return x.like(fetch_rows(x, wanted), spec=spec)
 
 
 Ranges1 = list[tuple[int, int]]
@@ -60,6 +63,12 @@ def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -
     """``x`` sharded along ``new_dim`` (cut by ``spec``, default the manager's policy)
     instead: the distributed transpose (every rank sends its band's part of each new band)."""
     m = x.manager
+    if x.blocks > 1:
+        raise ConfigError(
+            f"rank {m.rank}: moving the sharded dim {x.shard_dim} of {tuple(x.shape)} to dim "
+            f"{new_dim}: it holds {x.blocks} blocks merged before the band (windows in the "
+            f"batch, tokens); unflatten it back to its dims first"
+        )
     n = x.local.size(new_dim)
     new = spec if spec is not None else m.partition.spec(n, m.domain_world_size)
     local = all_to_all_v(

@@ -65,7 +65,7 @@ def _index_parts(x: ShardedTensor, index: Any) -> list[Any]:
     return parts + [slice(None)] * (x.dim() - sum(1 for p in parts if p is not None))
 
 
-@register(torch.Tensor.__getitem__)
+@register(torch.Tensor.__getitem__, blocks=True)
 def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, index = args[0], args[1]
     parts = _index_parts(x, index)
@@ -87,6 +87,14 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             local_idx.append(None)
             out += 1
             continue
+        if dim == d and x.blocks > 1 and p != slice(None):
+            raise refuse(
+                func,
+                args,
+                kwargs,
+                f"indexing the sharded dim, which holds {x.blocks} blocks merged before the band",
+                "unflatten it back to its dims, then index",
+            )
         if dim == d:
             if isinstance(p, int):  # the row, on every rank; the other parts index it
                 row = _one_row(x, p % n)
@@ -102,7 +110,7 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             out += 1
         dim += 1
     assert axis is not None
-    return ShardedTensor(x.local[tuple(local_idx)], spec, axis, x.manager)
+    return x.like(x.local[tuple(local_idx)], axis, spec)
 
 
 @register(torch.narrow, torch.Tensor.narrow)
@@ -210,7 +218,7 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
     spec = m.partition.spec(x.shape[d], m.domain_world_size)
     band = x.narrow(d, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).clone()
     x.__class__ = ShardedTensor
-    x._local, x._spec, x._dim, x._manager = band, spec, d, m
+    x._local, x._spec, x._dim, x._manager, x._blocks = band, spec, d, m, 1
     return x
 
 

@@ -34,7 +34,7 @@ __all__: list[str] = []
 def _wrap(
     x: ShardedTensor, local: torch.Tensor, axis: int, spec: ShardSpec | None = None
 ) -> ShardedTensor:
-    return ShardedTensor(local, spec or x.spec, axis, x.manager)
+    return x.like(local, axis, spec)
 
 
 def _plain(a: Any, t: Any) -> Any:
@@ -84,31 +84,50 @@ def _groups(old: list[int], new: list[int]) -> list[tuple[int, int, int, int]]:
 
 
 def reshape_sharded(x: ShardedTensor, new: list[int], what: str) -> ShardedTensor:
+    """The reshape of ``x`` to ``new``, in the layout that describes each rank's part.
+
+    Within the run of old dims that holds the sharded one, the global index is (``before``
+    blocks: the dims merged before the band and ``x.blocks``) x (``n`` rows) x (``inner``
+    entries per row). The new dim holding the bands is the one whose running product passes
+    ``before``: what of ``before`` it holds becomes its ``blocks``, and each rank's
+    rows become ``rows * inner / stride`` of its entries (``stride``: the product of the new
+    dims after it), which needs every band boundary on a multiple of ``stride / inner``
+    rows; where one is not, the tensor first moves to the nearest partition where it is
+    (only boundary rows travel)."""
     old = list(x.shape)
     new = _infer(old, new)
     d, n = x.shard_dim, x.spec.total
     if math.prod(new) != math.prod(old) or 0 in old:
         raise ValueError(f"{what}: shape {new} is invalid for a tensor of shape {tuple(old)}")
     a, b, c, e = next(g for g in _groups(old, new) if g[0] <= d < g[1])
-    if math.prod(old[a:d]) != 1 or n == 1:
+    before = math.prod(old[a:d]) * x.blocks
+    inner = math.prod(old[d + 1 : b])
+    run, k = 1, None
+    for i in range(c, e):
+        if run * new[i] > before:
+            k = i
+            break
+        run *= new[i]
+    if n == 1 or k is None or before % run or (run * new[k]) % before:
         raise refuse(
             torch.Tensor.reshape,
             (x,),
             {},
-            f"{what} to {tuple(new)} merges dims before the sharded dim {d} into it: the "
-            f"result's rows would interleave the ranks' bands",
-            "move the sharded dim first (permute) or reshape only the dims after it",
+            f"{what} to {tuple(new)} splits the sharded dim {d} ({x.blocks} block(s) of "
+            f"{n} rows, {math.prod(old[a:d])} merged before it) across new dims: no rank's "
+            f"part of the result is a block of rows of one dim",
+            "reshape so that the dims merged before the band stay whole (or permute the "
+            "sharded dim first)",
         )
-    inner = math.prod(old[d + 1 : b])
-    k = next((i for i in range(c, e) if new[i] != 1), c)
+    blocks = before // run
     stride = math.prod(new[k + 1 : e])
     if any((s * inner) % stride for s in x.spec.offsets[1:]):
         unit = stride // math.gcd(stride, inner)  # rows per new index
         x = to_spec(x, _aligned(x.spec, unit))
     sizes = tuple(s * inner // stride for s in x.spec.sizes)
     local_new = list(new)
-    local_new[k] = sizes[x.rank]
-    return _wrap(x, x.local.reshape(local_new), k, ShardSpec(sizes))
+    local_new[k] = blocks * sizes[x.rank]
+    return ShardedTensor(x.local.reshape(local_new), ShardSpec(sizes), k, x.manager, blocks)
 
 
 def _aligned(spec: ShardSpec, unit: int) -> ShardSpec:
@@ -121,7 +140,7 @@ def _aligned(spec: ShardSpec, unit: int) -> ShardSpec:
     return ShardSpec(tuple(hi - lo for lo, hi in itertools.pairwise(bounds)))
 
 
-@register(torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+@register(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, blocks=True)
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     rest = list(args[1:]) or [kwargs.get("shape", kwargs.get("size"))]
@@ -132,12 +151,12 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return reshape_sharded(x, _shape_arg(rest), "view" if func is torch.Tensor.view else "reshape")
 
 
-@register(torch.Tensor.view_as, torch.Tensor.reshape_as)
+@register(torch.Tensor.view_as, torch.Tensor.reshape_as, blocks=True)
 def _view_as(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return reshape_sharded(args[0], list(args[1].shape), "view_as")
 
 
-@register(torch.flatten, torch.Tensor.flatten)
+@register(torch.flatten, torch.Tensor.flatten, blocks=True)
 def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     nd = x.dim()
@@ -148,7 +167,7 @@ def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return reshape_sharded(x, new, "flatten")
 
 
-@register(torch.unflatten, torch.Tensor.unflatten)
+@register(torch.unflatten, torch.Tensor.unflatten, blocks=True)
 def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.dim()
@@ -160,7 +179,7 @@ def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return reshape_sharded(x, shape[:dim] + sizes + shape[dim + 1 :], "unflatten")
 
 
-@register(torch.squeeze, torch.Tensor.squeeze)
+@register(torch.squeeze, torch.Tensor.squeeze, blocks=True)
 def _squeeze(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -175,7 +194,7 @@ def _squeeze(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _wrap(x, x.local.squeeze(tuple(sorted(drop))) if drop else x.local, axis)
 
 
-@register(torch.unsqueeze, torch.Tensor.unsqueeze)
+@register(torch.unsqueeze, torch.Tensor.unsqueeze, blocks=True)
 def _unsqueeze(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % (x.dim() + 1)
@@ -209,7 +228,7 @@ _MOVES = (
 )
 
 
-@register(*_MOVES)
+@register(*_MOVES, blocks=True)
 def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Where the sharded dim goes: the op applied to a meta tensor whose only dim of size 2 is
     the sharded one."""
@@ -227,7 +246,7 @@ def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _MOVED: dict[Any, int] = {}
 
 
-@register(torch.view_as_complex, torch.view_as_real)
+@register(torch.view_as_complex, torch.view_as_real, blocks=True)
 def _view_complex(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The last dim of two (real, imaginary) taken away or added: the sharded dim stays."""
     x = args[0]

@@ -57,17 +57,24 @@ class ShardedTensor(torch.Tensor):
     _spec: ShardSpec
     _dim: int
     _manager: DistributedManager
+    _blocks: int
 
     @staticmethod
     def __new__(
-        cls, local: torch.Tensor, spec: ShardSpec, dim: int, manager: DistributedManager
+        cls,
+        local: torch.Tensor,
+        spec: ShardSpec,
+        dim: int,
+        manager: DistributedManager,
+        blocks: int = 1,
     ) -> ShardedTensor:
         shape = list(local.shape)
-        shape[dim] = spec.total
+        shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
+        out._blocks = blocks
         if not _TRACKING:
             _TRACKING.append(True)
             track()
@@ -94,8 +101,47 @@ class ShardedTensor(torch.Tensor):
         return self._dim
 
     @property
+    def blocks(self) -> int:
+        """How many blocks of the partition the sharded dim holds: 1 for a band; ``O > 1``
+        when dims before the band were merged into it (windows folded into the batch, (Z, H,
+        W) tokens): the global dim is ``O`` blocks of ``spec.total`` rows and this rank holds
+        its rows of every block, ``O * spec.sizes[rank]`` (DTensor's strided shard)."""
+        return self._blocks
+
+    @property
     def manager(self) -> DistributedManager:
         return self._manager
+
+    def like(
+        self, local: torch.Tensor, dim: int | None = None, spec: ShardSpec | None = None
+    ) -> ShardedTensor:
+        """``local`` with this tensor's layout (partition, blocks), sharded along ``dim``."""
+        return ShardedTensor(
+            local,
+            spec if spec is not None else self._spec,
+            self._dim if dim is None else dim,
+            self._manager,
+            self._blocks,
+        )
+
+    def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of a plain tensor ``t`` whose ``dim`` runs along this tensor's
+        sharded dim (its global length there): the same rows this rank holds."""
+        r = self.rank
+        if self._blocks == 1:
+            return t.narrow(dim, self._spec.start(r), self._spec.sizes[r])
+        blocks = t.unflatten(dim, (self._blocks, self._spec.total))
+        return blocks.narrow(dim + 1, self._spec.start(r), self._spec.sizes[r]).flatten(
+            dim, dim + 1
+        )
+
+    def unblocked(self) -> tuple[torch.Tensor, int]:
+        """The band with its blocks as a dim of their own: (local, sharded dim), the sharded
+        dim cut by ``spec`` exactly (``blocks`` 1: the band itself)."""
+        if self._blocks == 1:
+            return self._local, self._dim
+        d = self._dim
+        return self._local.unflatten(d, (self._blocks, self._spec.sizes[self.rank])), d + 1
 
     @property
     def transport(self) -> Transport:
@@ -111,9 +157,10 @@ class ShardedTensor(torch.Tensor):
         return self._spec.start(self.rank)
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
+        blocks = f", blocks={self._blocks}" if self._blocks > 1 else ""
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, shard_dim={self._dim}, "
-            f"spec={list(self._spec.sizes)}, rank={self.rank}, local=\n{self._local!r})"
+            f"spec={list(self._spec.sizes)}{blocks}, rank={self.rank}, local=\n{self._local!r})"
         )
 
     # -- construction ----------------------------------------------------------------------
@@ -142,8 +189,9 @@ class ShardedTensor(torch.Tensor):
         """The whole tensor on every rank (an all-gather; differentiable: the gradient of
         every rank's use comes back to the band once, the replicated rule)."""
         t = self.transport
-        whole = all_gather_v_replicated(self._local, self._spec, self._dim, group=t)
-        return replicated(whole, t)
+        local, d = self.unblocked()
+        whole = all_gather_v_replicated(local, self._spec, d, group=t)
+        return replicated(whole.flatten(d - 1, d) if d != self._dim else whole, t)
 
     def redistribute(
         self,

@@ -17,7 +17,6 @@ from zoo_models import SwinBlock as ReferenceSwin
 import mpidp
 from mpidp.layers.window import DomainParallelWindowAttention, window_rows
 from mpidp.models import SwinBlock, SwinNet, WindowAttention
-from mpidp.sharded import UnsupportedOp, shard
 from mpidp.testing import assert_matches_serial
 
 pytestmark = pytest.mark.mpi
@@ -134,15 +133,12 @@ def test_aligned_bands_fetch_only_what_the_shift_needs():
 def test_serial_blocks_on_sharded_tensors(manager):
     """The serial module, unconverted, on ShardedTensor tokens (the route of a third-party
     block): the 2-D pair runs (pad, roll and window reshapes on the sharded dim, batch 2);
-    the 3-D windows merge the level windows into the latitude windows, which would interleave
-    the bands: refused on every rank, with the fix."""
+    the 3-D windows merge the level windows into the latitude windows: the band is then in
+    blocks (one per level window) and the block runs too."""
     pair = torch.nn.Sequential(SwinBlock(8, 2, (4, 4)), SwinBlock(8, 2, (4, 4), True)).to(F64)
     check_sharded(manager, pair, rand((2, 13, 8, 8), 6), dim=1, module=pair)
-    if WORLD > 1:
-        block = SwinBlock(8, 2, (2, 3, 4), True, (3, 11, 12)).to(F64)
-        x = shard(rand((1, 3, 11, 12, 8), 7), 2, manager)
-        with pytest.raises(UnsupportedOp, match="merges dims before the sharded dim"):
-            block(x)
+    block = SwinBlock(8, 2, (2, 3, 4), True, (3, 11, 12)).to(F64)
+    check_sharded(manager, block, rand((1, 3, 11, 12, 8), 7), dim=2, module=block)
 
 
 @pytest.mark.parametrize("cut", ["balanced", "thin"])
