@@ -193,6 +193,21 @@ def _flip(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _wrap(x, x.local.flip(dims), d)
 
 
+@register(torch.rot90, torch.Tensor.rot90, blocks=True)
+def _rot90(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A quarter turn is a flip and a transpose (torch's own definition): the flip moves rows
+    where it reverses the sharded dim, the transpose carries the band to the other dim (a
+    band along H becomes a band along W, DLWP's cubed-sphere faces)."""
+    x = args[0]
+    k = int(args[1] if len(args) > 1 else kwargs.get("k", 1)) % 4
+    d0, d1 = (int(i) for i in (args[2] if len(args) > 2 else kwargs.get("dims", (0, 1))))
+    if k == 0:
+        return x.clone()
+    if k == 2:
+        return x.flip((d0, d1))
+    return x.flip(d1 if k == 1 else d0).transpose(d0, d1)
+
+
 def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedTensor:
     """``out = torch.zeros(global shape); out[..., :k, :m] = band`` (FNO's spectral
     convolution): the plain target becomes, in place, a band of the dim the value is sharded

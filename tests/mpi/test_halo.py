@@ -481,7 +481,11 @@ def test_errors_on_every_rank(t):
     cases = [
         (dict(before=1, after=1, boundary=None), ConfigError, "beyond the low edge"),
         (dict(before=0, after=1, boundary="none"), ConfigError, "beyond the high edge"),
-        (dict(before=4 * p + 1, after=0), ConfigError, f"wider than the global size {4 * p}"),
+        (
+            dict(before=4 * p + 1, after=0, boundary="circular"),
+            ConfigError,
+            f"supplies {4 * p}",
+        ),
         (dict(before=1, after=1, dim=3), CommError, "dim 3 is out of range"),
         (dict(before=[1] * (p + 1), after=1), CommError, f"expecting one per rank \\({p}\\)"),
     ]

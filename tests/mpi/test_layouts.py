@@ -71,6 +71,24 @@ def test_a_function_that_treats_the_sharded_dim_as_a_batch_equals_serial(m, name
     check_sharded(m, call, rand((13, 3, 6, 6), 1), dim=0, **TOL)
 
 
+@pytest.mark.parametrize("k", [-1, 1, 2, 3])
+def test_rot90_equals_serial(m, k):
+    """A quarter turn carries the band to the other dim; a conv then runs on it there."""
+
+    def fn(x):
+        return F.conv2d(torch.rot90(x, k, (2, 3)), W4[:, :3], B4, padding=1)
+
+    check_sharded(m, fn, rand((2, 3, 13, 7), 4), dim=2, **TOL)
+
+
+@pytest.mark.parametrize(
+    "pad", [(0, 0, 0, 12), (0, 0, 9, 2), (1, 2, 7, 7)], ids=["past", "before", "both"]
+)
+def test_a_pad_wider_than_the_field_equals_serial(m, pad):
+    """FNO pads a small spectral dim past its whole size: zero rows from no rank."""
+    check_sharded(m, lambda x: F.pad(x, pad), rand((2, 3, 5, 4), 3), dim=2, **TOL)
+
+
 @pytest.mark.parametrize("name", ["conv2d", "layer_norm", "softmax", "sdpa", "interpolate"])
 def test_the_batch_rule_on_blocks_equals_serial(m, name):
     """The sharded dim holds 2 blocks (a (2, 13) pair of dims merged into 26)."""

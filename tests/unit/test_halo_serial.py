@@ -79,12 +79,22 @@ def test_plan_zeros_and_interior():
     assert plan.send == ((1, 1, 3),)
 
 
+def test_plan_zeros_wider_than_the_field():
+    """FNO's pad of a small dim: zero rows past the whole field, on either side."""
+    plan = _plan((3, 3), (9, 1), (2, 8), mpidp.Boundary.of("zeros"), 0)
+    assert plan.length == 3 + 9 + 2
+    assert plan.zeros == ((0, 9),)
+    assert plan.recv == ((1, 0, 2),)
+    plan = _plan((3, 3), (9, 1), (2, 8), mpidp.Boundary.of("zeros"), 1)
+    assert plan.zeros == ((4, 8),)
+
+
 @pytest.mark.parametrize(
     ("sizes", "before", "after", "boundary", "match"),
     [
         ((3, 3), (1, 1), (1, 1), "none", "beyond the low edge"),
         ((3, 3), (0, 1), (1, 2), None, "beyond the high edge"),
-        ((3, 3), (7, 7), (0, 0), "zeros", "wider than the global size 6"),
+        ((3, 3), (7, 7), (0, 0), "circular", "supplies 6"),
         ((3, 3), (6, 6), (0, 0), "reflect", "supplies 5"),
         ((3, 3), (-2, 0), (-2, 0), "zeros", "trim more than its 3 rows"),
     ],
