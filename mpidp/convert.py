@@ -37,10 +37,7 @@ Converter = Callable[[nn.Module, DistributedManager | None], nn.Module]
 #: Module types that act on each position (or each channel) alone: exact on a band as they are.
 SAFE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Identity,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
+    nn.Dropout,  # each entry alone (channel dropout draws one mask per channel: dispatch)
     nn.AlphaDropout,
     nn.ReLU,
     nn.ReLU6,
@@ -76,6 +73,15 @@ _UNSAFE: tuple[type[nn.Module], ...] = (
     nn.Unflatten,
     nn.Fold,
     nn.Unfold,
+)
+
+#: Module types whose functional form dispatch computes exactly (one channel-dropout mask for
+#: the whole field); probing them would see a random draw
+_DISPATCHED: tuple[type[nn.Module], ...] = (
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.FeatureAlphaDropout,
 )
 
 #: 1-D layers (B, C, L): sharded along their length
@@ -179,16 +185,27 @@ def _plan(
     def verdict(child: nn.Module, where: str, action: str, why: str, into: str = "") -> None:
         verdicts.append(Verdict(where, type(child).__name__, action, why, into))
 
-    def visit(module: nn.Module, path: str) -> None:
+    def visit(module: nn.Module, path: str, on_bands: bool) -> None:
         for name, child in module.named_children():
             where = f"{path}.{name}" if path else name
-            replacement = _convert(child, where)
+            replacement = _convert(child, where, on_bands)
             if replacement is not None and replacement is not child:
                 plan.append((module, name, replacement))
             elif replacement is None:
-                visit(child, where)
+                visit(child, where, on_bands or getattr(child, "_mpidp_band_forward", False))
 
-    def _convert(child: nn.Module, where: str) -> nn.Module | None:
+    def op_by_op(child: nn.Module, where: str, on_bands: bool, why: str) -> nn.Module:
+        """A module no band form is known for: inside a forward that runs on ShardedTensors
+        it runs its own forward on them too (each torch call exact, or refused at the first
+        call on every rank, naming the module path); inside a forward written for bands it
+        would see plain bands, so it is refused."""
+        if on_bands:
+            verdict(child, where, "refused", why)
+        else:
+            verdict(child, where, "left", f"runs op by op on ShardedTensors ({why})")
+        return child
+
+    def _convert(child: nn.Module, where: str, on_bands: bool) -> nn.Module | None:
         """The replacement, the child itself (leave, do not recurse) or None (recurse)."""
         for kind, fn in custom.items():
             if isinstance(child, kind):
@@ -208,9 +225,10 @@ def _plan(
         if isinstance(child, DomainParallel):
             verdict(child, where, "left", "already domain-parallel")
             return child
+        if isinstance(child, _DISPATCHED):
+            return op_by_op(child, where, on_bands, "one mask per channel for the whole field")
         if isinstance(child, _UNSAFE):
-            verdict(child, where, "refused", _why(child))
-            return child
+            return op_by_op(child, where, on_bands, _why(child))
         if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
             verdict(child, where, "left", "acts on each position alone")
             k = len(child.normalized_shape) if isinstance(child, nn.LayerNorm) else 1
@@ -218,7 +236,7 @@ def _plan(
             return child
         layer = layer_for(type(child))
         if layer is not None:
-            return _wrap(child, layer[0], layer[1], where)
+            return _wrap(child, layer[0], layer[1], where, on_bands)
         if next(child.children(), None) is not None:
             if getattr(child, "_mpidp_band_forward", False) and child is not model:
                 bands.append((child, ("at", shard_dim), True))  # its forward is for bands
@@ -229,26 +247,27 @@ def _plan(
             verdict(child, where, "left", f"probed local: {found.detail}")
             bands.append((child, ("at", shard_dim), False))
         elif found.local is False:
-            verdict(
+            op_by_op(
                 child,
                 where,
-                "refused",
+                on_bands,
                 f"probed: it mixes rows ({found.detail}); write its band form and pass "
                 f"custom_converters={{{type(child).__name__}: fn(module, manager)}} "
                 "(docs/layers.md: converters)",
             )
         else:
-            verdict(
+            op_by_op(
                 child,
                 where,
-                "refused",
-                f"unknown, and the probe could not run it: {found.detail}; pass "
-                "example_inputs=(x, ...) so that the probe sees its real input, a converter, or "
+                on_bands,
+                f"unknown, and the probe could not run it: {found.detail}; a converter, or "
                 "safe=[type or path] if you know it is exact on a band",
             )
         return child
 
-    def _wrap(child: nn.Module, kind: type, wrapper: type[Any], where: str) -> nn.Module:
+    def _wrap(
+        child: nn.Module, kind: type, wrapper: type[Any], where: str, on_bands: bool
+    ) -> nn.Module:
         axis_dim = -1 if issubclass(kind, _ONE_D) else shard_dim
         if isinstance(child, nn.modules.conv._ConvNd):
             n = len(child.kernel_size)
@@ -257,15 +276,16 @@ def _plan(
                 bands.append((child, ("at", axis_dim), False))
                 return child
         if isinstance(child, nn.Upsample) and child.mode not in INTERPOLATION_MODES:
-            verdict(child, where, "refused", f"Upsample mode {child.mode!r} is not supported")
-            return child
+            why = f"Upsample mode {child.mode!r} has no band form"
+            return op_by_op(child, where, on_bands, why)
         new = wrapper.from_module(child, manager, axis_dim)
         verdict(child, where, "converted", "its band form", type(new).__name__)
         return new
 
-    top = _convert(model, "(the model itself)")
+    on_bands = bool(getattr(model, "_mpidp_band_forward", False))
+    top = _convert(model, "(the model itself)", on_bands)
     if top is None:
-        visit(model, "")
+        visit(model, "", on_bands)
     elif top is not model:
         plan.append((None, "", top))
     return plan, verdicts, bands

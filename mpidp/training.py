@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpidp import rng
 from mpidp.collectives import reduce_from
 from mpidp.comm.base import fingerprint
 from mpidp.errors import CommError, ConfigError
@@ -193,7 +194,7 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
     m = manager or get_manager()
     _refuse_owned_reduction(model, m)
     named = list(model.named_parameters())
-    _agree_on_gradients(named, m)
+    _agree_on_gradients(named, m, rng.draws(model))
     grads = [p.grad for _, p in named if p.grad is not None]
     sum_in_buckets(grads, m, "world", divide=m.dp_world_size)
 
@@ -210,17 +211,26 @@ def _gradient_facts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, st
     return out
 
 
-def _agree_on_gradients(named: list[tuple[str, nn.Parameter]], m: DistributedManager) -> None:
+def _agree_on_gradients(
+    named: list[tuple[str, nn.Parameter]], m: DistributedManager, draws: bool = False
+) -> None:
     """Every rank must hold gradients for the same parameters, of the same shapes and dtypes:
     otherwise the buckets would pair one rank's gradient with another's (a silent mix when
     the lengths happen to agree). One all-gather of a fingerprint; on a mismatch every rank
-    raises the same error naming the parameters and the ranks. Collective over the world."""
+    raises the same error naming the parameters and the ranks. A model that ``draws`` random
+    numbers also checks its domain ranks' generators are in step (mpidp.rng), in the same
+    message. Collective over the world."""
     facts = tuple(
         (n, p.grad is not None, None if p.grad is None else (p.grad.shape, p.grad.dtype))
         for n, p in named
     )
     t = m.transport("world", "cpu")
-    table = t.all_gather_ints([fingerprint(facts)])
+    device = next((p.grad.device for _, p in named if p.grad is not None), None)
+    table = t.all_gather_ints([fingerprint(facts), rng.fingerprint(device) if draws else 0])
+    p = m.domain_world_size
+    for g in range(m.dp_world_size):  # every rank checks every group: all raise alike
+        prints = [row[1] for row in table[g * p : (g + 1) * p]]
+        rng.check_in_step(prints, m.rank, f"sync_gradients (data-parallel group {g})")
     if all(row[0] == table[0][0] for row in table):
         return
     everyone = t.all_gather_object(_gradient_facts(named))

@@ -58,6 +58,34 @@ def render() -> str:
         (f"{t.__module__}.{t.__qualname__}", layer.__name__) for t, layer in registered().items()
     )
     lines += [f"| `{t}` | `{layer}` |" for t, layer in rows]
+    from mpidp.sharded import batch
+
+    rule = sorted({dispatch.name_of(f) for f in batch.READS})
+    lines += [
+        "",
+        f"## The batch rule ({len(rule)})",
+        "",
+        "These functions run on each rank's part with no communication whenever the sharded",
+        "dim is not one they read across (their channels, spatial dims, normalised dims or",
+        "`dim`, from the call's own arguments: `mpidp.sharded.batch.READS`); the result keeps",
+        "the input's layout, blocks included. Otherwise their handler below runs, or they are",
+        "refused.",
+        "",
+        ", ".join(f"`{n}`" for n in rule),
+    ]
+    blocks = sorted(
+        {dispatch.name_of(k) for k, h in dispatch._HANDLERS.items() if h in dispatch._BLOCKS_OK}
+    )
+    lines += [
+        "",
+        f"## Handlers that take blocks ({len(blocks)})",
+        "",
+        "A tensor whose sharded dim holds blocks merged before the band (windows folded into",
+        "the batch, (Z, H, W) tokens: `ShardedTensor.blocks > 1`) reaches only these handlers",
+        "and the batch rule; any other function is refused with the fix (unflatten first).",
+        "",
+        ", ".join(f"`{n}`" for n in blocks),
+    ]
     total = sum(len(v) for v in by_family.values())
     lines += ["", f"## Torch functions with a handler ({total})", ""]
     for family in sorted(by_family):

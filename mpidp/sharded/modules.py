@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._pytree import tree_unflatten as _unflatten
 
+from mpidp import rng
 from mpidp.collectives import copy_to
 from mpidp.errors import MpidpError
 from mpidp.layers import base
@@ -33,7 +34,7 @@ from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import UnsupportedOp
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
-from mpidp.sharded.where import entered
+from mpidp.sharded.where import entered, locate
 
 __all__ = ["enter_module", "leave_module", "run_layer", "torch_forward"]
 
@@ -90,6 +91,12 @@ def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict
             out = forward(layer, *_unwrap(args, t), **_unwrap(kwargs, t))
     except LayoutMismatch:
         return torch_forward(layer)(layer, *args, **kwargs)
+    except MpidpError as err:  # a layer's own error (too few rows): named where it happened
+        if getattr(err, "located", False) or locate(str(err)) == str(err):
+            raise
+        located = type(err)(locate(str(err)))
+        located.located = True  # type: ignore[attr-defined]
+        raise located from err
     if notes and notes[-1][0] == "replicated":
         # the layer's backward sums every rank's share of its output's gradient; a Replicated
         # value holds the whole gradient on every rank: rank 0 gives it, the others zeros
@@ -194,6 +201,16 @@ def _fits(d: int, rule: tuple[str, int]) -> bool:
     return d == rule[1] if rule[0] == "at" else d < -rule[1]
 
 
+def _check_rng(m: DistributedManager, args: Any, kwargs: Any) -> None:
+    """In training, the domain ranks' generators must be in step (mpidp.rng): one small
+    all-gather per call. Collective over the domain group."""
+    leaves, _ = tree_flatten((args, kwargs))
+    device = next((a.device for a in leaves if isinstance(a, torch.Tensor)), None)
+    t = m.transport(None, device if device is not None else "cpu")
+    prints = [row[0] for row in t.all_gather_ints([rng.fingerprint(device)])]
+    rng.check_in_step(prints, m.rank, "a converted model's forward")
+
+
 def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Forward pre-hook of a converted module (``module._mpidp_band``: kind, sharded dim,
     manager, the calls in progress).
@@ -215,6 +232,8 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             calls.append(None)
             return None
         m = manager if manager is not None else get_manager()
+        if m.domain_world_size > 1 and module.training and rng.draws(module):
+            _check_rng(m, args, kwargs)
         args, kwargs = _wrap_bands(args, kwargs, dim, m)
         specs = [a.spec for a in _sharded(args, kwargs)]
         calls.append(("model", entered(module), specs))

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError
+from mpidp.rng import band_stream
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
@@ -222,7 +223,11 @@ def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
     tensor like it): run on the band, same partition."""
     x = args[0]
     rest = tree_map(_plain_arg, (args[1:], kwargs))
-    out = func(x.local, *rest[0], **rest[1])
+    if func in RANDOM:
+        with band_stream(x.rank, x.local.device):
+            out = func(x.local, *rest[0], **rest[1])
+    else:
+        out = func(x.local, *rest[0], **rest[1])
     if out is x.local:  # in place
         return x
     return local_like(x, out) if isinstance(out, torch.Tensor) else out
@@ -283,6 +288,27 @@ POINTWISE = _collect()
 
 
 POINTWISE |= {("__get__", "real"), ("__get__", "imag")}
+
+#: functions that draw random numbers: on a band, from this rank's own stream
+#: (mpidp.rng.band_stream), so the default generators stay in step across the domain group
+RANDOM = {
+    f
+    for name in (
+        "dropout",
+        "alpha_dropout",
+        "rrelu",
+        "rand_like",
+        "randn_like",
+        "normal_",
+        "uniform_",
+        "bernoulli_",
+        "exponential_",
+        "random_",
+    )
+    for space in (torch, torch.Tensor, F)
+    for f in (getattr(space, name, None), getattr(space, name + "_", None))
+    if f is not None
+}
 
 
 @register(*POINTWISE, blocks=True)
@@ -356,7 +382,11 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         local_args, local_kwargs = tuple(band_of(a) for a in args), {}
     else:
         local_args, local_kwargs = tree_map(band_of, (args, kwargs))
-    out = func(*local_args, **local_kwargs)
+    if func in RANDOM:
+        with band_stream(ref.rank, ref.local.device):
+            out = func(*local_args, **local_kwargs)
+    else:
+        out = func(*local_args, **local_kwargs)
     first = args[0] if args else None
     if isinstance(first, ShardedTensor) and out is local_args[0]:
         return first  # in place on the band
@@ -377,22 +407,35 @@ def _wrap_out(o: Any, ndim: int, axis: int, ref: ShardedTensor) -> Any:
     return o
 
 
+_UNBATCHED_DROPOUT = {(F.dropout1d, 2), (F.dropout3d, 4)}  # (C, spatial...) inputs
+
+
 @register(F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout, blocks=True)
 def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Channel dropout draws one mask entry per (sample, channel): each rank would draw its
-    own and drop a channel on some bands only. Identity when it is off."""
-    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    """Channel dropout draws one mask entry per (sample, channel) for the whole field: every
+    rank draws it (torch's own function, on ones of the mask's shape: the same draw as the
+    serial call) and domain rank 0's is broadcast, so every band drops the same channels.
+    Identity when it is off. Collective over the domain group in training."""
+    x = args[0]
+    p = float(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
     training = args[2] if len(args) > 2 else kwargs.get("training", True)
     if not training or p == 0:
-        return args[0]
-    raise refuse(
-        func,
-        args,
-        kwargs,
-        "in training it would drop a channel on some ranks' bands and keep it on others",
-        "use element-wise F.dropout, or draw the channel mask once (the same seed on every "
-        "rank) and multiply",
-    )
+        return x
+    if func is F.feature_alpha_dropout:
+        raise refuse(
+            func, args, kwargs, "alpha dropout's affine correction per channel", "use dropout2d"
+        )
+    # torch's mask keeps (sample, channel), or the channel alone for an unbatched input
+    keep = 1 if (func, x.dim()) in _UNBATCHED_DROPOUT else 2
+    if x.shard_dim < keep:
+        raise refuse(
+            func, args, kwargs, "bands along the sample or channel dim", "shard along a spatial dim"
+        )
+    t = x.transport
+    ones = x.local.new_ones(tuple(x.shape[:keep]) + (1,) * (x.dim() - keep))
+    mask = func(ones, p, True)  # every rank draws (its generator stays in step), 0's is used
+    mask = t.broadcast(mask.contiguous(), 0)
+    return local_like(x, x.local * mask)
 
 
 @register(F.prelu, torch.prelu, torch.Tensor.prelu, blocks=True)

@@ -94,8 +94,21 @@ class Odd(nn.Module):
         return torch.fft.rfft2(x).real
 
 
+class BandSequential(nn.Sequential):
+    """A container whose forward is written for bands (its children see plain bands)."""
+
+    _mpidp_band_forward = True
+
+
 def test_unsupported_modules_listed_with_paths(manager):
-    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), Attention(), nn.Flatten(), Odd())
+    """In a forward written for bands, modules with no band form are refused, listed with
+    their paths; in a forward that runs on ShardedTensors (every other model) they run their
+    own forward op by op."""
+    parts = (nn.Conv2d(2, 4, 3, padding=1), Attention(), nn.Flatten(), Odd())
+    verdicts = {v.path: v for v in mpidp.explain_conversion(nn.Sequential(*parts), manager)}
+    for path in ("1.attn", "2", "3"):
+        assert verdicts[path].action == "left" and "op by op" in verdicts[path].why, path
+    model = BandSequential(*parts)
     before = copy.deepcopy(model)
     with pytest.raises(mpidp.ConfigError) as err:
         mpidp.convert_to_domain_parallel(model, manager)

@@ -10,6 +10,7 @@ where. A refusal names the module path. A broken handler makes the comparison fa
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -259,3 +260,155 @@ def test_inputs_that_are_not_bands_pass_unchanged_and_replicated_outputs_come_ba
     torch.testing.assert_close(yb, y.narrow(2, s.start(m.domain_rank), s.sizes[m.domain_rank]))
     assert isinstance(pb, mpidp.Replicated)
     torch.testing.assert_close(pb.as_subclass(torch.Tensor), pooled, rtol=1e-12, atol=1e-13)
+
+
+class MergeList(nn.Module):
+    """FPN's merge block (segmentation-models): a list of maps, each resized to the first."""
+
+    def forward(self, xs):
+        return sum(F.interpolate(x, size=xs[0].shape[-2:], mode="nearest") for x in xs)
+
+
+class RollRows(nn.Module):
+    def forward(self, x):
+        return torch.roll(x, 2, -2)
+
+
+class Pyramid(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 3, 3, stride=2, padding=1)
+        self.merge = MergeList()
+        self.roll = RollRows()
+
+    def forward(self, x):
+        a = self.conv(x)
+        return self.roll(self.merge([a, self.down(a)]))
+
+
+def test_leaf_modules_mpidp_does_not_know_run_op_by_op(m):
+    """A module taking a list, and one that mixes rows, are neither band layers nor refused:
+    their own forward runs on ShardedTensors, exact."""
+    torch.manual_seed(0)
+    serial = Pyramid().to(F64)
+    verdicts = {v.path: v for v in mpidp.explain_conversion(serial, m)}
+    assert verdicts["merge"].action == verdicts["roll"].action == "left"
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
+    assert_matches_serial(
+        serial,
+        dist,
+        [rand((2, 3, H, W), 3)],
+        manager=m,
+        modules=(serial, dist),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def test_channel_dropout_drops_the_same_channels_on_every_band(m):
+    """Dropout2d in training: one mask per (sample, channel) for the whole field, the serial
+    draw (every rank's generator in step: the converted model checks it)."""
+
+    class Drop(Base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout2d(0.5)
+
+        def forward(self, x):
+            return self.drop(self.conv(x))
+
+    torch.manual_seed(0)
+    serial = Drop().to(F64)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
+    full = rand((4, 3, H, W), 3)
+    torch.manual_seed(7)
+    want = serial(full)
+    torch.manual_seed(7)
+    band = shard(full, 2, m).local
+    got = mpidp.gather_tensor(dist(band), manager=m)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    dropped = (want.abs().sum((-2, -1)) == 0).sum().item()
+    assert 0 < dropped < 12, dropped  # the mask really drops some channels and keeps others
+
+
+@pytest.mark.mpi(min_size=3)  # two output rows: too few for three ranks
+def test_a_layers_own_error_names_the_module_path(m):
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sequential(nn.Conv2d(3, 3, 3, 4, 1)))
+    model = mpidp.convert_to_domain_parallel(model.to(F64), m)
+    where = r"in module 1\.0 \(DomainParallelConv2d\) of Sequential: .*cannot split 2 rows"
+    with pytest.raises(mpidp.ConfigError, match=rf"rank {m.rank}: {where}"):
+        model(shard(rand((1, 3, 6, 8), 1), 2, m).local)
+
+
+@pytest.mark.parametrize(
+    "func, shape, dim",
+    [
+        (F.dropout1d, (3, 13), 1),  # unbatched (C, L)
+        (F.dropout1d, (2, 3, 13), 2),
+        (F.dropout2d, (4, 3, 13), 2),  # torch reads a 3-D input as (N, C, L)
+        (F.dropout2d, (2, 3, 13, 8), 2),
+        (F.dropout3d, (3, 2, 13, 8), 2),  # unbatched (C, D, H, W)
+        (F.dropout3d, (2, 3, 2, 13, 8), 3),
+    ],
+    ids=["1d-unbatched", "1d", "2d-on-3d", "2d", "3d-unbatched", "3d"],
+)
+def test_channel_dropout_draws_the_serial_mask(m, func, shape, dim):
+    full = rand(shape, 9)
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = func(full, 0.5, True)
+        torch.manual_seed(11 + 100 * m.rank)  # only rank 0's generator may matter
+        got = func(shard(full, dim, m), 0.5, True).full_tensor()
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=0, atol=0)
+
+
+class BiasDropout(Base):
+    """Dropout on a band and on a value every rank holds (a position-bias MLP's dropout, as
+    CREDIT's Swin V2 has): the second must be the same draw on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Sequential(nn.Linear(2, 3), nn.Dropout(0.25))
+
+    def forward(self, x):
+        b = self.bias(torch.ones(2, dtype=x.dtype))
+        return F.dropout(self.conv(x), 0.25) + b[None, :, None, None]
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: one generator
+def test_generators_out_of_step_are_an_error_on_every_rank(m):
+    torch.manual_seed(0)
+    model = mpidp.convert_to_domain_parallel(BiasDropout().to(F64), m)
+    band = shard(rand((2, 3, H, W), 1), 2, m).local
+    torch.manual_seed(5 + m.rank)
+    with pytest.raises(mpidp.ConfigError, match=rf"rank {m.rank}: .*not in step.*manual_seed"):
+        model(band)
+    model.eval()  # nothing random: the generators may be apart (each rank's own random data)
+    model(band)
+    model.train()
+    loss = torch.zeros(()).requires_grad_()
+    torch.manual_seed(5)
+    (model(band).sum() + loss).backward()
+    torch.manual_seed(5 + m.rank)
+    with pytest.raises(mpidp.ConfigError, match=rf"rank {m.rank}: sync_gradients.*not in step"):
+        mpidp.sync_gradients(model, m)
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: nothing to keep in step
+def test_dropout_on_uneven_bands_keeps_the_generators_in_step(m, monkeypatch):
+    """Bands of 7 and 6 rows (5, 4, 4 at three ranks) draw different numbers of values: from
+    each rank's own stream, the default generators stay in step over steps; drawn from the
+    default generator itself (the mutation), the second step is refused."""
+    from mpidp.sharded import pointwise
+
+    torch.manual_seed(0)
+    model = mpidp.convert_to_domain_parallel(BiasDropout().to(F64), m)
+    band = shard(rand((2, 3, H, W), 1), 2, m).local
+    torch.manual_seed(5)
+    for _ in range(3):
+        model(band)
+    monkeypatch.setattr(pointwise, "RANDOM", set())
+    model(band)
+    with pytest.raises(mpidp.ConfigError, match="not in step"):
+        model(band)

@@ -112,7 +112,13 @@ def test_the_probe_names_what_mixes():
     assert "position" in probe_band_locality(RowEmbedding()).detail
 
 
-def test_conversion_leaves_probed_local_modules_and_refuses_mixing_ones():
+class BandForward(nn.Sequential):
+    """A model whose forward is written for bands: its children see plain bands."""
+
+    _mpidp_band_forward = True
+
+
+def test_conversion_leaves_probed_local_modules_and_runs_mixing_ones_op_by_op():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Gate(), LayerNorm2d(4), DropPath())
     verdicts = {v.path: v for v in explain_conversion(model)}
     assert verdicts["0"].action == "converted" and verdicts["0"].into == "DomainParallelConv2d"
@@ -121,7 +127,15 @@ def test_conversion_leaves_probed_local_modules_and_refuses_mixing_ones():
     converted = mpidp.convert_to_domain_parallel(model)
     assert type(converted[1]) is Gate
 
-    bad = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Roll(), CentreRows())
+    # in a forward that runs on ShardedTensors, a mixing module runs its own forward on them
+    mixing = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Roll(), CentreRows())
+    verdicts = {v.path: v for v in explain_conversion(mixing)}
+    for path in ("1", "2"):
+        assert verdicts[path].action == "left", verdicts[path]
+        assert "runs op by op on ShardedTensors (probed: it mixes rows" in verdicts[path].why
+
+    # in a forward written for bands it would see a plain band: refused, nothing changed
+    bad = BandForward(nn.Conv2d(3, 4, 3, padding=1), Roll(), CentreRows())
     with pytest.raises(mpidp.ConfigError) as err:
         mpidp.convert_to_domain_parallel(bad)
     text = str(err.value)
@@ -130,10 +144,12 @@ def test_conversion_leaves_probed_local_modules_and_refuses_mixing_ones():
     assert type(bad[0]) is nn.Conv2d  # nothing changed
 
 
-def test_what_the_probe_cannot_run_is_refused_with_the_ways_out():
+def test_what_the_probe_cannot_run_runs_op_by_op_or_is_refused_with_the_ways_out():
     model = nn.Sequential(nn.Conv2d(3, 3, 1), NeedsGrid())
     (verdict,) = [v for v in explain_conversion(model) if v.path == "1"]
-    assert verdict.action == "refused" and "example_inputs=" in verdict.why
+    assert verdict.action == "left" and "op by op" in verdict.why
+    (verdict,) = [v for v in explain_conversion(BandForward(*model)) if v.path == "1"]
+    assert verdict.action == "refused" and "the probe could not run it" in verdict.why
     assert "safe=" in verdict.why  # the user may vouch for what cannot be run
     assert explain_conversion(model, safe=[NeedsGrid])[1].action == "left"
 

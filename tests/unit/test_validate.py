@@ -32,7 +32,7 @@ def test_problems_are_listed():
     assert not report.ok
     text = "\n".join(report.problems)
     assert "0 (Conv2d): cannot split 3 rows over 4 ranks" in text
-    assert "1 (Flatten)" in text
+    assert "1 (Flatten)" not in text  # runs op by op on ShardedTensors: no problem to list
 
 
 def test_odd_longitude_with_polar_padding():
