@@ -71,9 +71,35 @@ def _last(n: int, nd: int) -> set[int]:
 # -- the rules ------------------------------------------------------------------------------------
 
 
-def _spatial_channels(n: int) -> Rule:
-    """Convolutions: the channels (a weight's) and ``n`` spatial dims; batched input only."""
-    return lambda a, k, nd: (set(range(1, nd)), ()) if nd == n + 2 else None
+def _spatial_channels(n: int, transposed: bool) -> Rule:
+    """Convolutions: the channels (a weight's) and the spatial dims the kernel spans (a dim
+    with kernel 1, stride 1 and no padding maps each row to itself); batched input only."""
+    names: tuple[str, ...] = ("weight", "bias", "stride", "padding")
+    names += ("output_padding", "groups", "dilation") if transposed else ("dilation", "groups")
+
+    def rule(a: tuple[Any, ...], k: dict[str, Any], nd: int) -> Any:
+        if nd != n + 2:
+            return None
+        bound = dict(zip(names, a[1:], strict=False)) | k
+        weight = bound.get("weight")
+        if not isinstance(weight, torch.Tensor) or isinstance(bound.get("padding", 0), str):
+            return set(range(1, nd)), ()
+
+        def per_dim(v: Any, default: int) -> tuple[int, ...]:
+            v = default if v is None else v
+            return tuple(v) if isinstance(v, list | tuple) else (int(v),) * n
+
+        stride, pad = per_dim(bound.get("stride"), 1), per_dim(bound.get("padding"), 0)
+        out_pad = per_dim(bound.get("output_padding"), 0)
+        kernel = tuple(weight.shape[2:])
+        spanned = {
+            nd - n + i
+            for i in range(n)
+            if (kernel[i], stride[i], pad[i], out_pad[i]) != (1, 1, 0, 0)
+        }
+        return {1} | spanned, ()
+
+    return rule
 
 
 def _spatial_only(n: int) -> Rule:
@@ -89,7 +115,8 @@ for _n, (_c, _t) in enumerate(
     ],
     start=1,
 ):
-    reads(_c, _t)(_spatial_channels(_n))
+    reads(_c)(_spatial_channels(_n, False))
+    reads(_t)(_spatial_channels(_n, True))
     for _f in (
         getattr(F, f"max_pool{_n}d"),
         getattr(F, f"avg_pool{_n}d"),
@@ -247,12 +274,20 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     if said is None or d in said[0]:
         return NOT_LOCAL
     drops = said[1]
-    local_args = _local_args(x, args, kwargs, batched, func)
+    rows = x.local.size(d)
+    local_args = _local_args(x, args, kwargs, batched, rows == 0)
     if local_args is None:
         return NOT_LOCAL
     out = func(*local_args[0], **local_args[1])
     axis = d - sum(1 for r in drops if r < d)
-    rows = x.local.size(d)
+    if rows == 0:  # ran on one zero row (torch refuses some empty inputs): keep none
+        out = tree_unflatten(
+            [
+                o.narrow(axis, 0, 0) if isinstance(o, torch.Tensor) else o
+                for o in tree_flatten(out)[0]
+            ],
+            tree_flatten(out)[1],
+        )
 
     def wrap(o: Any) -> Any:
         if not isinstance(o, torch.Tensor):
@@ -276,17 +311,25 @@ def _local_args(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     batched: tuple[int, ...],
-    func: Any,
+    grow: bool,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The call's arguments with each rank's part in place of the input (and of batched
-    arguments), or None when an argument does not fit the rule."""
+    arguments), or None when an argument does not fit the rule. ``grow``: the parts are
+    empty; each gets one zero row (the caller drops its result)."""
     names = {_SDPA_NAMES[i] for i in batched if i in _SDPA_NAMES}
     t = x.transport
     tail = x.dim() - x.shard_dim  # the sharded dim, counted from the end
 
+    def part(local: torch.Tensor) -> torch.Tensor:
+        if not grow:
+            return local
+        at = local.dim() - tail
+        row = local.new_zeros((*local.shape[:at], 1, *local.shape[at + 1 :]))
+        return torch.cat([local, row], at)
+
     def one(a: Any, is_batched: bool) -> Any:
         if a is x:
-            return x.local
+            return part(x.local)
         if isinstance(a, ShardedTensor):
             same = (
                 is_batched
@@ -294,7 +337,7 @@ def _local_args(
                 and a.spec == x.spec
                 and a.blocks == x.blocks
             )
-            return a.local if same else NOT_LOCAL
+            return part(a.local) if same else NOT_LOCAL
         if not isinstance(a, torch.Tensor):
             return a
         if isinstance(a, Replicated):
@@ -303,7 +346,7 @@ def _local_args(
             return copy_to(a.as_subclass(torch.Tensor), t)
         if is_batched and a.dim() >= tail and a.size(a.dim() - tail) != 1:
             i = a.dim() - tail
-            return x.rows_of(a, i) if a.size(i) == x.size(x.shard_dim) else NOT_LOCAL
+            return part(x.rows_of(a, i)) if a.size(i) == x.size(x.shard_dim) else NOT_LOCAL
         return a
 
     new_args = tuple(

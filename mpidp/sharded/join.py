@@ -166,6 +166,8 @@ def _split(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 )
 def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
+    if not isinstance(x, ShardedTensor):  # a plain tensor expanded as a band
+        return _expand_to_band(func, args, kwargs)
     if func is torch.Tensor.expand_as:
         sizes = list(args[1].shape)
     else:
@@ -175,6 +177,27 @@ def _expand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise refuse(func, args, kwargs, "expanding the sharded dim", "expand other dims")
     sizes[axis] = x.local.size(x.shard_dim)
     return _wrap(x, x.local.expand(sizes), axis)
+
+
+def _expand_to_band(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``src.expand_as(band)`` (torch_geometric's scatter): ``src`` broadcasts along the
+    band's sharded dim (length 1) or has its global length there (cut to this rank's rows);
+    the result is a band of ``ref``'s layout."""
+    src, ref = args[0], args[1]
+    i = src.dim() - (ref.dim() - ref.shard_dim)
+    if i >= 0 and src.size(i) == ref.size(ref.shard_dim):
+        src = ref.rows_of(src, i)
+    elif i >= 0 and src.size(i) != 1:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            f"a tensor of shape {tuple(src.shape)} expanded as a band",
+            "pass one that broadcasts along the sharded dim",
+        )
+    if isinstance(src, Replicated):
+        src = copy_to(src.as_subclass(torch.Tensor), ref.transport)
+    return ref.like(src.expand_as(ref.local))
 
 
 @register(torch.Tensor.repeat, blocks=True)

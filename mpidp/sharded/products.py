@@ -153,25 +153,24 @@ def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     eq = _expand_ellipsis(args[0].replace(" ", ""), ops)
     lhs, _, rhs = eq.partition("->")
     terms = lhs.split(",")
-    ref = first_sharded(ops)
-    letter = terms[next(i for i, o in enumerate(ops) if o is ref)][ref.shard_dim]
+    # the bands of the result: an operand's whose sharded letter the result keeps (q's rows
+    # in "bhid,bhjd->bhij"); operands sharded along another letter are gathered whole (k)
+    sharded = [(i, o) for i, o in enumerate(ops) if isinstance(o, ShardedTensor)]
+    kept = [(i, o) for i, o in sharded if terms[i][o.shard_dim] in rhs]
+    at, ref = (kept or sharded)[0]
+    letter = terms[at][ref.shard_dim]
     t = ref.transport
     local_ops = []
     for term, op in zip(terms, ops, strict=True):
         if isinstance(op, ShardedTensor):
-            if term[op.shard_dim] != letter:
-                raise refuse(
-                    func,
-                    args,
-                    kwargs,
-                    "operands sharded along different letters",
-                    "redistribute one",
-                )
+            if term[op.shard_dim] != letter or op.spec.total != ref.spec.total:
+                local_ops.append(whole(op))
+                continue
             local_ops.append(to_spec(op, ref.spec).local)
         else:
             op = _plain(op, t)
             if letter in term and op.size(term.index(letter)) == ref.spec.total:
-                op = op.narrow(term.index(letter), ref.start, ref.spec.sizes[ref.rank])
+                op = ref.rows_of(op, term.index(letter))
             elif letter in term and op.size(term.index(letter)) != 1:
                 raise refuse(
                     func,

@@ -40,6 +40,8 @@ LN = rand((6,), 13).requires_grad_()
 
 CALLS = {
     "conv2d": lambda x: F.conv2d(x, W4[:, :3], B4, padding=1),
+    "conv2d_1x1": lambda x: F.conv2d(x, W4[:, :3, :1, :1], B4),
+    "conv2d_kernel_1_along_h": lambda x: F.conv2d(x, W4[:, :3, :1], B4, padding=(0, 1)),
     "conv_transpose2d": lambda x: F.conv_transpose2d(x, W4.transpose(0, 1)[:3], stride=2),
     "max_pool2d": lambda x: F.max_pool2d(x, 2),
     "avg_pool2d": lambda x: F.avg_pool2d(x, 3, 1, 1),
@@ -62,6 +64,19 @@ CALLS = {
     "linear": lambda x: F.linear(x, LN[:6].reshape(1, 6).expand(2, 6)),
     "sdpa": lambda x: F.scaled_dot_product_attention(x, x * 0.5, x.flip(-1)),
 }
+
+
+@pytest.mark.parametrize("name", ["conv2d_1x1", "conv2d_kernel_1_along_h"])
+def test_a_convolution_that_maps_rows_to_themselves_runs_on_two_rows_at_any_p(m, name):
+    """Kernel 1, stride 1, no padding along the band: each row is its own; 2 rows at 3-4
+    ranks (empty bands) need no partition of the output (CrossFormer's 1x1 projections)."""
+    from mpidp.partition import ShardSpec
+
+    call = CALLS[name]
+    full = rand((2, 3, 2, 6), 1)
+    sizes = [1, 1] + [0] * (WORLD - 2) if WORLD > 1 else [2]
+    x = shard(full, 2, m, spec=ShardSpec(tuple(sizes))).requires_grad_()
+    torch.testing.assert_close(call(x).full_tensor().as_subclass(torch.Tensor), call(full))
 
 
 @pytest.mark.parametrize("name", list(CALLS))
@@ -270,3 +285,64 @@ def test_an_unchanged_model_through_conversion_equals_serial(m, name):
     serial, full = _build(name)
     dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
     assert_matches_serial(serial, dist, [full], manager=m, modules=(serial, dist), **TOL)
+
+
+def test_einsum_of_operands_sharded_along_different_letters_equals_serial(m):
+    """CrossFormer's long-range attention: q and k both cut along their tokens; the scores
+    keep q's rows and gather k, the values are gathered for the contraction."""
+    full = rand((2, 2, 13, 4), 8)
+
+    def attention(x):
+        q, k, v = x, x * 0.5 + 1.0, x.flip(-1)
+        sim = torch.einsum("b h i d, b h j d -> b h i j", q, k).softmax(-1)
+        return torch.einsum("b h i j, b h j d -> b h i d", sim, v)
+
+    check_sharded(m, attention, full, dim=2, **TOL)
+
+
+def test_a_plain_tensor_expanded_as_a_band_equals_serial(m):
+    """torch_geometric's scatter: ``src.view(size).expand_as(ref)`` with the band second."""
+    weight = rand((1, 3, 13, 1), 9)
+
+    def fn(x):
+        return x * weight.expand_as(x) + rand((1, 1, 1, 4), 10).expand_as(x)
+
+    check_sharded(m, fn, rand((2, 3, 13, 4), 8), dim=2, **TOL)
+
+
+class Windows(nn.Module):
+    """Windows of 4 rows folded into the batch, a token map, back, the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):  # (B, H, W, C)
+        _, h, w, _ = x.shape
+        return x + window_reverse(self.lin(window_partition(x, 4)), 4, h, w)
+
+
+def test_windows_move_only_the_rows_that_straddle_the_bands(m):
+    """Per step, each rank sends the rows of its band that lie in another rank's windows
+    (to the window-aligned cut: every boundary at the nearest multiple of 4) and receives
+    the rows of its windows held elsewhere; the residual moves them back, the backward both
+    ways again: 2 * (sent + received) rows, nothing else."""
+    from mpidp.testing import count_traffic
+
+    b, h, w, c = 2, 21, 8, 3
+    torch.manual_seed(0)
+    model = Windows().to(F64)
+    full = rand((b, h, w, c), 1)[:, :20]  # 5 window rows
+    spec = m.spec(20)
+    cuts = [0, *[min(max((o + 2) // 4 * 4, 0), 20) for o in spec.offsets[1:]], 20]
+    aligned = [(cuts[r], cuts[r + 1]) for r in range(WORLD)]
+    mine = set(range(spec.start(m.rank), spec.stop(m.rank)))
+    window_rows = set(range(*aligned[m.rank]))
+    rows = 2 * (len(mine - window_rows) + len(window_rows - mine))
+    x = shard(full, 1, m).requires_grad_()
+    with count_traffic(m) as traffic:
+        y = model(x)
+        y.backward(shard(rand(tuple(full.shape), 2), 1, m))
+    moved = traffic.ops.get("all_to_all_v", [0, 0])[1]
+    assert moved == rows * b * w * c * 8, (traffic.ops, rows)
+    assert set(traffic.ops) <= {"all_to_all_v"}, traffic.ops
