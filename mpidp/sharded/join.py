@@ -12,8 +12,8 @@ import torch
 
 from mpidp.collectives import copy_to
 from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.rows import along, to_spec
 from mpidp.sharded.rows import fetch_rows as _fetch
-from mpidp.sharded.rows import to_spec
 from mpidp.sharded.shapes import _plain, _shape_arg, _wrap
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
@@ -37,6 +37,8 @@ def _bands(
     out = []
     for a in tensors:
         if isinstance(a, ShardedTensor):
+            if a.dim() == ndim and a.blocks == 1 == ref.blocks:
+                a = along(a, axis)
             if (
                 a.dim() != ndim
                 or a.shard_dim != axis
@@ -104,6 +106,8 @@ def _cat_rows(
             return [(s - lo, e - lo)] if e > s else []
 
         if isinstance(a, ShardedTensor):
+            if a.dim() == ref.dim() and a.blocks == 1:
+                a = along(a, d)
             if a.dim() != ref.dim() or a.shard_dim != d:
                 raise refuse(
                     func, args, kwargs, "pieces sharded along different dims", "redistribute"

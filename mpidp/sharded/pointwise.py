@@ -341,6 +341,11 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if isinstance(a, ShardedTensor) and a.blocks * a.spec.total == 1 < n:
             a = a.full_tensor()  # a length-1 dim broadcasts: its one row, whole on every rank
         if isinstance(a, ShardedTensor):
+            want = a.dim() - (out_ndim - axis)
+            if want != a.shard_dim and want >= 0 and a.blocks == 1 == ref.blocks:
+                from mpidp.sharded.rows import along
+
+                a = along(a, want)  # cut along another dim: the distributed transpose
             if (
                 a.dim() - (out_ndim - axis) != a.shard_dim
                 or a.spec.total != spec.total

@@ -59,6 +59,12 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
     return remap(x, spec, lambda a, b: [(a, b)] if b > a else [])
 
 
+def along(x: ShardedTensor, dim: int) -> ShardedTensor:
+    """``x`` sharded along ``dim`` (the distributed transpose when it is cut along another:
+    a rotated cubed-sphere face, cut along W, meeting faces cut along H)."""
+    return x if x.shard_dim == dim else move_to_dim(x, dim)
+
+
 def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -> ShardedTensor:
     """``x`` sharded along ``new_dim`` (cut by ``spec``, default the manager's policy)
     instead: the distributed transpose (every rank sends its band's part of each new band)."""

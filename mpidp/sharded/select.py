@@ -100,9 +100,12 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 row = _one_row(x, p % n)
                 rest = (*local_idx, *parts[at + 1 :])
                 return row[rest] if rest else row
-            start, stop, step = p.indices(n)
-            spec, mine = _keep(x, start, stop, step)
-            local_idx.append(mine)
+            if p == slice(None):  # every row: the band as it is (its blocks too)
+                local_idx.append(p)
+            else:
+                start, stop, step = p.indices(n)
+                spec, mine = _keep(x, start, stop, step)
+                local_idx.append(mine)
             axis = out
         else:
             local_idx.append(p)

@@ -346,3 +346,30 @@ def test_windows_move_only_the_rows_that_straddle_the_bands(m):
     moved = traffic.ops.get("all_to_all_v", [0, 0])[1]
     assert moved == rows * b * w * c * 8, (traffic.ops, rows)
     assert set(traffic.ops) <= {"all_to_all_v"}, traffic.ops
+
+
+def test_indexing_other_dims_of_blocks_equals_serial(m):
+    """Pangu's attention: qkv = linear(windows).reshape(...).permute(3, 0, ...) puts the
+    blocks in dim 3; qkv[0], qkv[1] index the dim before them."""
+    weight = rand((24, 8), 4)
+
+    def fn(x):  # (B, Pl, Lat, N, C): Pl and Lat windows merged, the band in Lat
+        b, pl, lat, n, c = x.shape
+        t = F.linear(x.reshape(b, pl * lat, n, c), weight)
+        qkv = t.reshape(b, pl * lat, n, 3, 2, 4).permute(3, 0, 4, 1, 2, 5)
+        q, k = qkv[0], qkv[1, :, :]
+        attn = (q @ k.transpose(-2, -1)).softmax(-1)
+        return (attn @ qkv[2]).reshape(b, 2, pl, lat, n, 4)
+
+    check_sharded(m, fn, rand((2, 3, 7, 5, 8), 5), dim=2, **TOL)
+
+
+def test_bands_cut_along_different_dims_meet_through_the_transpose(m):
+    """DLWP's cubed-sphere padding: a rotated face (its band now along W) joins and is added
+    to faces cut along H: the rotated one is transposed back to H's cut."""
+
+    def fn(x):
+        turned = torch.rot90(x, 1, (2, 3))  # (B, C, 13, 13): the band along W now
+        return torch.cat([x, turned], dim=-2) * 2.0 + torch.cat([turned, x], dim=-1).mT
+
+    check_sharded(m, fn, rand((2, 3, 13, 13), 6), dim=2, **TOL)
