@@ -61,8 +61,13 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
 
 def along(x: ShardedTensor, dim: int) -> ShardedTensor:
     """``x`` sharded along ``dim`` (the distributed transpose when it is cut along another:
-    a rotated cubed-sphere face, cut along W, meeting faces cut along H)."""
-    return x if x.shard_dim == dim else move_to_dim(x, dim)
+    a rotated cubed-sphere face, cut along W, meeting faces cut along H). A dim of fewer
+    entries than ranks (a one-row strip) is cut with empty parts: the caller moves it on to
+    the cut it meets."""
+    if x.shard_dim == dim:
+        return x
+    n, p = x.local.size(dim), x.spec.parts
+    return move_to_dim(x, dim, ShardSpec.balanced(n, p, allow_empty=True) if n < p else None)
 
 
 def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -> ShardedTensor:

@@ -370,6 +370,9 @@ def test_bands_cut_along_different_dims_meet_through_the_transpose(m):
 
     def fn(x):
         turned = torch.rot90(x, 1, (2, 3))  # (B, C, 13, 13): the band along W now
-        return torch.cat([x, turned], dim=-2) * 2.0 + torch.cat([turned, x], dim=-1).mT
+        strip = torch.rot90(x[..., -1:], 1, (2, 3))  # one row: the band along W of 13
+        halo = torch.cat([strip, x, strip.flip(-1)], dim=-2)  # DLWP's face-edge padding
+        mixed = torch.cat([x, turned], dim=-2) * 2.0 + torch.cat([turned, x], dim=-1).mT
+        return torch.cat([mixed, halo], dim=-2)
 
     check_sharded(m, fn, rand((2, 3, 13, 13), 6), dim=2, **TOL)
