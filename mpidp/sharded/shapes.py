@@ -108,7 +108,10 @@ def reshape_sharded(x: ShardedTensor, new: list[int], what: str) -> ShardedTenso
             k = i
             break
         run *= new[i]
-    if n == 1 or k is None or before % run or (run * new[k]) % before:
+    if k is None and n * inner == 1:  # one row of one entry: the last new dim holds it
+        k = e - 1
+        run = math.prod(new[c:k])
+    if k is None or before % run or (run * new[k]) % before:
         raise refuse(
             torch.Tensor.reshape,
             (x,),

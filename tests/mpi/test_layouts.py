@@ -376,3 +376,21 @@ def test_bands_cut_along_different_dims_meet_through_the_transpose(m):
         return torch.cat([mixed, halo], dim=-2)
 
     check_sharded(m, fn, rand((2, 3, 13, 13), 6), dim=2, **TOL)
+
+
+def test_a_sharded_dim_of_one_row_reshapes(m):
+    """The deepest level of a multi-scale model: one row left (on one rank), reshaped as the
+    windows of the upper levels were (CrossFormer's last stage)."""
+    from mpidp.partition import ShardSpec
+
+    full = rand((2, 6, 1, 2), 3)
+    sizes = (1,) + (0,) * (WORLD - 1)
+
+    def fn(x):
+        return (x.reshape(2, 6, 1, 1, 2, 1) * 2.0).reshape(2, 6, 1, 2)
+
+    x = shard(full, 2, m, spec=ShardSpec(sizes)).requires_grad_()
+    y = fn(x)
+    torch.testing.assert_close(y.full_tensor().as_subclass(torch.Tensor), fn(full))
+    (y * 3.0).sum().backward()
+    torch.testing.assert_close(x.grad.local, torch.full_like(x.local, 6.0))
