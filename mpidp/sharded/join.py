@@ -12,7 +12,7 @@ import torch
 
 from mpidp.collectives import copy_to
 from mpidp.sharded.dispatch import first_sharded, refuse, register
-from mpidp.sharded.rows import along, to_spec
+from mpidp.sharded.rows import along, home, to_spec
 from mpidp.sharded.rows import fetch_rows as _fetch
 from mpidp.sharded.shapes import _plain, _shape_arg, _wrap
 from mpidp.sharded.tensor import Replicated, ShardedTensor
@@ -73,7 +73,7 @@ def _bands(
 def _cat(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors = list(args[0] if args else kwargs["tensors"])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
-    ref = first_sharded(tensors)
+    ref = home(tensors)
     dim = int(dim) % ref.dim()
     if dim == ref.shard_dim:
         if any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in tensors):

@@ -20,6 +20,7 @@ from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError
 from mpidp.rng import band_stream
 from mpidp.sharded.dispatch import refuse, register
+from mpidp.sharded.rows import home
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
 __all__ = ["POINTWISE", "pointwise", "local_like"]
@@ -328,10 +329,7 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     every = args if flat else tree_flatten((args, kwargs))[0]
     leaves = [a for a in every if isinstance(a, torch.Tensor)]
     # the band that sets the rows: a ShardedTensor of global length 1 broadcasts (as in serial)
-    ref = max(
-        (a for a in leaves if isinstance(a, ShardedTensor)),
-        key=lambda a: a.blocks * a.spec.total,
-    )
+    ref = home(leaves)
     out_ndim = max(a.dim() for a in leaves)
     axis = out_ndim - ref.dim() + ref.shard_dim  # the sharded dim, counted in the result
     spec, t = ref.spec, ref.transport

@@ -9,7 +9,8 @@ band along W) goes through the distributed transpose.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -57,6 +58,19 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
             f"differ along the sharded dim"
         )
     return remap(x, spec, lambda a, b: [(a, b)] if b > a else [])
+
+
+def home(tensors: Sequence[Any]) -> ShardedTensor:
+    """The ShardedTensor whose layout a meeting of several takes: of those longer than one
+    row along their sharded dim (a length-1 one broadcasts), one cut along the manager's
+    sharded dim (H, where the layers work) if any, else the longest; the first of equals."""
+    sharded = [a for a in tensors if isinstance(a, ShardedTensor)]
+    tall = [a for a in sharded if a.blocks * a.spec.total > 1] or sharded
+    want = tall[0].manager.shard_dim
+    for a in tall:
+        if (a.shard_dim - a.dim() if want < 0 else a.shard_dim) == want:
+            return a
+    return max(tall, key=lambda a: a.blocks * a.spec.total)
 
 
 def along(x: ShardedTensor, dim: int) -> ShardedTensor:
