@@ -1,0 +1,172 @@
+# ruff: noqa: E501  (the constructors are written as the packages document them)
+"""CREDIT (miles-credit 2026.2.0) cases. Input layout (B, C, T, H, W); sharded along H (dim 3)."""
+
+import os
+
+import torch
+
+Z = torch.zeros
+CASES = {}
+# channels=2 x levels=2 + surface 2 + input-only 1 = 7 input channels, 6 output channels
+COMMON = "channels=2, levels=2, surface_channels=2, input_only_channels=1, output_only_channels=0"
+XF = (
+    "dim=(8, 16, 32, 64), depth=(1, 1, 1, 1), dim_head=4, global_window_size=(2, 2, 1, 1), "
+    "local_window_size=(2, 2, 2, 1), cross_embed_kernel_sizes=((4, 8), (2, 4), (2, 4), (2, 4)), "
+    "cross_embed_strides=(4, 2, 2, 2), use_spectral_norm=False"
+)
+
+
+def case(f):
+    CASES[f.__name__] = f
+    return f
+
+
+@case
+def credit_CrossFormer():
+    from credit.models.crossformer import CrossFormer  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = f"CrossFormer(image_height=32, image_width=64, frames=2, {COMMON}, {XF})"
+    return dict(model=eval(ctor), inputs=[Z(1, 7, 2, 32, 64)], dim=3, ctor=ctor)
+
+
+@case
+def credit_CrossFormer_earthpad():
+    from credit.models.crossformer import CrossFormer  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        f"CrossFormer(image_height=26, image_width=56, frames=2, {COMMON}, {XF}, "
+        "padding_conf={'activate': True, 'mode': 'earth', 'pad_lat': (3, 3), 'pad_lon': (4, 4)})"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 7, 2, 26, 56)],
+        dim=3,
+        ctor=ctor,
+        note="earth padding: roll by W/2, flip 3 polar rows, cat along H; circular pad W",
+    )
+
+
+@case
+def credit_CAMulator():
+    from credit.models.camulator import Camulator  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = f"Camulator(image_height=32, image_width=64, frames=1, {COMMON}, {XF})"
+    return dict(model=eval(ctor), inputs=[Z(1, 7, 1, 32, 64)], dim=3, ctor=ctor)
+
+
+@case
+def credit_WXFormer():
+    from credit.models.wxformer.crossformer import CrossFormer  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = f"CrossFormer(image_height=32, image_width=64, frames=2, {COMMON}, {XF})"
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 7, 2, 32, 64)],
+        dim=3,
+        ctor="credit.models.wxformer.crossformer." + ctor,
+    )
+
+
+@case
+def credit_FuXi():
+    from credit.models.fuxi import Fuxi  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        f"Fuxi(image_height=32, image_width=64, patch_height=4, patch_width=4, frames=2, frame_patch_size=2, "
+        f"dim=16, num_groups=4, num_heads=2, depth=2, window_size=4, use_spectral_norm=False, {COMMON})"
+    )
+    return dict(model=eval(ctor), inputs=[Z(1, 7, 2, 32, 64)], dim=3, ctor=ctor)
+
+
+@case
+def credit_Swin():
+    from credit.models.swin import SwinTransformerV2Cr  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        f"SwinTransformerV2Cr(img_size=(32, 64), patch_size=4, window_size=4, frames=1, embed_dim=16, "
+        f"depths=(2,), num_heads=(2,), {COMMON})"
+    )
+    return dict(model=eval(ctor), inputs=[Z(1, 7, 1, 32, 64)], dim=3, ctor=ctor)
+
+
+@case
+def credit_Swin_eval():
+    d = credit_Swin()
+    d["model"] = d["model"].eval()
+    d["ctor"] += ".eval()"
+    return d
+
+
+@case
+def credit_UNet():
+    from credit.models.unet import SegmentationModel  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        f"SegmentationModel(image_height=32, image_width=64, frames=2, {COMMON}, architecture="
+        "{'name': 'unet', 'encoder_name': 'resnet18', 'encoder_weights': None, 'encoder_depth': 3, "
+        "'decoder_channels': [32, 32, 16]})"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 7, 2, 40, 64)],
+        dim=3,
+        ctor=ctor,
+        note="smp.Unet(resnet18 encoder, depth 3); H=40",
+    )
+
+
+@case
+def credit_Debugger():
+    from credit.models.debugger_model import DebuggerModel  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = f"DebuggerModel(image_height=33, image_width=40, frames=2, {COMMON})"
+    return dict(model=eval(ctor), inputs=[Z(1, 7, 2, 33, 40)], dim=3, ctor=ctor)
+
+
+def _edges(h, w):
+    where = os.environ.get("MPIDP_ZOO_VENVS", "/tmp/mpidp-zoo")
+    path = os.path.join(where, f"edges_{h}x{w}.nc")
+    if not os.path.exists(path):
+        import numpy as np
+        import xarray as xr
+
+        idx = np.arange(h * w).reshape(h, w)
+        e = np.concatenate(
+            [
+                np.stack([idx[:-1].ravel(), idx[1:].ravel()], 1),  # north-south
+                np.stack([idx.ravel(), np.roll(idx, -1, 1).ravel()], 1),  # east-west, periodic
+            ]
+        )
+        lat = np.repeat(np.linspace(-80, 80, h), w)
+        lon = np.tile(np.linspace(0, 360, w, endpoint=False), h)
+        d = np.hypot(lat[e[:, 0]] - lat[e[:, 1]], (lon[e[:, 0]] - lon[e[:, 1]]) % 360)
+        xr.Dataset(
+            {
+                "edges": (("edge", "pair"), e),
+                "distances": ("edge", d),
+                "latitude": ("node", lat),
+                "longitude": ("node", lon),
+            }
+        ).to_netcdf(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return path
+
+
+@case
+def credit_Graph():
+    from credit.models.graph import GraphResTransfGRU  # noqa: F401 (the constructor string is eval-ed)
+
+    path = _edges(33, 16)  # noqa: F841 (read by the eval-ed constructor)
+    ctor = (
+        "GraphResTransfGRU(n_variables=2, n_surface_variables=2, n_static_variables=1, levels=2, "
+        "hidden_size=16, dim_head=8, n_blocks=2, history_len=2, edge_path='edges_33x16.nc', "
+        "use_spectral_norm=False)"
+    )
+    model = eval(ctor.replace("'edges_33x16.nc'", "path"))
+    return dict(
+        model=model,
+        inputs=[Z(1, 7, 2, 33, 16)],
+        dim=3,
+        ctor=ctor,
+        note="4-neighbour 33x16 lat-lon grid graph (N-S + periodic E-W), written to edges_33x16.nc",
+    )

@@ -1,0 +1,206 @@
+# ruff: noqa: E501  (the constructors are written as the packages document them)
+"""PhysicsNeMo 2.2.x cases. Each returns dict(model, inputs, shard, dim, ctor, [call, note])."""
+
+import torch
+
+Z = torch.zeros
+CASES = {}
+
+
+def case(f):
+    CASES[f.__name__] = f
+    return f
+
+
+@case
+def pnm_AFNO():
+    from physicsnemo.models.afno import AFNO  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = "AFNO(inp_shape=[36, 40], in_channels=4, out_channels=4, patch_size=[4, 4], embed_dim=16, depth=2, num_blocks=4)"
+    return dict(model=eval(ctor), inputs=[Z(2, 4, 36, 40)], dim=2, ctor=ctor)
+
+
+@case
+def pnm_FNO():
+    from physicsnemo.models.fno import FNO  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "FNO(in_channels=4, out_channels=4, decoder_layers=1, decoder_layer_size=16, dimension=2, "
+        "latent_channels=8, num_fno_layers=2, num_fno_modes=6, padding=4)"
+    )
+    return dict(model=eval(ctor), inputs=[Z(2, 4, 35, 40)], dim=2, ctor=ctor)
+
+
+@case
+def pnm_DLWP():
+    from physicsnemo.models.dlwp import DLWP  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = "DLWP(nr_input_channels=2, nr_output_channels=2, nr_initial_channels=8, depth=2)"
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 2, 6, 36, 36)],
+        dim=3,
+        ctor=ctor,
+        note="cubed-sphere (B,C,6 faces,H,W); sharded along H of every face",
+    )
+
+
+@case
+def pnm_Pangu():
+    from physicsnemo.models.pangu import Pangu  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = "Pangu(img_size=(36, 64), patch_size=(2, 4, 4), embed_dim=8, num_heads=(2, 2, 2, 2), window_size=(2, 4, 4))"
+    return dict(
+        model=eval(ctor).eval(),
+        inputs=[Z(1, 72, 36, 64)],
+        dim=2,
+        ctor=ctor + ".eval()",
+        note="eval(): drop_path rates are hard-coded (0..0.2)",
+    )
+
+
+@case
+def pnm_FengWu():
+    from physicsnemo.models.fengwu import Fengwu  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "Fengwu(img_size=(36, 64), pressure_level=2, embed_dim=8, patch_size=(4, 4), "
+        "num_heads=(2, 2, 2, 2), window_size=(2, 4, 4))"
+    )
+    return dict(
+        model=eval(ctor).eval(),
+        inputs=[Z(1, 14, 36, 64)],
+        dim=2,
+        ctor=ctor + ".eval()",
+        note="eval(): drop_path rates are hard-coded; output is a 6-tuple",
+    )
+
+
+@case
+def pnm_SwinRNN():
+    from physicsnemo.models.swinvrnn import SwinRNN  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "SwinRNN(img_size=(2, 32, 32), patch_size=(2, 1, 1), in_chans=4, out_chans=4, embed_dim=8, "
+        "num_groups=2, num_heads=2, window_size=4)"
+    )
+    return dict(model=eval(ctor), inputs=[Z(1, 4, 2, 32, 32)], dim=3, ctor=ctor)
+
+
+@case
+def pnm_DiT():
+    from physicsnemo.models.dit import DiT  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "DiT(input_size=(36, 40), in_channels=4, patch_size=4, out_channels=4, hidden_size=16, depth=2, "
+        "num_heads=2, condition_dim=8, attention_backend='timm')"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 4, 36, 40), Z(2), Z(2, 8)],
+        dim=2,
+        ctor=ctor,
+        note="forward(x, t, condition): t and condition plain tensors",
+    )
+
+
+@case
+def pnm_Pix2Pix():
+    from physicsnemo.models.pix2pix import Pix2Pix  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "Pix2Pix(in_channels=3, out_channels=3, dimension=2, conv_layer_size=8, n_downsampling=2, "
+        "n_upsampling=2, n_blocks=2, batch_norm=True, padding_type='reflect')"
+    )
+    return dict(model=eval(ctor), inputs=[Z(2, 3, 36, 40)], dim=2, ctor=ctor)
+
+
+@case
+def pnm_SongUNet():
+    from physicsnemo.models.diffusion_unets import SongUNet  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "SongUNet(img_resolution=[36, 40], in_channels=3, out_channels=3, model_channels=8, "
+        "channel_mult=[1, 2], num_blocks=1, attn_resolutions=[18], dropout=0.0)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 3, 36, 40), Z(2)],
+        dim=2,
+        ctor=ctor,
+        note="forward(x, noise_labels); attention at 18x20",
+    )
+
+
+@case
+def pnm_SRResNet():
+    from physicsnemo.models.srrn import SRResNet  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "SRResNet(in_channels=2, out_channels=2, large_kernel_size=5, small_kernel_size=3, "
+        "conv_layer_size=8, n_resid_blocks=2, scaling_factor=2)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 2, 7, 33, 10)],
+        dim=3,
+        ctor=ctor,
+        note="3-D model: input (B,C,D,H,W), sharded along H",
+    )
+
+
+@case
+def pnm_UNet3D():
+    from physicsnemo.models.unet import UNet  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "UNet(in_channels=2, out_channels=2, model_depth=2, feature_map_channels=(4, 4, 8, 8), "
+        "num_conv_blocks=2, normalization='groupnorm', normalization_args={'num_groups': 2}, "
+        "gradient_checkpointing=False)"
+    )
+    return dict(model=eval(ctor), inputs=[Z(1, 2, 4, 36, 8)], dim=3, ctor=ctor)
+
+
+@case
+def pnm_ModAFNO():
+    from physicsnemo.models.afno import ModAFNO  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "ModAFNO(inp_shape=[36, 40], in_channels=4, out_channels=4, patch_size=[4, 4], embed_dim=16, "
+        "mod_dim=64, depth=2, num_blocks=4)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 4, 36, 40), Z(2, 1)],
+        dim=2,
+        ctor=ctor,
+        note="forward(x, mod), mod (B,1) plain",
+    )
+
+
+@case
+def pnm_DhariwalUNet():
+    from physicsnemo.models.diffusion_unets import DhariwalUNet  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "DhariwalUNet(img_resolution=36, in_channels=3, out_channels=3, model_channels=64, "
+        "channel_mult=[1, 1], num_blocks=1, attn_resolutions=[18], dropout=0.0)"
+    )
+    return dict(model=eval(ctor), inputs=[Z(2, 3, 36, 36), Z(2)], dim=2, ctor=ctor)
+
+
+@case
+def pnm_DPOTNet():
+    from physicsnemo.models.dpot.dpot import DPOTNet  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "DPOTNet(inp_shape=(36, 40), patch_size=(4, 4), in_channels=3, out_channels=3, in_timesteps=2, "
+        "out_timesteps=1, embed_dim=16, depth=2, num_blocks=4, modes=6, out_layer_dim=8, norm_groups=4)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 36, 40, 2, 3)],
+        dim=1,
+        ctor=ctor,
+        note="input (B,H,W,T,C): sharded along dim 1 (H)",
+    )

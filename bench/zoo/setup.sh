@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One third-party zoo environment: bash bench/zoo/setup.sh <pnm|credit> <package spec>
+#   bash bench/zoo/setup.sh pnm 'nvidia-physicsnemo==2.2.*'
+#   bash bench/zoo/setup.sh credit miles-credit==2026.2.0
+# Each is about 2 GB, in $MPIDP_ZOO_VENVS (default /tmp/mpidp-zoo); torch stays pinned to the
+# CPU wheel. The torchvision these packages pull is a CUDA build that does not import with the
+# CPU torch: empty stand-ins for its two registration modules let the pure-Python parts import.
+set -euo pipefail
+root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
+v="$root/$1"
+mkdir -p "$root"
+echo "torch==2.13.0" > "$root/constraints.txt"
+python3.11 -m venv "$v"
+"$v/bin/pip" install -q torch==2.13.0
+"$v/bin/pip" install -q -c "$root/constraints.txt" "$2" mpi4py mpich numpy h5py einops pytest \
+  python-hostlist
+sp=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+cat > "$sp/tvstub.py" <<'PY'
+import sys, types
+for _n in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+    sys.modules.setdefault(_n, types.ModuleType(_n))
+PY
+echo "import tvstub" > "$sp/tvstub.pth"
+echo "zoo environment $1 ready in $v"
