@@ -58,9 +58,12 @@ def fingerprint(device: torch.device | None = None) -> int:
 
 
 @contextlib.contextmanager
-def band_stream(rank: int, device: torch.device) -> Iterator[None]:
+def band_stream(rank: int, device: torch.device, draws: bool = True) -> Iterator[None]:
     """Draws inside come from this rank's own stream; the default generator advances by one
-    draw, the same on every rank."""
+    draw, the same on every rank. ``draws=False``: nothing to do (the call draws nothing)."""
+    if not draws:
+        yield
+        return
     seed = int(torch.randint(0, 2**62, (), device="cpu"))
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

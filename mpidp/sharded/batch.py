@@ -279,10 +279,8 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     local_args = _local_args(x, args, kwargs, batched, rows == 0)
     if local_args is None:
         return NOT_LOCAL
-    if func is F.scaled_dot_product_attention and _arg(args, kwargs, 4, "dropout_p", 0.0):
-        with band_stream(x.rank, x.local.device):  # the generators stay in step (mpidp.rng)
-            out = func(*local_args[0], **local_args[1])
-    else:
+    draws = func is F.scaled_dot_product_attention and bool(_arg(args, kwargs, 4, "dropout_p", 0))
+    with band_stream(x.rank, x.local.device, draws):  # the generators stay in step (mpidp.rng)
         out = func(*local_args[0], **local_args[1])
     axis = d - sum(1 for r in drops if r < d)
     if rows == 0:  # ran on one zero row (torch refuses some empty inputs): keep none

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mpidp.errors import MpidpError
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
-from mpidp.sharded.where import locate
+from mpidp.sharded.where import relocated
 
 __all__ = [
     "UnsupportedOp",
@@ -147,10 +147,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         return _dispatch(func, args, kwargs)
     except UnsupportedOp as err:
-        if getattr(err, "located", False):
+        located = relocated(err)
+        if located is None:
             raise
-        located = UnsupportedOp(locate(str(err)))
-        located.located = True  # type: ignore[attr-defined]
         raise located from None
 
 

@@ -34,7 +34,7 @@ from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import UnsupportedOp
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
-from mpidp.sharded.where import entered, locate
+from mpidp.sharded.where import entered, relocated
 
 __all__ = ["enter_module", "leave_module", "run_layer", "torch_forward"]
 
@@ -92,10 +92,9 @@ def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict
     except LayoutMismatch:
         return torch_forward(layer)(layer, *args, **kwargs)
     except MpidpError as err:  # a layer's own error (too few rows): named where it happened
-        if getattr(err, "located", False) or locate(str(err)) == str(err):
+        located = relocated(err)
+        if located is None:
             raise
-        located = type(err)(locate(str(err)))
-        located.located = True  # type: ignore[attr-defined]
         raise located from err
     if notes and notes[-1][0] == "replicated":
         # the layer's backward sums every rank's share of its output's gradient; a Replicated

@@ -224,10 +224,7 @@ def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
     tensor like it): run on the band, same partition."""
     x = args[0]
     rest = tree_map(_plain_arg, (args[1:], kwargs))
-    if func in RANDOM:
-        with band_stream(x.rank, x.local.device):
-            out = func(x.local, *rest[0], **rest[1])
-    else:
+    with band_stream(x.rank, x.local.device, func in RANDOM):
         out = func(x.local, *rest[0], **rest[1])
     if out is x.local:  # in place
         return x
@@ -385,10 +382,7 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         local_args, local_kwargs = tuple(band_of(a) for a in args), {}
     else:
         local_args, local_kwargs = tree_map(band_of, (args, kwargs))
-    if func in RANDOM:
-        with band_stream(ref.rank, ref.local.device):
-            out = func(*local_args, **local_kwargs)
-    else:
+    with band_stream(ref.rank, ref.local.device, func in RANDOM):
         out = func(*local_args, **local_kwargs)
     first = args[0] if args else None
     if isinstance(first, ShardedTensor) and out is local_args[0]:

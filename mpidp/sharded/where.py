@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["entered", "locate", "location", "running", "track"]
+__all__ = ["entered", "locate", "location", "relocated", "running", "track"]
 
 _STACK: list[nn.Module] = []
 _FUNCTIONS: list[str] = []  # the user's autograd.Function running now: "Name.forward"
@@ -70,6 +70,17 @@ def entered(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         del _STACK[depth:]
+
+
+def relocated(err: Exception) -> Exception | None:
+    """``err`` again, its message naming where it happened (:func:`locate`); None when it
+    already does or is raised outside any module."""
+    message = locate(str(err))
+    if getattr(err, "located", False) or message == str(err):
+        return None
+    out = type(err)(message)
+    out.located = True  # type: ignore[attr-defined]
+    return out
 
 
 def locate(message: str) -> str:
