@@ -75,8 +75,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, help="P, the domain ranks (default 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--ranks", type=int, default=2, help="P, the domain ranks")
     parser.add_argument("--grid", type=int, nargs=2, default=[180, 360], help="H W")
     parser.add_argument("--batch", type=int, default=2, help="samples per step")
     parser.add_argument("--channels", type=int, default=32, help="token features")
