@@ -88,9 +88,7 @@ def _context(
 def _policy(m: DistributedManager, n: int, parts: int) -> ShardSpec:
     """The manager's policy for ``n`` entries over ``parts`` ranks; with fewer entries than
     ranks (3 modes over 4 ranks) a balanced cut whose last ranks hold none."""
-    if n < parts:
-        return ShardSpec.balanced(n, parts, allow_empty=True)
-    return m.partition.spec(n, parts)
+    return m.partition.derived(n, parts)
 
 
 def _given(spec: Spec, t: Transport, x: torch.Tensor, d: int, what: str) -> ShardSpec | None:

@@ -205,6 +205,16 @@ class PartitionPolicy:
     def __call__(self, n: int, parts: int) -> ShardSpec:
         return self.spec(n, parts)
 
+    def derived(self, n: int, parts: int) -> ShardSpec:
+        """The partition of a length the model derived from its input (a layer's output, a
+        reshape, rows picked by an index): the policy's, except that fewer rows than ranks,
+        which the policy would refuse, go one each to the first ``n`` ranks and none to the
+        rest (exact: an empty part takes part in every exchange). The model's input is cut by
+        :meth:`spec` itself."""
+        if n < parts and not self.allow_empty:
+            return ShardSpec.balanced(n, parts, allow_empty=True)
+        return self.spec(n, parts)
+
 
 @dataclasses.dataclass(frozen=True)
 class Balanced(PartitionPolicy):

@@ -304,8 +304,8 @@ def _output_partition(
     if out_sizes is not None:
         want: tuple[int, ...] | None = tuple(int(s) for s in out_sizes)
     else:
-        try:
-            want = manager.spec(out_s.size(d)).sizes
+        try:  # a length the model derived: the policy, with empty parts below the ranks
+            want = manager.partition.derived(out_s.size(d), manager.domain_world_size).sizes
         except ConfigError as err:
             want = None
             failures.append(f"output: the policy cannot split {out_s.size(d)} rows: {err}")

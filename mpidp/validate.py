@@ -282,7 +282,7 @@ def _band_layer(
             )
         rows = g_out[e]
         if not replicated and not (isinstance(module, adaptive) and rows < parts):
-            rows = partition.spec(rows, parts).sizes[rank]
+            rows = partition.derived(rows, parts).sizes[rank]
         shape = list(g_out)
         shape[e] = rows
         return torch.empty(shape, dtype=dtype, device="meta")
@@ -386,7 +386,7 @@ def _output_band(
             continue
         e = want.dim() + shard_dim
         shape = list(want.shape)
-        shape[e] = partition.spec(want.shape[e], parts).sizes[rank]
+        shape[e] = partition.derived(want.shape[e], parts).sizes[rank]
         if list(got.shape) != shape:
             return (
                 f"{at}: the output is {tuple(got.shape)}, its band of the {tuple(want.shape)} "
@@ -499,7 +499,7 @@ def validate_sharding_constraints(
                 )
                 continue
             spec_in = partition.spec(h_in, parts)
-            spec_out = partition.spec(h_out, parts)
+            spec_out = partition.derived(h_out, parts)
         except Exception as err:
             problems.append(f"{path} ({kind}): {err}")
             continue

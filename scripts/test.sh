@@ -6,6 +6,9 @@
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
 #
+# The third-party zoo stage (tests/zoo, scripts/test-zoo.sh) builds its own environments;
+# MPIDP_TEST_ZOO=0 skips it, and the summary says so.
+#
 # `--quick`: the development tier (a few minutes): ruff, mypy, unit tests, and the MPI tests
 # at 3 ranks (uneven bands, an interior rank, both transports) without the gradcheck tests;
 # no composition, one-rank, launch or cluster stages. MPIDP_TEST_RANKS overrides the rank counts.
@@ -49,7 +52,7 @@ fi
 # MPIDP_TEST_WIDE=all runs every file at every rank count.
 wide=(test_halo test_collectives test_transports test_sharded test_sharded_models test_layers
   test_fft test_io test_manager test_training test_harness test_one_front_end test_silent_hunt
-  test_layouts)
+  test_layouts test_scatter)
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   files=(tests/mpi)
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
@@ -88,10 +91,20 @@ if bash scripts/setup-launch.sh; then
 else
   echo "!!! real-launcher stage FAILED: its setup could not install what it needs"; fail=1
 fi
+# Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, each package in an
+# environment of its own (built once, about 5 minutes for both; the runs take about 1.5).
+skipped=()
+if [ "${MPIDP_TEST_ZOO:-1}" = 0 ]; then
+  skipped+=("third-party zoo (MPIDP_TEST_ZOO=0)")
+else
+  step "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks"
+  timeout $((2 * per_run)) bash scripts/test-zoo.sh || { echo "!!! zoo stage FAILED"; fail=1; }
+fi
 if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
   step "parallel HDF5 (mpio) I/O tests"
   { bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh; } || fail=1
 fi
 echo
+for what in "${skipped[@]}"; do echo "skipped on purpose: $what"; done
 if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi
 echo "test suite: all steps passed"

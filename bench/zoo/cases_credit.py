@@ -147,9 +147,17 @@ def _edges(h, w):
                 "latitude": ("node", lat),
                 "longitude": ("node", lon),
             }
-        ).to_netcdf(path + ".tmp")
-        os.replace(path + ".tmp", path)
+        ).to_netcdf(f"{path}.{os.getpid()}.tmp")  # every rank writes its own, then renames
+        os.replace(f"{path}.{os.getpid()}.tmp", path)
     return path
+
+
+def _graph_cast(model, dtype):
+    """The model's own ``to`` casts its integer edge list too; cast the parameters and the
+    edge attributes (plain attributes, not buffers) instead."""
+    model = model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    model.edge_attr = model.edge_attr.to(dtype)
+    return model
 
 
 @case
@@ -169,4 +177,5 @@ def credit_Graph():
         dim=3,
         ctor=ctor,
         note="4-neighbour 33x16 lat-lon grid graph (N-S + periodic E-W), written to edges_33x16.nc",
+        cast=_graph_cast,
     )

@@ -5,15 +5,22 @@
 # Each is about 2 GB, in $MPIDP_ZOO_VENVS (default /tmp/mpidp-zoo); torch stays pinned to the
 # CPU wheel. The torchvision these packages pull is a CUDA build that does not import with the
 # CPU torch: empty stand-ins for its two registration modules let the pure-Python parts import.
+# An environment already built for the same spec (its stamp file) is kept: a no-op.
 set -euo pipefail
 root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
 v="$root/$1"
+want="$2 torch==2.13.0 mpi4py mpich numpy h5py einops pytest python-hostlist"
+if [ -f "$v/.mpidp-stamp" ] && [ "$(cat "$v/.mpidp-stamp")" = "$want" ]; then
+  echo "zoo environment $1 up to date in $v"
+  exit 0
+fi
 mkdir -p "$root"
+rm -rf "$v"
 echo "torch==2.13.0" > "$root/constraints.txt"
 python3.11 -m venv "$v"
 "$v/bin/pip" install -q torch==2.13.0
-"$v/bin/pip" install -q -c "$root/constraints.txt" "$2" mpi4py mpich numpy h5py einops pytest \
-  python-hostlist
+# shellcheck disable=SC2086  # the spec words are separate requirements
+"$v/bin/pip" install -q -c "$root/constraints.txt" $want
 sp=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 cat > "$sp/tvstub.py" <<'PY'
 import sys, types
@@ -21,4 +28,5 @@ for _n in ("torchvision._meta_registrations", "torchvision._autograd_registratio
     sys.modules.setdefault(_n, types.ModuleType(_n))
 PY
 echo "import tvstub" > "$sp/tvstub.pth"
+echo "$want" > "$v/.mpidp-stamp"
 echo "zoo environment $1 ready in $v"

@@ -192,7 +192,7 @@ class DomainParallel:
         """The partition of this layer's output (``n`` rows) by the manager's policy."""
         manager = self._manager()
         try:
-            spec = manager.partition.spec(n, manager.domain_world_size)
+            spec = manager.partition.derived(n, manager.domain_world_size)
         except ConfigError as err:
             raise ConfigError(
                 f"rank {manager.rank}: {type(self).__name__} {self!r} gives {n} output rows "

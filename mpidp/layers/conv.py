@@ -145,7 +145,8 @@ class _ConvTranspose(DomainParallel):
         conv: nn.modules.conv._ConvTransposeNd = self  # type: ignore[assignment]
         if output_size is not None:
             raise ConfigError(
-                f"{type(self).__name__}: output_size= is not supported on bands; set "
+                f"rank {self._manager().rank}: {type(self).__name__}: output_size= is not "
+                f"supported on bands; set "
                 f"output_padding on the layer instead"
             )
         if self._alone():

@@ -8,6 +8,7 @@ from mpidp.sharded import modules as _modules
 from mpidp.sharded import pointwise as _pointwise  # noqa: F401  (registers handlers)
 from mpidp.sharded import products as _products  # noqa: F401
 from mpidp.sharded import reductions as _reductions  # noqa: F401
+from mpidp.sharded import scatter as _scatter  # noqa: F401
 from mpidp.sharded import select as _select  # noqa: F401
 from mpidp.sharded import shapes as _shapes  # noqa: F401
 from mpidp.sharded.dispatch import UnsupportedOp, allow_fallback, handled, register

@@ -184,8 +184,10 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _has_blocks(args: Any, kwargs: Any) -> bool:
-    leaves = args if not kwargs and not any(isinstance(a, list | tuple) for a in args) else (
-        tree_flatten((args, kwargs))[0]
+    leaves = (
+        args
+        if not kwargs and not any(isinstance(a, list | tuple) for a in args)
+        else (tree_flatten((args, kwargs))[0])
     )
     return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves)
 

@@ -94,7 +94,7 @@ def _cat_rows(
     rank and is cut locally)."""
     d, m, t = ref.shard_dim, ref.manager, ref.transport
     lengths = [int(a.shape[d]) for a in tensors]
-    spec = m.partition.spec(sum(lengths), m.domain_world_size)
+    spec = m.partition.derived(sum(lengths), m.domain_world_size)
     me = ref.rank
     parts = []
     at = 0

@@ -111,7 +111,7 @@ def _run(
     with known_spec(x.local, x.shard_dim, x.spec):
         y = dp(x.local, *call)
     n_out = meta_result(func, args, kwargs)[x.shard_dim]
-    spec = m.partition.spec(n_out, m.domain_world_size)
+    spec = m.partition.derived(n_out, m.domain_world_size)
     return ShardedTensor(y, spec, x.shard_dim, m)
 
 
@@ -323,7 +323,7 @@ def _interpolate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     n_out = meta_result(
         F.interpolate, (x,), {k: a[k] for k in ("size", "scale_factor", "mode", "align_corners")}
     )[x.shard_dim]
-    return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), x.shard_dim, m)
+    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), x.shard_dim, m)
 
 
 def _owner(x: ShardedTensor) -> DomainParallel:
@@ -597,7 +597,7 @@ def _fft2(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         lay = dfft.layout(y)
         return ShardedTensor(y, lay.spec, y.dim() + lay.dim, m)
     n_out = meta_result(func, args, kwargs)[dims[0]]
-    return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), dims[0], m)
+    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), dims[0], m)
 
 
 @register(*_FFT1)
@@ -611,4 +611,4 @@ def _fft1(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     m = x.manager
     y = _FFT1[func](x.local, a["n"], d, a["norm"], manager=m, spec=x.spec, shard_dim=d)
     n_out = meta_result(func, args, kwargs)[d]
-    return ShardedTensor(y, m.partition.spec(n_out, m.domain_world_size), d, m)
+    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), d, m)

@@ -190,7 +190,7 @@ def _to_band(o: Any, inputs: list[ShardSpec]) -> Any:
     if o.spec in inputs:
         return o.local
     m = o.manager
-    spec = m.partition.spec(o.spec.total, m.domain_world_size)
+    spec = m.partition.derived(o.spec.total, m.domain_world_size)
     return (o.redistribute(spec) if spec != o.spec else o).local
 
 
@@ -239,9 +239,7 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][1].__enter__()
         return args, kwargs
     sharded = _sharded(args, kwargs)
-    if not sharded or not all(
-        _fits(a.shard_dim - a.dim(), dim) and a.blocks == 1 for a in sharded
-    ):
+    if not sharded or not all(_fits(a.shard_dim - a.dim(), dim) and a.blocks == 1 for a in sharded):
         calls.append(None)
         return None
     ref = sharded[0]

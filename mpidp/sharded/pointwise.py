@@ -224,7 +224,7 @@ def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
     tensor like it): run on the band, same partition."""
     x = args[0]
     rest = tree_map(_plain_arg, (args[1:], kwargs))
-    with band_stream(x.rank, x.local.device, func in RANDOM):
+    with band_stream(x.rank, x.local.device, draws(func, args, kwargs)):
         out = func(x.local, *rest[0], **rest[1])
     if out is x.local:  # in place
         return x
@@ -309,6 +309,25 @@ RANDOM = {
 }
 
 
+def draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call draws random numbers: a dropout with ``p`` 0 or out of training (and
+    an RReLU out of training) draws none, in torch too, so it must not advance the default
+    generator here either."""
+    if func not in RANDOM:
+        return False
+    name = getattr(func, "__name__", "")
+    if "dropout" not in name and "rrelu" not in name:
+        return True
+    at = 3 if "rrelu" in name else 2
+    train = args[at] if len(args) > at else kwargs.get("training", kwargs.get("train"))
+    if train is None:
+        train = "alpha" not in name and "rrelu" not in name
+    if "rrelu" in name:
+        return bool(train)
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    return bool(train) and float(p) > 0
+
+
 @register(*POINTWISE, blocks=True)
 def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An element-wise function on the bands (see the module doc for its arguments)."""
@@ -382,7 +401,7 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         local_args, local_kwargs = tuple(band_of(a) for a in args), {}
     else:
         local_args, local_kwargs = tree_map(band_of, (args, kwargs))
-    with band_stream(ref.rank, ref.local.device, func in RANDOM):
+    with band_stream(ref.rank, ref.local.device, draws(func, args, kwargs)):
         out = func(*local_args, **local_kwargs)
     first = args[0] if args else None
     if isinstance(first, ShardedTensor) and out is local_args[0]:

@@ -80,8 +80,7 @@ def along(x: ShardedTensor, dim: int) -> ShardedTensor:
     the cut it meets."""
     if x.shard_dim == dim:
         return x
-    n, p = x.local.size(dim), x.spec.parts
-    return move_to_dim(x, dim, ShardSpec.balanced(n, p, allow_empty=True) if n < p else None)
+    return move_to_dim(x, dim)
 
 
 def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -> ShardedTensor:
@@ -95,7 +94,7 @@ def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -
             f"batch, tokens); unflatten it back to its dims first"
         )
     n = x.local.size(new_dim)
-    new = spec if spec is not None else m.partition.spec(n, m.domain_world_size)
+    new = spec if spec is not None else m.partition.derived(n, m.domain_world_size)
     local = all_to_all_v(
         x.local, list(new.sizes), list(x.spec.sizes), new_dim, x.shard_dim, group=x.transport
     )

@@ -68,6 +68,18 @@ def _index_parts(x: ShardedTensor, index: Any) -> list[Any]:
 @register(torch.Tensor.__getitem__, blocks=True)
 def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, index = args[0], args[1]
+    if not isinstance(x, ShardedTensor):  # a whole tensor read at a band of indices
+        if isinstance(index, ShardedTensor) and index.dim() == 1 and not index.is_floating_point():
+            if index.dtype == torch.bool:
+                raise refuse(func, args, kwargs, "a boolean mask that is a band", "gather it")
+            return _index_at(func, (x, 0, index), kwargs)
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "indexing a whole tensor by a sharded tensor other than one 1-D integer index",
+            "use index_select(dim, index) with a 1-D sharded index",
+        )
     parts = _index_parts(x, index)
     if any(isinstance(p, (torch.Tensor, list, bool)) for p in parts):
         raise refuse(
@@ -136,14 +148,39 @@ def _select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _wrap(x, x.local.select(dim, i), x.shard_dim - (1 if dim < x.shard_dim else 0))
 
 
+def _index_at(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``x.index_select(dim, index)`` with ``x`` whole and ``index`` a band: the band of the
+    result cut like the index, along ``dim``; no communication (a Replicated ``x`` enters
+    through ``copy_to``)."""
+    x, dim, index = args[0], int(args[1]) % args[0].dim(), args[2]
+    if index.blocks > 1:
+        raise refuse(func, args, kwargs, "an index holding merged blocks", "flatten it first")
+    x = _plain(x, index.transport)
+    return ShardedTensor(x.index_select(dim, index.local), index.spec, dim, index.manager)
+
+
 @register(torch.index_select, torch.Tensor.index_select)
 def _index_select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, dim, index = args[0], int(args[1]) % args[0].dim(), args[2]
+    if not isinstance(x, ShardedTensor):
+        return _index_at(func, args, kwargs)
     if dim != x.shard_dim:
+        if isinstance(index, ShardedTensor):
+            raise refuse(
+                func,
+                args,
+                kwargs,
+                "a band indexed along another dim by a sharded index",
+                "index it with a whole index (index.full_tensor())",
+            )
         return _wrap(x, x.local.index_select(dim, index), x.shard_dim)
-    rows = [int(i) % x.spec.total for i in index.tolist()]
     m = x.manager
-    spec = m.partition.spec(len(rows), m.domain_world_size)
+    if isinstance(index, ShardedTensor):  # each rank gets the rows its part of the index names
+        spec = index.spec
+        index = index.full_tensor().as_subclass(torch.Tensor)
+    rows = [int(i) % x.spec.total for i in index.tolist()]
+    if not isinstance(args[2], ShardedTensor):
+        spec = m.partition.derived(len(rows), m.domain_world_size)
 
     def runs(a: int, b: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
@@ -233,7 +270,7 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
         raise refuse(func, args, kwargs, "this index with a band value", "use ints and slices")
     d = slices[at]
     m = value.manager
-    spec = m.partition.spec(x.shape[d], m.domain_world_size)
+    spec = m.partition.derived(x.shape[d], m.domain_world_size)
     band = x.narrow(d, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).clone()
     x.__class__ = ShardedTensor
     x._local, x._spec, x._dim, x._manager, x._blocks = band, spec, d, m, 1

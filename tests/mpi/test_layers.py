@@ -59,11 +59,8 @@ CONV2D = [
 def test_conv2d(manager, geometry, h):
     k, s, p, d, mode, g, bias = geometry
     conv = nn.Conv2d(4, 6, k, s, p, d, groups=g, bias=bias, padding_mode=mode)
-    n_out = conv(torch.zeros(1, 4, h, 10)).size(-2)
-    if n_out < WORLD:  # fewer output rows than ranks: a clear error, on every rank
-        with pytest.raises(mpidp.ConfigError, match=f"gives {n_out} output rows"):
-            check(manager, conv, mpidp.DomainParallelConv2d, (2, 4, h, 10))
-        return
+    # fewer output rows than ranks (13 rows, stride 2, dilation 2 at 4 ranks): the last ranks'
+    # bands are empty, the policy's rule for lengths a model derives
     check(manager, conv, mpidp.DomainParallelConv2d, (2, 4, h, 10))
 
 

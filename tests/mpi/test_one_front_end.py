@@ -325,13 +325,37 @@ def test_channel_dropout_drops_the_same_channels_on_every_band(m):
     assert 0 < dropped < 12, dropped  # the mask really drops some channels and keeps others
 
 
-@pytest.mark.mpi(min_size=3)  # two output rows: too few for three ranks
+class _SizedUp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 3, 2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x, output_size=[2 * x.shape[-2], 2 * x.shape[-1]])
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: the layer is torch's own
 def test_a_layers_own_error_names_the_module_path(m):
-    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sequential(nn.Conv2d(3, 3, 3, 4, 1)))
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), _SizedUp())
     model = mpidp.convert_to_domain_parallel(model.to(F64), m)
-    where = r"in module 1\.0 \(DomainParallelConv2d\) of Sequential: .*cannot split 2 rows"
+    where = r"in module 1\.up \(DomainParallelConvTranspose2d\) of Sequential: .*output_size"
     with pytest.raises(mpidp.ConfigError, match=rf"rank {m.rank}: {where}"):
         model(shard(rand((1, 3, 6, 8), 1), 2, m).local)
+
+
+@pytest.mark.mpi(min_size=3)  # two output rows: fewer than the ranks
+def test_a_layer_with_fewer_output_rows_than_ranks_gives_empty_bands(m):
+    """A stride-4 convolution of 6 rows gives 2: the first two ranks hold one each, the rest
+    none (the policy's rule for lengths the model derives), and the result is the serial one."""
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sequential(nn.Conv2d(3, 3, 3, 4, 1)))
+    model = model.to(F64)
+    twin = copy.deepcopy(model)
+    y = check_sharded(m, twin, rand((1, 3, 6, 8), 1), module=twin)
+    assert y.spec.sizes == (1, 1) + (0,) * (WORLD - 2)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(model), m)
+    assert_matches_serial(
+        model, dist, [rand((1, 3, 6, 8), 1)], manager=m, modules=(model, dist), rtol=1e-10
+    )
 
 
 @pytest.mark.parametrize(
@@ -406,3 +430,33 @@ def test_dropout_on_uneven_bands_keeps_the_generators_in_step(m, monkeypatch):
     model(band)
     with pytest.raises(mpidp.ConfigError, match="not in step"):
         model(band)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: F.dropout(t, 0.0),
+        lambda t: F.dropout(t, 0.5, training=False),
+        lambda t: torch.dropout(t, 0.3, False),
+        lambda t: F.alpha_dropout(t, 0.5),
+        lambda t: F.rrelu(t),
+        lambda t: F.dropout(t, 0.5),  # draws: the generator moves, as in torch
+    ],
+    ids=["p0", "eval", "torch_eval", "alpha_default_eval", "rrelu_eval", "draws"],
+)
+def test_a_call_that_draws_nothing_leaves_the_generator_where_torch_does(m, call):
+    """Serial torch draws nothing for a dropout with p 0 or out of training, so a draw on a
+    value every rank holds after it (CREDIT Swin's position-bias MLP) is the serial one only
+    if the band's call does not advance the generator either."""
+    full = rand((2, 3, H, W), 1)
+    torch.manual_seed(3)
+    call(full)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    call(shard(full, 2, m))
+    moved = torch.rand(4)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    call(full)
+    draws = not torch.equal(before, torch.get_rng_state())
+    assert torch.equal(moved, want) != draws  # the same place exactly when torch draws none

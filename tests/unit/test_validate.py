@@ -25,14 +25,24 @@ def test_unet_rows_and_halos_per_layer():
 
 
 def test_problems_are_listed():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3, stride=4, padding=1), nn.Flatten())
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten())
     report = mpidp.validate_sharding_constraints(
-        model, (1, 1, 9, 8), parts=4, partition=mpidp.Balanced()
+        model, (1, 1, 3, 8), parts=4, partition=mpidp.Balanced()
     )
     assert not report.ok
     text = "\n".join(report.problems)
-    assert "0 (Conv2d): cannot split 3 rows over 4 ranks" in text
+    assert "0 (Conv2d): cannot split 3 rows over 4 ranks" in text  # the input itself
     assert "1 (Flatten)" not in text  # runs op by op on ShardedTensors: no problem to list
+
+
+def test_a_layer_output_of_fewer_rows_than_ranks_leaves_the_last_ranks_empty():
+    """The policy's rule for lengths the model derives: 9 rows, stride 4, 3 rows over 4."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, stride=4, padding=1))
+    report = mpidp.validate_sharding_constraints(
+        model, (1, 1, 9, 8), parts=4, partition=mpidp.Balanced()
+    )
+    assert report.ok, report.problems
+    assert report.layers[0].rows_out == (1, 1, 1, 0)
 
 
 def test_odd_longitude_with_polar_padding():

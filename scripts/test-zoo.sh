@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The third-party stage: unchanged PhysicsNeMo and CREDIT models on ShardedTensors against
+# serial (tests/zoo), at 2 and 3 ranks, each package in an environment of its own built by
+# bench/zoo/setup.sh (about 2 GB and 2-3 minutes each from PyPI the first time; kept in
+# $MPIDP_ZOO_VENVS, default /tmp/mpidp-zoo, and reused while its spec is unchanged). An
+# environment that cannot be built fails the stage loudly; MPIDP_TEST_ZOO=0 skips the stage
+# on purpose (scripts/test.sh says so in its summary).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+per_run="${MPIDP_TEST_TIMEOUT:-600}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
+fail=0
+for group in "pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0"; do
+  set -f  # the spec's * is pip's, not the shell's
+  # shellcheck disable=SC2086  # a name and a spec, split on purpose
+  set -- $group
+  set +f
+  if ! bash bench/zoo/setup.sh "$1" "$2"; then
+    echo "!!! zoo: could not build the $1 environment ($2)"; fail=1; continue
+  fi
+  for n in ${MPIDP_ZOO_RANKS:-2 3}; do
+    echo "--- zoo $1 ($2), $n ranks"
+    timeout $((per_run + 30)) "$root/$1/bin/mpiexec" -n "$n" "$root/$1/bin/python" -m mpi4py \
+      -m pytest -q -rs -p no:cacheprovider tests/zoo \
+      || { echo "!!! zoo $1 FAILED at $n ranks"; fail=1; }
+  done
+done
+exit "$fail"

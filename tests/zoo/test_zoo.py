@@ -1,0 +1,59 @@
+"""The third-party zoo: unchanged PhysicsNeMo and CREDIT models on ShardedTensor bands against
+the serial model (issue 34's acceptance): output, input gradient and every parameter gradient,
+float64 1e-9 relative where the model runs in float64, float32 1e-4 otherwise.
+
+Each package lives in an environment of its own (bench/zoo/setup.sh); scripts/test-zoo.sh runs
+this file under ``mpiexec -n P`` in each, at P = 2 and 3. A case whose package is not installed
+skips with the reason. The cases are bench/zoo/cases_*.py (constructors, input shapes, the
+sharded dim); bench/zoo/harness.py makes the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from mpi4py import MPI
+
+import mpidp
+
+ZOO = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "zoo")
+sys.path.insert(0, os.path.abspath(ZOO))
+
+import cases_credit  # noqa: E402
+import cases_pnm  # noqa: E402
+import harness  # noqa: E402
+
+WORLD = MPI.COMM_WORLD.Get_size()
+PACKAGE = {"pnm": "physicsnemo", "credit": "credit"}
+CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
+
+#: refused on every rank, with the op and the module path: WXFormer and CAMulator end in a
+#: pixel shuffle of a band cut along W whose H has one row per window
+REFUSED = {
+    "credit_CAMulator": "pixel_shuffle",
+    "credit_WXFormer": "pixel_shuffle",
+}
+
+
+@pytest.fixture(scope="module")
+def m():
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as manager:
+        yield manager
+
+
+@pytest.mark.parametrize("group,name", CASES, ids=[c for _, c in CASES])
+def test_an_unchanged_third_party_model_equals_serial(m, group, name):
+    pytest.importorskip(PACKAGE[group], reason=f"{PACKAGE[group]} is not installed here")
+    result = harness.run_case(name, m, group)
+    status = result["status"]
+    if name in REFUSED:
+        assert status == "refused", result
+        first = result["message_first_line"]
+        assert REFUSED[name] in first and "in module" in first and "fix:" in result["message"]
+        return
+    assert status == "match", {
+        k: result.get(k)
+        for k in ("status", "errors", "problems", "message", "traceback", "worst_params")
+    }
