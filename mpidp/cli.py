@@ -1,5 +1,5 @@
-"""Command line: ``mpidp info``, ``mpidp plan`` and ``mpidp sample-data PATH`` (also
-``python -m mpidp ...``).
+"""Command line: ``mpidp info``, ``mpidp plan``, ``mpidp explain`` and ``mpidp sample-data PATH``
+(also ``python -m mpidp ...``).
 
 Run it under the launcher of the job to check, e.g. ``mpiexec -n 4 mpidp info -d 2``: rank 0
 prints one table (or, with ``--json``, one JSON document) describing every rank.
@@ -125,7 +125,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a further input of the model's forward, e.g. 1x3x721x1440 (repeatable)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document")
+    explain = sub.add_parser(
+        "explain",
+        help="run a model once on meta ShardedTensors over N ranks and print, per module path, "
+        "each op's result layout and bytes sent, and the first op that would be refused",
+    )
+    explain.add_argument(
+        "--model",
+        default="unet",
+        help="an example model (unet, resblock, patch, afno, fno, swin, graph) or module:factory "
+        "(called with whichever of in_channels, out_channels, channels, grid it takes; "
+        "default unet)",
+    )
+    explain.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="an input of the model's forward, e.g. 1x6x721x1440; the first is cut into bands; "
+        "repeatable (default 1x6x91x180)",
+    )
+    explain.add_argument(
+        "--dim", type=int, default=-2, help="the dim of the first input cut into bands (-2)"
+    )
+    explain.add_argument(
+        "-n",
+        "--ranks",
+        type=int,
+        default=2,
+        help="domain ranks (default 2; under a launcher: the job's ranks)",
+    )
+    explain.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    explain.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        return _explain(args, list(argv) if argv is not None else sys.argv[1:])
     if args.command == "sample-data":
         return _sample_data(args)
     if args.command == "plan":
@@ -166,6 +200,57 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     print(to_json(result) if args.json else result)
     return 1 if result.report.problems else 0
+
+
+def _explain(args: argparse.Namespace, argv: list[str]) -> int:
+    import os
+    import shutil
+    import subprocess
+
+    import torch
+
+    from mpidp.errors import MpidpError
+    from mpidp.manager import DistributedManager
+
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape or ["1x6x91x180"]]
+        if len(shapes[0]) < 3:
+            raise ValueError
+    except ValueError:
+        print(
+            f"mpidp explain: --shape {args.shape}: use full shapes like 1x6x721x1440",
+            file=sys.stderr,
+        )
+        return 2
+    world = DistributedManager.world_from_launcher()
+    if world == 1 and args.ranks > 1:  # start the ranks: this environment's MPI, or PATH's
+        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        mpiexec = here if os.path.exists(here) else shutil.which("mpiexec")
+        if mpiexec is None:
+            print(
+                "mpidp explain: no mpiexec next to this Python or on PATH; run it under "
+                f"your launcher: mpiexec -n {args.ranks} mpidp explain ...",
+                file=sys.stderr,
+            )
+            return 2
+        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m", "mpidp", *argv]
+        return subprocess.run(cmd, check=False).returncode
+    from mpidp.explain import explain
+    from mpidp.plan import build_model
+
+    dtype = getattr(torch, args.dtype)
+    with DistributedManager(domain_parallel_size=world) as manager:
+        try:
+            model = build_model(args.model, shapes[0][1], shapes[0][2:])  # type: ignore[arg-type]
+            result = explain(model.to(dtype), *shapes, dim=args.dim, manager=manager, dtype=dtype)
+        except MpidpError as err:
+            if manager.rank == 0:
+                print(f"mpidp explain: {err}", file=sys.stderr)
+            return 2
+        if manager.rank == 0:
+            print(result.to_json() if args.json else result)
+            sys.stdout.flush()
+    return 1 if result.refused else 0
 
 
 def _sample_data(args: argparse.Namespace) -> int:

@@ -516,6 +516,15 @@ class DistributedManager:
         """
         key = self._group_key(group)
         dev = torch.device(device) if device is not None else self.device
+        if dev.type == "meta":  # shapes only (mpidp explain): objects go through the CPU one
+            from mpidp.comm.meta import MetaTransport
+
+            meta = self._transports.get((key, "meta"))
+            if meta is None:
+                # the manager's own CPU transport (not a counting wrapper a caller installed)
+                cpu = DistributedManager.transport(self, group, "cpu")
+                meta = self._transports[(key, "meta")] = MetaTransport(cpu)
+            return meta
         kind = self.transport_policy
         if kind == "auto":
             kind = "mpi" if dev.type == "cpu" and self.mpi_available else "torch"

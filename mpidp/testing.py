@@ -198,11 +198,15 @@ def count_traffic(manager: DistributedManager | None = None) -> Iterator[Traffic
             wrapped[id(inner)] = CountingTransport(inner, traffic)
         return wrapped[id(inner)]
 
+    outer = manager.__dict__.get("transport")  # an enclosing count (blocks nest)
     manager.transport = transport  # type: ignore[method-assign]
     try:
         yield traffic
     finally:
-        del manager.transport
+        if outer is None:
+            del manager.transport
+        else:
+            manager.transport = outer  # type: ignore[method-assign]
 
 
 def halo_traffic(pl: Plan, row_bytes: int) -> dict[str, list[int]]:

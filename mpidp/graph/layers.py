@@ -34,6 +34,7 @@ def scatter_sum(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.
     ``index[e] == i``, added in edge order (``count`` destinations)."""
     shape = list(values.shape)
     shape[-2] = count
+    index = index.to(values.device)  # an edge list kept on the CPU meets meta values (explain)
     return values.new_zeros(shape).index_add(values.dim() - 2, index, values)
 
 

@@ -80,7 +80,7 @@ def _apply(x: torch.Tensor, dim: int, index: torch.Tensor, weight: torch.Tensor)
     out = None
     for k in range(index.size(1)):
         w = weight[:, k]
-        if not bool(w.any()):
+        if not w.is_meta and not bool(w.any()):  # meta (mpidp explain): shapes only
             continue
         w = w.to(x.dtype).view(shape)
         rows = x.index_select(dim, index[:, k])  # a fresh tensor: scaled, or added, in place

@@ -77,7 +77,8 @@ def _merge(
     global_mean = (weights * means).sum(0)
     global_m2 = m2s.sum(0) + (counts * (means - global_mean).square()).sum(0)
     var = global_m2 / total.clamp(min=1)
-    return global_mean.to(mean.dtype), var.to(mean.dtype), int(total.flatten()[0].item())
+    count_all = 0 if total.is_meta else int(total.flatten()[0].item())  # meta: mpidp explain
+    return global_mean.to(mean.dtype), var.to(mean.dtype), count_all
 
 
 def _normalise(

@@ -142,8 +142,26 @@ def refuse(func: Any, args: Any, kwargs: Any, why: str, fix: str) -> Unsupported
     )
 
 
+#: the watcher of outermost calls while one is installed (:func:`mpidp.explain.explain`):
+#: ``watcher.observe(what, args, kwargs, run)`` runs ``run()`` and records it
+WATCHERS: list[Any] = []
+
+
+def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
+    """``run()``, reported to the installed watcher when this is its outermost call."""
+    if not WATCHERS or WATCHERS[-1].busy:
+        return run()
+    return WATCHERS[-1].observe(what, args, kwargs, run)
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse)."""
+    if WATCHERS:
+        return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
+    return _located(func, args, kwargs)
+
+
+def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         return _dispatch(func, args, kwargs)
     except UnsupportedOp as err:

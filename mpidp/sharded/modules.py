@@ -32,7 +32,7 @@ from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
-from mpidp.sharded.dispatch import UnsupportedOp
+from mpidp.sharded.dispatch import UnsupportedOp, observed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
 from mpidp.sharded.where import entered, relocated
 
@@ -81,6 +81,10 @@ def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
 def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``layer`` (a DomainParallel module) on ShardedTensor arguments. Collective over the
     domain group, as the layer is."""
+    return observed(layer, args, kwargs, lambda: _run_layer(layer, forward, args, kwargs))
+
+
+def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     sharded = _sharded(args, kwargs)
     ref = sharded[0]
     t = ref.transport

@@ -104,6 +104,7 @@ def _scatter(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     idx = index.local if isinstance(index, ShardedTensor) else ref.rows_of(index, idx_dim)
     val = src.local if isinstance(src, ShardedTensor) else ref.rows_of(src, dim)
     val = _plain(val, t)
+    idx = idx.to(val.device)  # an index kept whole on the CPU meets meta values (mpidp explain)
     whole = x.shape  # a band reports its global shape
     like = torch.empty(whole, dtype=x.dtype, device=val.device)
     base = _identity(reduce, like)

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["entered", "locate", "location", "relocated", "running", "track"]
+__all__ = ["entered", "locate", "location", "module_path", "relocated", "running", "track"]
 
 _STACK: list[nn.Module] = []
 _FUNCTIONS: list[str] = []  # the user's autograd.Function running now: "Name.forward"
@@ -45,18 +45,26 @@ def track() -> None:
         _ON.append(nn.modules.module.register_module_forward_hook(_pop, always_call=True))
 
 
+def module_path() -> str:
+    """The running module's path from the outermost (``decoder.up2 (Conv2d)``), ``""`` for
+    the outermost module's own forward or outside any module."""
+    if not _STACK:
+        return ""
+    root, inner = _STACK[0], _STACK[-1]
+    if inner is root:
+        return ""
+    path = next((p for p, mod in root.named_modules() if mod is inner), None)
+    return f"{path or '?'} ({type(inner).__name__})"
+
+
 def location() -> str:
     """``in module decoder.up2 (Conv2d) of UNet``, ``in UNet.forward``, or ``""`` outside
     any module."""
     where = f"in autograd.Function {_FUNCTIONS[-1]}" if _FUNCTIONS else ""
     if not _STACK:
         return where
-    root, inner = _STACK[0], _STACK[-1]
-    if inner is root:
-        module = f"in {type(root).__name__}.forward"
-    else:
-        path = next((p for p, mod in root.named_modules() if mod is inner), None)
-        module = f"in module {path or '?'} ({type(inner).__name__}) of {type(root).__name__}"
+    path, root = module_path(), type(_STACK[0]).__name__
+    module = f"in module {path} of {root}" if path else f"in {root}.forward"
     return f"{where}, {module}" if where else module
 
 
