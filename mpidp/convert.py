@@ -150,7 +150,6 @@ def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict
         for t in example_inputs
     ]
     try:
-
         with base.torch_path(), torch.no_grad():
             meta(*args)
     except Exception:

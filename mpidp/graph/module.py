@@ -343,4 +343,5 @@ def dry_graphs(
             module.__class__ = cls
             module.__dict__.pop("_dry", None)
 
+
 register_layer(Graph, ShardedGraph)

@@ -224,6 +224,7 @@ class DomainParallelConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
 
     _n = 3
 
+
 for _t, _l in (
     (nn.Conv1d, DomainParallelConv1d),
     (nn.Conv2d, DomainParallelConv2d),

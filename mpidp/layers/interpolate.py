@@ -209,4 +209,5 @@ class DomainParallelInterpolate(DomainParallel, nn.Upsample):
             layer=self,
         )
 
+
 register_layer(nn.Upsample, DomainParallelInterpolate)

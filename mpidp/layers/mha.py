@@ -91,4 +91,5 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
             query, k, v, key_padding_mask, need_weights, mask, average_attn_weights, False
         )
 
+
 register_layer(nn.MultiheadAttention, DomainParallelMultiheadAttention)

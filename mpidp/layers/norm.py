@@ -379,6 +379,7 @@ class DomainParallelLayerNorm(DomainParallel, nn.LayerNorm):
             y = y + self.bias.narrow(j, rows.start, rows.stop - rows.start)
         return y
 
+
 for _t, _l in (
     (nn.GroupNorm, DomainParallelGroupNorm),
     (nn.LayerNorm, DomainParallelLayerNorm),

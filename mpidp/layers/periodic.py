@@ -119,4 +119,5 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         )
         return y.narrow(2, 0, out_spec.sizes[t.rank])
 
+
 register_layer(PeriodicConv2d, DomainParallelPeriodicConv2d)

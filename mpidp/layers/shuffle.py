@@ -20,7 +20,27 @@ from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, learn_spec
 from mpidp.layers.registry import register_layer
 
-__all__ = ["DomainParallelPixelShuffle", "DomainParallelPixelUnshuffle"]
+__all__ = ["DomainParallelPixelShuffle", "DomainParallelPixelUnshuffle", "shuffle", "unshuffle"]
+
+
+def shuffle(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``F.pixel_shuffle(x, r)``; an empty band (no rows here) as the reshape torch's op is,
+    whose backward keeps the shape (torch's own returns the gradient of an empty output
+    unchanged, of the wrong shape)."""
+    if x.numel():
+        return F.pixel_shuffle(x, r)
+    *lead, c, h, w = x.shape
+    y = x.reshape(*lead, c // (r * r), r, r, h, w).movedim((-4, -3), (-3, -1))
+    return y.reshape(*lead, c // (r * r), h * r, w * r)
+
+
+def unshuffle(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``F.pixel_unshuffle(x, r)``, an empty band as a reshape (see :func:`shuffle`)."""
+    if x.numel():
+        return F.pixel_unshuffle(x, r)
+    *lead, c, h, w = x.shape
+    y = x.reshape(*lead, c, h // r, r, w // r, r).movedim((-3, -1), (-4, -3))
+    return y.reshape(*lead, c * r * r, h // r, w // r)
 
 
 class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
@@ -33,7 +53,7 @@ class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
         r = self.upscale_factor
         t = self._transport(x)
         spec = learn_spec(x, x.dim() - 2, t)
-        y = F.pixel_shuffle(x, r)
+        y = shuffle(x, r)
         shuffled = [r * n for n in spec]
         return repartition(y, shuffled, self._out_spec(r * spec.total), -2, group=t)
 
@@ -55,7 +75,8 @@ class DomainParallelPixelUnshuffle(DomainParallel, nn.PixelUnshuffle):
             )
         out_spec = self._out_spec(spec.total // r)
         grouped = repartition(x, spec, [r * n for n in out_spec], -2, group=t)
-        return F.pixel_unshuffle(grouped, r)
+        return unshuffle(grouped, r)
+
 
 register_layer(nn.PixelShuffle, DomainParallelPixelShuffle)
 register_layer(nn.PixelUnshuffle, DomainParallelPixelUnshuffle)

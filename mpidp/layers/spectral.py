@@ -125,6 +125,7 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
         pixels = [self.patch * n for n in tokens]
         return repartition(y, pixels, self._out_spec(sum(pixels)), -2, group=t)
 
+
 for _t, _l in (
     (AFNOFilter, DomainParallelAFNOFilter),
     (SpectralConv2d, DomainParallelSpectralConv2d),

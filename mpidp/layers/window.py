@@ -117,4 +117,5 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
             out = out.narrow(d, cuts[d][0], x.size(d))
         return out
 
+
 register_layer(WindowAttention, DomainParallelWindowAttention)

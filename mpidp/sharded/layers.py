@@ -23,9 +23,12 @@ from mpidp.collectives import copy_to
 from mpidp.layers.base import DomainParallel, known_spec
 from mpidp.layers.interpolate import interpolate as band_interpolate
 from mpidp.layers.registry import layer_for
+from mpidp.layers.shuffle import shuffle, unshuffle
+from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import Handler, refuse
 from mpidp.sharded.dispatch import register as _register
-from mpidp.sharded.rows import move_to_dim
+from mpidp.sharded.rows import move_to_dim, to_spec
+from mpidp.sharded.shapes import _aligned
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__ = ["meta_result"]
@@ -550,13 +553,33 @@ def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 @register(F.pixel_shuffle, F.pixel_unshuffle)
 def _shuffle(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, r = args[0], int(args[1] if len(args) > 1 else next(iter(kwargs.values())))
+    if x.shard_dim == x.dim() - 1 and x.blocks == 1:  # bands along W: local
+        return _shuffle_along_w(func, x, r)
     if x.shard_dim != x.dim() - 2:
-        raise refuse(func, args, kwargs, "bands along a dim other than H", "shard along H")
+        raise refuse(func, args, kwargs, "bands along a dim other than H or W", "shard along H")
     if func is F.pixel_shuffle:
         mod = _module(nn.PixelShuffle, upscale_factor=r)
     else:
         mod = _module(nn.PixelUnshuffle, downscale_factor=r)
     return _run(func, args, kwargs, mod, x)
+
+
+def _shuffle_along_w(func: Any, x: ShardedTensor, r: int) -> ShardedTensor:
+    """A pixel shuffle keeps each input column's pixels in the r output columns it becomes:
+    bands along W stay local, their sizes times r (an unshuffle: divided by r, after moving
+    the boundary columns to the nearest cut on a multiple of r)."""
+    if func is F.pixel_shuffle:
+        sizes = tuple(n * r for n in x.spec.sizes)
+    else:
+        if x.spec.total % r:
+            raise refuse(
+                func, (x, r), {}, f"a width of {x.spec.total} not a multiple of {r}", "pad W"
+            )
+        aligned = _aligned(x.spec, r)
+        x = to_spec(x, aligned) if aligned != x.spec else x
+        sizes = tuple(n // r for n in x.spec.sizes)
+    out = (shuffle if func is F.pixel_shuffle else unshuffle)(x.local, r)
+    return ShardedTensor(out, ShardSpec(sizes), out.dim() - 1, x.manager)
 
 
 # -- FFTs ------------------------------------------------------------------------------------------

@@ -394,3 +394,35 @@ def test_a_sharded_dim_of_one_row_reshapes(m):
     torch.testing.assert_close(y.full_tensor().as_subclass(torch.Tensor), fn(full))
     (y * 3.0).sum().backward()
     torch.testing.assert_close(x.grad.local, torch.full_like(x.local, 6.0))
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [("shuffle", (2, 8, 3, 13)), ("unshuffle", (2, 2, 4, 14)), ("unshuffle_odd", (1, 2, 2, 22))],
+)
+def test_a_pixel_shuffle_of_bands_along_w_equals_serial(m, name, shape):
+    """Bands along W (WXFormer's and CAMulator's deepest level, after the band moved to W):
+    a shuffle is local; an unshuffle first moves its boundary columns to a cut on a multiple
+    of the factor (14 over 3 ranks: 5, 5, 4 -> 6, 4, 4)."""
+    call = F.pixel_shuffle if name == "shuffle" else F.pixel_unshuffle
+    y = check_sharded(m, lambda x: call(x, 2), rand(shape, 1), dim=3, **TOL)
+    assert y.shard_dim == 3
+
+
+@pytest.mark.parametrize("call", [F.pixel_shuffle, F.pixel_unshuffle])
+def test_a_pixel_shuffle_of_an_empty_band_keeps_its_gradient_shape(m, call):
+    """torch's own backward of an empty pixel shuffle returns the gradient unchanged (the
+    wrong shape): an empty band would fail its backward while the other ranks wait."""
+    from mpidp.partition import ShardSpec
+
+    full = rand((1, 8, 2, 4), 1)
+    sizes = (2,) if WORLD == 1 else (2, 0) + (0,) * (WORLD - 2)
+    x = shard(full, 2, m, spec=ShardSpec(sizes)).requires_grad_()
+    w = rand(tuple(call(full, 2).shape), 5)
+    y = call(x, 2)
+    (y * w).sum().backward()
+    xr = full.clone().requires_grad_()
+    (call(xr, 2) * w).sum().backward()
+    torch.testing.assert_close(y.full_tensor().as_subclass(torch.Tensor), call(full, 2))
+    s = x.spec
+    torch.testing.assert_close(x.grad.local, xr.grad.narrow(2, s.start(x.rank), s.sizes[x.rank]))
