@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_unflatten as _unflatten
 
 from mpidp import rng
 from mpidp.collectives import copy_to
-from mpidp.errors import MpidpError
+from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.manager import DistributedManager, get_manager
@@ -239,6 +239,14 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             _check_rng(m, args, kwargs)
         args, kwargs = _wrap_bands(args, kwargs, dim, m)
         specs = [a.spec for a in _sharded(args, kwargs)]
+        if not specs and m.domain_world_size > 1:  # the forward would run on bands as if whole
+            raise ConfigError(
+                f"rank {m.rank}: the converted {type(module).__name__} got no argument it can "
+                f"cut into bands: a plain tensor needs at least {max(1 - dim, 1)} dims to be "
+                f"cut along dim {dim} (smaller ones pass as they are, e.g. (N, C) node "
+                f"features); fix: pass ShardedTensors (mpidp.shard(x, dim)), or bands with a "
+                f"batch dim ((1, N, C) with input_dim=-2)"
+            )
         calls.append(("model", entered(module), specs))
         calls[-1][1].__enter__()
         return args, kwargs

@@ -6,14 +6,18 @@ the combine step fails."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from mpi4py import MPI
+from torch import nn
 
 import mpidp
 from mpidp.partition import Balanced
 from mpidp.sharded import Replicated, ShardedTensor, UnsupportedOp, replicated, shard
-from tests.mpi.helpers import rand
+from mpidp.testing import assert_matches_serial
+from tests.mpi.helpers import check_sharded, rand
 
 WORLD = MPI.COMM_WORLD.Get_size()
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -166,3 +170,45 @@ def test_amax_with_gradients_is_refused_on_every_rank(m):
     with pytest.raises(UnsupportedOp, match=r"reduce='amax'.*detach the source"):
         out.scatter_reduce_(0, dst.view(-1, 1).expand_as(msg), msg, "amax")
     assert not isinstance(out, Replicated)
+
+
+class MessagePassing(nn.Module):
+    """A graph layer written for one process: node features (B, N, C), messages gathered at
+    the edges, summed into the nodes, a node update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        src, dst = graph(23)
+        self.register_buffer("src", src)
+        self.register_buffer("dst", dst)
+        self.msg = nn.Linear(C, C)
+        self.update = nn.Linear(2 * C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.msg(x.index_select(1, self.src))
+        agg = x.new_zeros(x.shape).index_add_(1, self.dst, m)
+        return self.update(torch.cat([x, agg], -1))
+
+
+def test_message_passing_through_both_front_ends_equals_serial(m):
+    """The nodes cut into bands (dim 1 of (B, N, C)); the edges' messages summed into the
+    node bands in place: a converted model and the model on ShardedTensors."""
+    torch.manual_seed(4)
+    serial = MessagePassing().to(torch.float64)
+    full = rand((2, N, C), 1)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m, input_dim=-2)
+    assert_matches_serial(
+        serial, dist, [full], manager=m, dim=1, modules=(serial, dist), rtol=1e-10, atol=1e-12
+    )
+    twin = copy.deepcopy(serial)
+    check_sharded(m, twin, full, dim=1, module=twin)
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: the band is the whole field
+def test_a_converted_model_given_nothing_it_can_cut_is_an_error_on_every_rank(m):
+    """(N, C) node bands pass a converted model as they are (they look like (B, D) vectors):
+    its forward would index them with global node numbers; an error instead."""
+    dist = mpidp.convert_to_domain_parallel(MessagePassing().to(torch.float64), m, input_dim=-2)
+    band = shard(rand((N, C), 1), 0, m).local
+    with pytest.raises(mpidp.ConfigError, match=rf"rank {m.rank}: .*no argument it can cut"):
+        dist(band)
