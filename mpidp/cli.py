@@ -113,7 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     plan.add_argument("--channels", type=int, default=6, help="input channels (default 6)")
     plan.add_argument("--batch", type=int, default=1, help="samples per rank (default 1)")
-    plan.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
+    plan.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "bfloat16"),
+        help="activation dtype: sets the bytes priced (default float32)",
+    )
     plan.add_argument(
         "--partition", default="balanced", help="balanced or weighted:w0,w1,... (one per rank)"
     )
@@ -155,8 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=2,
         help="domain ranks (default 2; under a launcher: the job's ranks)",
     )
-    explain.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"))
-    explain.add_argument("--json", action="store_true", help="print one JSON document")
+    explain.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "bfloat16"),
+        help="dtype of the model and its inputs: sets the bytes counted (default float32)",
+    )
+    explain.add_argument(
+        "--json", action="store_true", help="print one JSON document (default: a table)"
+    )
     args = parser.parse_args(argv)
     if args.command == "explain":
         return _explain(args, list(argv) if argv is not None else sys.argv[1:])
