@@ -121,7 +121,7 @@ def ulysses_bench(m, world, repeats: int) -> dict:  # type: ignore[no-untyped-de
     hs = head_spec(heads, p)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, heads, spec.sizes[me], ch) for _ in range(3))
-    qs, ks, vs = (mpidp.ShardedTensor.from_local(t, 2, spec, m) for t in (q, k, v))
+    qs, ks, vs = (mpidp.ShardedTensor.from_local(t, dim=2, spec=spec, manager=m) for t in (q, k, v))
 
     def exchange(t: torch.Tensor, split: int, cut, cat: int, into) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """Part r of ``t`` along ``split`` (cut by ``cut``) to rank r; what arrives from the

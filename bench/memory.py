@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
         x = torch.randn(1, c, rows, w)
         t = m.transport()
         if name == "sharded":
-            model, feed = serial, mpidp.ShardedTensor.from_local(x, -2, spec, m)
+            model, feed = serial, mpidp.ShardedTensor.from_local(x, dim=-2, spec=spec, manager=m)
         else:
             plain = p == 1 and args.plain
             model, feed = (serial if plain else mpidp.convert_to_domain_parallel(serial, m)), x

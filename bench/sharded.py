@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randn_like(x)
     lat_band = mpidp.latitude_weights(h, manager=m).float()
     lat_full = mpidp.latitude_weights(h, spec=[h]).float()
-    xs, ys = (mpidp.ShardedTensor.from_local(t, -2, spec, m) for t in (x, y))
+    xs, ys = (mpidp.ShardedTensor.from_local(t, dim=-2, spec=spec, manager=m) for t in (x, y))
 
     def converted_step() -> None:
         converted.zero_grad(set_to_none=True)

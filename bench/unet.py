@@ -53,8 +53,8 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randn_like(x)
     lat = mpidp.latitude_weights(h, manager=m).float()
     if args.mode == "sharded":  # the serial model, fed ShardedTensors; plain (H, 1) weights
-        x = mpidp.ShardedTensor.from_local(x, -2, spec, m)
-        y = mpidp.ShardedTensor.from_local(y, -2, spec, m)
+        x = mpidp.ShardedTensor.from_local(x, dim=-2, spec=spec, manager=m)
+        y = mpidp.ShardedTensor.from_local(y, dim=-2, spec=spec, manager=m)
         lat = mpidp.latitude_weights(h, spec=[h]).float()
 
     def step() -> None:

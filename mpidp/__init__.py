@@ -61,6 +61,7 @@ from mpidp.layers import (
 from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
 from mpidp.sharded import Replicated, ShardedTensor, shard
+from mpidp.sharded.placements import scatter_tensor
 from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
 from mpidp.training import (
     broadcast_parameters,
@@ -115,6 +116,7 @@ __all__ = [
     "ShardingReport",
     "Weighted",
     "__version__",
+    "scatter_tensor",
     "all_gather_v",
     "all_gather_v_replicated",
     "all_reduce",

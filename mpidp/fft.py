@@ -52,6 +52,8 @@ __all__ = [
     "modes",
     "rfft",
     "rfft2",
+    "rfft2_halved_cut",
+    "irfft2_halved_cut",
 ]
 
 _ATTR = "_mpidp_spectral"
@@ -274,7 +276,8 @@ def _forward2(
     if real and sd == b:
         raise ConfigError(
             f"rfft2 over dim=({a}, {b}) halves dim {b}, the sharded one: mpidp.fft halves the "
-            f"local dim; pass dim=({b}, {a}) (the sharded dim first, W last)"
+            f"local dim; pass dim=({b}, {a}) (the sharded dim first, W last), or call "
+            f"rfft2_halved_cut for a field cut along the halved dim"
         )
     local, local_n = (b, _s(s, 1)) if sd == a else (a, _s(s, 0))
     shard_n = _s(s, 0) if sd == a else _s(s, 1)
@@ -400,6 +403,86 @@ def ifft2(
     """``torch.fft.ifft2`` from the spectral layout of :func:`fft2` back to complex bands.
     Collective over ``group``."""
     return _inverse2(X, s, dim, norm, False, manager, group, spec, out_spec, shard_dim)
+
+
+# -- 2-D real transforms of a field cut along the halved dim ------------------------------------
+#
+# The other layout (PhysicsNeMo's): the real field is cut along ``dim[1]``, the dim that rfft2
+# halves, and the spectrum comes out cut along ``dim[0]`` with the halved dim whole. Still one
+# all-to-all per transform; the halving happens after it, where the halved dim is local.
+
+
+def _half_spectrum(X: torch.Tensor, d: int, n: int) -> torch.Tensor:
+    """The first ``n // 2 + 1`` modes of ``X`` along ``d``, each weighted as ``irfft`` counts it
+    (twice, but once for mode 0 and, ``n`` even, mode ``n / 2``): the real part of their complex
+    ``ifft`` (zero-padded to ``n``) is ``irfft(X, n)`` for any ``X``, Hermitian or not, and so is
+    its gradient."""
+    k = min(X.size(d), n // 2 + 1)
+    w = torch.full((k,), 2.0, dtype=X.real.dtype, device=X.device)
+    w[0] = 1.0
+    if n % 2 == 0 and n // 2 < k:
+        w[n // 2] = 1.0
+    shape = [1] * X.dim()
+    shape[d] = k
+    return X.narrow(d, 0, k) * w.view(shape)
+
+
+def rfft2_halved_cut(
+    x: torch.Tensor,
+    s: Sequence[int] | None = None,
+    dim: Sequence[int] = (-2, -1),
+    norm: str | None = None,
+    *,
+    manager: DistributedManager | None = None,
+    group: Any = None,
+    spec: Spec = None,
+    out_spec: Spec = None,
+) -> torch.Tensor:
+    """``torch.fft.rfft2`` of a real field cut along the halved dim ``dim[1]`` (``spec``: its
+    partition, learned when left out). Out: the spectrum cut along ``dim[0]`` (by ``out_spec``,
+    default the manager's policy on ``s[0]``), the ``s[1] // 2 + 1`` modes of ``dim[1]`` whole.
+    A full FFT along ``dim[0]``, one all-to-all, a full FFT along ``dim[1]`` and the first half
+    of its modes kept. Collective over ``group``."""
+    a, b, _ = _dims(x, dim, dim[1])
+    m, t = _context(x, manager, group)
+    cols = _input_spec(x, b, t, spec)
+    if t.size == 1:
+        out = torch.fft.rfft2(x, s=s, dim=(a, b), norm=norm)
+        return _mark(out, ShardSpec((out.size(a),)), a, t)
+    y = _run("fft", x, _s(s, 0), a, norm)
+    rows = _output_spec(m, t, y.size(a), out_spec)
+    y = _transpose(y, t, rows, a, cols, b)
+    y = _run("fft", y, _s(s, 1), b, norm)
+    y = y.narrow(b, 0, y.size(b) // 2 + 1).contiguous()
+    return _mark(y, rows, a, t)
+
+
+def irfft2_halved_cut(
+    X: torch.Tensor,
+    s: Sequence[int] | None = None,
+    dim: Sequence[int] = (-2, -1),
+    norm: str | None = None,
+    *,
+    manager: DistributedManager | None = None,
+    group: Any = None,
+    spec: Spec = None,
+    out_spec: Spec = None,
+) -> torch.Tensor:
+    """``torch.fft.irfft2`` from the spectrum of :func:`rfft2_halved_cut` (cut along ``dim[0]``
+    by ``spec``, the halved ``dim[1]`` whole) back to a real field cut along ``dim[1]``: ``W' =
+    s[1]`` or ``2 (K - 1)`` columns cut by ``out_spec`` (default: the manager's policy).
+    Collective over ``group``."""
+    a, b, _ = _dims(X, dim, dim[0])
+    m, t = _context(X, manager, group)
+    rows = _input_spec(X, a, t, spec)
+    if t.size == 1:
+        return torch.fft.irfft2(X, s=s, dim=(a, b), norm=norm)
+    n = _s(s, 1)
+    n = n if n is not None else 2 * (X.size(b) - 1)
+    y = _run("ifft", _half_spectrum(X, b, n), n, b, norm)
+    cols = _output_spec(m, t, n, out_spec)
+    y = _transpose(y, t, cols, b, rows, a)
+    return _run("ifft", y, _s(s, 0), a, norm).real.contiguous()
 
 
 # -- 1-D transforms along the sharded dim -----------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "global_rmse",
     "global_sum",
     "latitude_weights",
+    "mean_share",
     "sync_gradients",
 ]
 
@@ -294,3 +295,45 @@ def broadcast_parameters(
         for tensor in [*model.parameters(), *model.buffers()]:
             t = m.transport("world", tensor.device)
             tensor.copy_(t.broadcast(tensor.detach(), src))
+
+
+class _MeanShare(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by ``w`` (see :func:`mean_share`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: float) -> Any:
+        ctx.w = w
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return g * ctx.w, None
+
+
+def mean_share(
+    band: torch.Tensor, dim: int = -2, manager: DistributedManager | None = None
+) -> torch.Tensor:
+    """``band`` unchanged, its gradient scaled by ``P * n / N`` (``n`` this rank's rows along
+    ``dim``, ``N`` the rows of all ``P`` domain ranks).
+
+    For training loops written for even bands: each rank's loss is the mean over its own rows
+    and the domain ranks' gradients are then averaged. That is the serial gradient only when
+    every rank holds N / P rows; with this scaling of the band that the loss reads, the sum
+    over ranks of the local means' gradients is ``P`` times the gradient of the mean over all
+    rows, exact for any cut (the scaling sits before the halo exchanges, so gradients that
+    cross ranks carry the weight of the loss they came from). Even bands: the weight is 1.
+    No communication when gradients are off; else one all-gather of one integer. Collective
+    over the domain group.
+    """
+    if not (torch.is_grad_enabled() and band.requires_grad):
+        return band
+    from mpidp.layers.base import learn_spec
+
+    m = manager or get_manager()
+    if m.domain_world_size == 1:
+        return band
+    d = dim % band.dim()
+    spec = learn_spec(band, d, m.transport(None, band.device))
+    if spec.total == 0:
+        return band
+    return _MeanShare.apply(band, spec.parts * spec.sizes[m.domain_rank] / spec.total)

@@ -27,7 +27,20 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # to 28 s and a 4-rank FSDP2 training from 76 s to 19 s on 2 cores (docs/performance.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD="${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}"
 fail=0
-step() { echo; echo "=== $*"; }
+# Each stage's wall time, printed at the end (the 25-minute budget is for everything but the
+# third-party zoo stage, which has 10 minutes of its own).
+times=()
+last=""
+t0=$SECONDS
+step() {
+  if [ -n "$last" ]; then times+=("$((SECONDS - t0)) s  $last"); fi
+  last="$*"; t0=$SECONDS; echo; echo "=== $*"
+}
+report_times() {
+  if [ -n "$last" ]; then times+=("$((SECONDS - t0)) s  $last"); fi
+  echo; echo "stage times (total $SECONDS s):"
+  for line in "${times[@]}"; do echo "  $line"; done
+}
 
 step "ruff"; "$py" -m ruff check mpidp tests examples bench docs || fail=1
 step "mypy"; "$py" -m mypy || fail=1
@@ -40,6 +53,7 @@ if [ "$quick" = 1 ]; then
     timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
       --ignore=tests/mpi/test_parallel.py || { echo "MPI tests FAILED at $n ranks"; fail=1; }
   done
+  report_times
   echo
   if [ "$fail" -ne 0 ]; then echo "quick tier: FAILED"; exit 1; fi
   echo "quick tier: passed (the full suite: bash scripts/test.sh)"
@@ -52,7 +66,7 @@ fi
 # MPIDP_TEST_WIDE=all runs every file at every rank count.
 wide=(test_halo test_collectives test_transports test_sharded test_sharded_models test_layers
   test_fft test_io test_manager test_training test_harness test_one_front_end test_silent_hunt
-  test_layouts test_scatter test_explain)
+  test_layouts test_scatter test_explain test_placements test_compat_credit test_compat_physicsnemo)
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   files=(tests/mpi)
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
@@ -104,6 +118,7 @@ if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment
   step "parallel HDF5 (mpio) I/O tests"
   { bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh; } || fail=1
 fi
+report_times
 echo
 for what in "${skipped[@]}"; do echo "skipped on purpose: $what"; done
 if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mpidp.errors import MpidpError
+from mpidp.errors import ConfigError, MpidpError
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 from mpidp.sharded.where import relocated
@@ -64,16 +64,37 @@ def key(func: Any) -> Any:
     return func
 
 
+def op_named(name: str) -> list[Any]:
+    """The torch operator a custom op's (or an aten op's) name means: ``"ns::op"``,
+    ``"ns.op"`` (the op and its default overload) or ``"ns.op.overload"`` (that overload)."""
+    parts = name.replace("::", ".").split(".")
+    if len(parts) not in (2, 3):
+        raise ConfigError(f"register({name!r}): name a custom op as 'ns::op' or 'ns.op.overload'")
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if len(parts) == 3:
+            return [getattr(packet, parts[2])]
+        return [packet, *([packet.default] if "default" in packet.overloads() else [])]
+    except (AttributeError, RuntimeError):
+        raise ConfigError(
+            f"register({name!r}): torch.ops has no such operator; define it (torch.library."
+            f"custom_op) before registering its handler"
+        ) from None
+
+
 def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
-    """Decorator: the handler of ``funcs`` (torch functions, Tensor methods, or
-    ``("__get__", "name")`` for properties) on ShardedTensors. A later registration wins.
+    """Decorator: the handler of ``funcs`` on ShardedTensors: torch functions, Tensor methods,
+    ``("__get__", "name")`` for properties, operator overloads (``torch.ops.aten.add.Tensor``,
+    a ``torch.library.custom_op``), or an operator's name (``"mylib::fused_op"``, see
+    :func:`op_named`). It is called as ``handler(func, args, kwargs)``. A later registration wins.
     ``blocks=True``: the handler also takes tensors whose sharded dim holds blocks merged
     before the band (``ShardedTensor.blocks > 1``); any other handler never sees one (the
     call is refused first)."""
 
     def deco(handler: Handler) -> Handler:
         for f in funcs:
-            _HANDLERS[key(f)] = handler
+            for op in op_named(f) if isinstance(f, str) else [f]:
+                _HANDLERS[key(op)] = handler
         if blocks:
             _BLOCKS_OK.add(handler)
         return handler

@@ -154,7 +154,7 @@ def _input_grad(arg: Any, meta: tuple[Any, ...], grad: Any, fn: Any, rank: int) 
         if isinstance(grad, ShardedTensor):
             if grad.shard_dim != x.shard_dim:
                 grad = grad.redistribute(dim=x.shard_dim - grad.dim())
-            return (grad.redistribute(x.spec) if grad.spec != x.spec else grad).local
+            return (grad.redistribute(spec=x.spec) if grad.spec != x.spec else grad).local
         whole = grad.as_subclass(torch.Tensor) if isinstance(grad, Replicated) else grad
         if tuple(whole.shape) == tuple(x.shape):
             return whole.narrow(x.shard_dim, x.start, x.spec.sizes[x.rank])

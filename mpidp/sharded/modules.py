@@ -195,7 +195,7 @@ def _to_band(o: Any, inputs: list[ShardSpec]) -> Any:
         return o.local
     m = o.manager
     spec = m.partition.derived(o.spec.total, m.domain_world_size)
-    return (o.redistribute(spec) if spec != o.spec else o).local
+    return (o.redistribute(spec=spec) if spec != o.spec else o).local
 
 
 def _fits(d: int, rule: tuple[str, int]) -> bool:

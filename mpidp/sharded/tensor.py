@@ -23,7 +23,7 @@ Gradients, the rule (docs/sharded_tensor.md):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_map
@@ -168,26 +168,96 @@ class ShardedTensor(torch.Tensor):
     @classmethod
     def from_local(
         cls,
-        band: torch.Tensor,
-        dim: int = -2,
+        local: torch.Tensor,
+        device_mesh: Any = None,
+        placements: Sequence[Any] | None = None,
+        sharding_shapes: str | dict[int, list[tuple[int, ...]]] = "infer",
+        *,
+        dim: int | None = None,
         spec: ShardSpec | Sequence[int] | None = None,
         manager: DistributedManager | None = None,
-    ) -> ShardedTensor:
-        """Wrap this rank's ``band`` (no copy: a leaf band's own ``.grad`` is the gradient).
-        Without ``spec`` the ranks' extents are learned in one small all-gather (collective);
-        a given ``spec`` is checked against the band's length here."""
-        m = manager if manager is not None else get_manager()
-        d = _dim(band, dim)
-        if spec is None:
-            t = m.transport(None, band.device)
-            spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([band.size(d)])))
-        spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-        _check_spec(spec, m, band.size(d), "from_local")
-        return cls(band, spec, d, m)
+        global_shape: Sequence[int] | None = None,
+    ) -> Any:
+        """Wrap this rank's ``local`` part (no copy: a leaf's own ``.grad`` is the gradient).
 
-    def full_tensor(self) -> Replicated:
+        The layout is ``dim=`` (a band along it) or DTensor's ``placements`` on the manager's
+        1-D domain ``device_mesh`` (None: the default manager's): ``[Shard(d)]`` a band,
+        ``[Replicate()]`` a value every rank holds (a :class:`Replicated`), ``[Partial()]``
+        a summand per rank (reduced here, one all-reduce). With neither, a band along -2
+        (mpidp's default; DTensor's is Replicate). The ranks' extents: ``spec`` (checked here),
+        ShardTensor's ``sharding_shapes`` (``{0: [shape per rank]}``, or ``"chunk"`` with
+        ``global_shape``: torch.chunk's cut, no communication), else learned in one small
+        all-gather (``"infer"``; collective)."""
+        from mpidp.sharded import placements as pl
+
+        if isinstance(device_mesh, int):
+            raise ConfigError(
+                f"from_local(band, {device_mesh}): the second argument is the device mesh; "
+                f"pass the sharded dim as dim={device_mesh}"
+            )
+        m = pl.manager_of(device_mesh, manager)
+        if placements is not None:
+            p = pl.one_placement(placements, "from_local", m.rank)
+            if isinstance(p, pl.Replicate):
+                return replicated(local, m.transport(None, local.device))
+            if isinstance(p, pl.Partial):
+                return pl.partial_value(local, p, m)
+            dim = cast(Any, p).dim
+        d = _dim(local, -2 if dim is None else dim)
+        if spec is None:
+            spec = pl.spec_from_shapes(sharding_shapes, d, local.size(d), m, global_shape)
+        if spec is None:
+            t = m.transport(None, local.device)
+            spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([local.size(d)])))
+            if sharding_shapes == "chunk" and spec != chunk_spec(spec.total, spec.parts):
+                raise ConfigError(
+                    f"rank {m.rank}: from_local(sharding_shapes='chunk'): the parts are "
+                    f"{list(spec.sizes)}, not torch.chunk's cut of {spec.total}; use 'infer'"
+                )
+        spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+        _check_spec(spec, m, local.size(d), "from_local")
+        return cls(local, spec, d, m)
+
+    def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
+        """This rank's part, a plain tensor with its autograd history (DTensor's name for
+        :attr:`local`). ``grad_placements`` must be None or this tensor's placements."""
+        if grad_placements is not None and tuple(grad_placements) != self.placements:
+            raise ConfigError(
+                f"rank {self.rank}: to_local(grad_placements={grad_placements!r}): the "
+                f"gradient of a band is a band ({self.placements})"
+            )
+        return self._local
+
+    @property
+    def placements(self) -> tuple[Any, ...]:
+        """DTensor's placements on :attr:`device_mesh`: ``(Shard(shard_dim),)``, or
+        ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band."""
+        from torch.distributed.tensor import Shard
+
+        if self._blocks == 1:
+            return (Shard(self._dim),)
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return (_StridedShard(self._dim, split_factor=self._blocks),)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The manager's 1-D domain mesh (a torch DeviceMesh)."""
+        return self._manager.mesh["domain"]
+
+    def offsets(self, mesh_dim: int | None = None) -> list[int] | int:
+        """This rank's first row along the sharded dim, per mesh dim (``[start]``), or for
+        ``mesh_dim`` 0 alone."""
+        if mesh_dim is None:
+            return [self.start]
+        if mesh_dim not in (0, -1):
+            raise ConfigError(f"rank {self.rank}: offsets(mesh_dim={mesh_dim}): the mesh is 1-D")
+        return self.start
+
+    def full_tensor(self, *, grad_placements: Sequence[Any] | None = None) -> Replicated:
         """The whole tensor on every rank (an all-gather; differentiable: the gradient of
         every rank's use comes back to the band once, the replicated rule)."""
+        del grad_placements  # the band's gradient is always a band
         t = self.transport
         local, d = self.unblocked()
         whole = all_gather_v_replicated(local, self._spec, d, group=t)
@@ -195,30 +265,57 @@ class ShardedTensor(torch.Tensor):
 
     def redistribute(
         self,
-        target: ShardSpec | Sequence[int] | PartitionPolicy | None = None,
+        device_mesh: Any = None,
+        placements: Sequence[Any] | None = None,
+        *,
+        async_op: bool = False,
+        spec: ShardSpec | Sequence[int] | PartitionPolicy | None = None,
         dim: int | None = None,
-    ) -> ShardedTensor:
-        """The same global tensor on another partition (``ShardSpec`` or sizes, or a policy
-        applied to the length), or sharded along another ``dim`` (to the manager's policy):
-        only the rows that change owner travel (one ``all_to_all_v``). Collective."""
+    ) -> Any:
+        """The same global tensor in another layout: DTensor's ``placements`` on the domain
+        mesh (``[Shard(d)]``: a band along ``d`` on the manager's partition; ``[Replicate()]``:
+        :meth:`full_tensor`), or mpidp's ``spec`` (a ShardSpec, sizes or a policy: another cut
+        of the same dim) and ``dim`` (sharded along another dim). Only the rows that change
+        owner travel (one ``all_to_all_v``). ``async_op`` is accepted for DTensor's signature;
+        the move completes before the call returns. Collective."""
+        from mpidp.sharded import placements as pl
         from mpidp.sharded.rows import move_to_dim, to_spec
 
+        del async_op
+        if device_mesh is not None and pl.manager_of(device_mesh) is not self._manager:
+            raise ConfigError(
+                f"rank {self.rank}: redistribute to another mesh: a ShardedTensor stays on its "
+                f"manager's domain mesh; pass device_mesh=None or x.device_mesh"
+            )
+        if isinstance(device_mesh, (ShardSpec, PartitionPolicy)):
+            raise ConfigError(f"rank {self.rank}: redistribute(spec): pass it as spec=")
+        if placements is not None:
+            p = pl.one_placement(placements, "redistribute", self.rank)
+            if isinstance(p, pl.Replicate):
+                return self.full_tensor()
+            if isinstance(p, pl.Partial):
+                raise ConfigError(
+                    f"rank {self.rank}: redistribute to Partial: a band is a value, not a "
+                    f"summand; reduce it (x.sum(dim)) or keep Shard/Replicate"
+                )
+            dim = cast(Any, p).dim
+            spec = self._manager.partition if spec is None else spec
         x = self
         if dim is not None and _dim(self._local, dim) != self._dim:
             x = move_to_dim(self, _dim(self._local, dim))
-        if target is None:
+        if spec is None:
             return x
-        n, p = x.spec.total, x.spec.parts
-        if isinstance(target, PartitionPolicy):
-            spec = target.spec(n, p)
+        n, p_ = x.spec.total, x.spec.parts
+        if isinstance(spec, PartitionPolicy):
+            target = spec.spec(n, p_)
         else:
-            spec = target if isinstance(target, ShardSpec) else ShardSpec(tuple(target))
-        if spec.total != n or spec.parts != p:
+            target = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+        if target.total != n or target.parts != p_:
             raise ConfigError(
-                f"rank {x.rank}: redistribute to {list(spec.sizes)}: the tensor has {n} rows "
-                f"along dim {x.shard_dim} over {p} ranks; pass sizes that add up to {n}"
+                f"rank {x.rank}: redistribute to {list(target.sizes)}: the tensor has {n} rows "
+                f"along dim {x.shard_dim} over {p_} ranks; pass sizes that add up to {n}"
             )
-        return to_spec(x, spec)
+        return x if target == x.spec else to_spec(x, target)
 
     # -- DTensor -----------------------------------------------------------------------------
 
@@ -230,7 +327,7 @@ class ShardedTensor(torch.Tensor):
         from torch.distributed.tensor import DTensor, Shard
 
         n, p = self._spec.total, self._spec.parts
-        x = self.redistribute(chunk_spec(n, p))
+        x = self.redistribute(spec=chunk_spec(n, p))
         mesh = self._manager.mesh["domain"]
         return DTensor.from_local(
             x.local,
@@ -260,7 +357,7 @@ class ShardedTensor(torch.Tensor):
         d = placements[0].dim % dt.dim()
         n = dt.shape[d]
         x = cls(dt.to_local(), chunk_spec(n, m.domain_world_size), d, m)
-        return x.redistribute(spec if spec is not None else m.partition)
+        return x.redistribute(spec=spec if spec is not None else m.partition)
 
     # -- dispatch ----------------------------------------------------------------------------
 

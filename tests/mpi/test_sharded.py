@@ -403,7 +403,7 @@ def test_redistribute_moves_rows_and_dims(m):
     x = shard(full, 2, m).requires_grad_()
     sizes = [0] * WORLD
     sizes[-1] = H
-    y = x.redistribute(sizes)
+    y = x.redistribute(spec=sizes)
     assert y.spec.sizes == tuple(sizes)
     z = y.redistribute(dim=3)
     assert z.shard_dim == 3

@@ -1,0 +1,176 @@
+"""NCAR CREDIT's ``credit.parallel`` on mpidp: the (dp, tp, domain) mesh from CREDIT's
+``trainer.parallelism`` block, FSDP2 / DDP / tensor and domain parallelism applied to a model,
+and the gradient average over the domain, made exact for uneven bands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpidp import parallel as _parallel
+from mpidp.compat.credit.domain_parallel.convert import MARK, convert_to_domain_parallel
+from mpidp.compat.credit.domain_parallel.manager import (
+    DomainParallelManager,
+    get_domain_parallel_manager,
+    initialize_domain_parallel,
+    resolve,
+)
+from mpidp.compat.credit.domain_parallel.sharding import shard_tensor
+from mpidp.errors import ConfigError
+from mpidp.sharded import ShardedTensor
+from mpidp.training import sum_in_buckets
+
+__all__ = [
+    "apply_ddp",
+    "apply_domain_parallel",
+    "apply_fsdp2",
+    "apply_tensor_parallel",
+    "build_device_mesh",
+    "get_domain_manager",
+    "get_raw_model",
+    "shard_spatial",
+    "sync_domain_gradients",
+    "unpad_shard_interp",
+]
+
+
+def build_device_mesh(parallelism_conf: dict, device: str = "cuda") -> tuple[Any, dict]:
+    """``(mesh, submeshes)`` for CREDIT's ``{data, tensor, domain}`` block: the mesh is
+    mpidp's 3-D ``("dp", "tp", "domain")`` mesh (CREDIT's holds only the dims in use; the
+    sub-meshes, keyed ``"dp"``, ``"tp"``, ``"domain"`` where present, are the same); ``(None,
+    {})`` when nothing is parallel. Initialises mpidp when it is not. Collective."""
+    meshes = _parallel.build_device_mesh(parallelism_conf, device)
+    if not meshes.submeshes and meshes.mesh.size() == 1:
+        return None, {}
+    return meshes.mesh, dict(meshes.submeshes)
+
+
+def _amp(conf: dict) -> dict[str, Any] | None:
+    """CREDIT's FSDP2 mixed precision from ``trainer.amp`` and ``trainer.fsdp2_mp_policy``."""
+    trainer = conf.get("trainer", {})
+    if not trainer.get("amp", False):
+        return None
+    policy = trainer.get("fsdp2_mp_policy", {})
+    if conf.get("model", {}).get("use_spectral_norm", False) and not policy:
+        return None
+    return {
+        "param_dtype": policy.get("param_dtype", "bfloat16"),
+        "reduce_dtype": policy.get("reduce_dtype", "float32"),
+        "output_dtype": policy.get("output_dtype", "bfloat16"),
+    }
+
+
+def apply_fsdp2(model: nn.Module, dp_mesh: Any, conf: dict) -> nn.Module:
+    """FSDP2 over ``dp_mesh`` (None: the world), each block then the model, with the mixed
+    precision of ``conf["trainer"]`` (``amp``, ``fsdp2_mp_policy``) as CREDIT reads it.
+    mpidp's blocks are the model's ``_fsdp_blocks`` or its children with parameters.
+    Collective over ``dp_mesh``."""
+    if dp_mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dp_mesh = init_device_mesh(resolve(None).device.type, (torch.distributed.get_world_size(),))
+    return _parallel.apply_fsdp2(model, dp_mesh, mixed_precision=_amp(conf))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Split the blocks that declare ``_tp_col`` / ``_tp_row`` over ``tp_mesh``, in place (uneven
+    channel counts too). No communication."""
+    return _parallel.apply_tensor_parallel(model, tp_mesh)
+
+
+def apply_domain_parallel(model: nn.Module, domain_mesh: Any) -> nn.Module:
+    """:func:`mpidp.compat.credit.domain_parallel.convert_to_domain_parallel` over the domain
+    sub-mesh of :func:`build_device_mesh`; sets ``model._domain_parallel_manager`` as CREDIT's
+    trainer does."""
+    m = _parallel._manager_for(domain_mesh)
+    manager = get_domain_parallel_manager()
+    if manager is None or manager.manager is not m:
+        manager = initialize_domain_parallel(m.world_size, m.domain_world_size)
+    out = convert_to_domain_parallel(model, manager)
+    setattr(out, "_domain_parallel_manager", manager)  # noqa: B010
+    return out
+
+
+def apply_ddp(model: nn.Module, dp_mesh: Any) -> nn.Module:
+    """DistributedDataParallel over ``dp_mesh`` (gradients averaged over dp in backward)."""
+    return _parallel.apply_ddp(model, dp_mesh)
+
+
+def get_domain_manager(model: nn.Module) -> Any:
+    """The ``_domain_parallel_manager`` of ``model`` or of a wrapper's ``.module`` chain."""
+    m: Any = model
+    while m is not None:
+        if hasattr(m, "_domain_parallel_manager"):
+            return m._domain_parallel_manager
+        m = getattr(m, "module", None)
+    return None
+
+
+def get_raw_model(model: nn.Module) -> nn.Module:
+    """``model`` without its ``.module`` wrappers (DDP, FSDP1)."""
+    m: Any = model
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def shard_spatial(tensor: torch.Tensor, manager: DomainParallelManager | None) -> torch.Tensor:
+    """This rank's band of ``tensor`` along H (dim -2); any height (CREDIT's needs H divisible
+    by the domain size). No communication."""
+    if manager is None or manager.domain_parallel_size <= 1:
+        return tensor
+    return shard_tensor(tensor, -2, manager)
+
+
+def unpad_shard_interp(
+    y_pred: torch.Tensor,
+    padding_opt: Any,
+    manager: DomainParallelManager,
+    image_h: int,
+    image_w: int,
+) -> torch.Tensor:
+    """A band of the padded prediction without its padding: ``padding_opt.pad_WE`` columns
+    off every rank, ``pad_NS`` rows off the first and last rank, then the rows moved to the
+    manager's partition of ``image_h`` (only boundary rows travel). Where CREDIT falls back to
+    a bilinear resize of a band of the wrong size, this raises with the sizes (the padding
+    config does not match the data). Collective over the domain group."""
+    squeezed = y_pred.dim() == 5
+    y = y_pred.squeeze(2) if squeezed else y_pred
+    west, east = padding_opt.pad_WE
+    y = y[..., west : y.size(-1) - east]
+    north, south = padding_opt.pad_NS
+    top = north if manager.is_first_domain_rank else 0
+    bottom = south if manager.is_last_domain_rank else 0
+    y = y[..., top : y.size(-2) - bottom, :]
+    band = ShardedTensor.from_local(y, dim=-2, manager=manager.manager)
+    if band.shape[-2] != image_h or y.size(-1) != image_w:
+        raise ConfigError(
+            f"rank {manager.domain_rank}: unpad_shard_interp: the unpadded prediction is "
+            f"{band.shape[-2]} x {y.size(-1)}, the image {image_h} x {image_w}; check "
+            f"padding_opt (pad_NS={tuple(padding_opt.pad_NS)}, pad_WE={tuple(padding_opt.pad_WE)})"
+        )
+    y = band.redistribute(spec=manager.manager.partition).local
+    return y.unsqueeze(2) if squeezed else y
+
+
+def sync_domain_gradients(model: nn.Module, manager: DomainParallelManager | None) -> None:
+    """Average the gradients over the domain group, in place, as CREDIT does; exact on uneven
+    bands as well: the model converted by :func:`mpidp.compat.credit.domain_parallel.
+    convert_to_domain_parallel` weights each rank's local-mean loss by its share of the rows,
+    so the average is the serial gradient (CREDIT's is for even bands only). FSDP2's sharded
+    gradients work. A model converted otherwise is refused (its average would be a different
+    gradient). Collective over the domain group."""
+    if manager is None or manager.domain_parallel_size <= 1:
+        return
+    if not getattr(get_raw_model(model), MARK, False):
+        raise ConfigError(
+            f"rank {manager.manager.rank}: sync_domain_gradients averages gradients of local-"
+            f"mean losses, which is exact only for a model converted by mpidp.compat.credit."
+            f"domain_parallel.convert_to_domain_parallel (it weights each rank's rows); convert "
+            f"with it, or sum with mpidp.parallel.sync_domain_gradients for mpidp's own rules"
+        )
+    grads = [_parallel._local(p.grad) for p in model.parameters() if p.grad is not None]
+    m = manager.manager
+    sum_in_buckets(grads, m, "domain", divide=m.domain_world_size)

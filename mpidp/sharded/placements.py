@@ -1,0 +1,165 @@
+"""The DTensor / ShardTensor vocabulary of a ShardedTensor: placements, the device mesh, and
+building one from a local tensor or from one rank's whole tensor (``scatter_tensor``).
+
+A ShardedTensor lives on a manager's 1-D domain mesh; its placement is ``Shard(dim)`` (a band)
+or, when dims before the band were merged into it, ``_StridedShard(dim, split_factor=blocks)``.
+``Replicate()`` is a :class:`~mpidp.sharded.Replicated` value, ``Partial()`` a summand per rank
+(reduced when it becomes a value: mpidp computes contractions over the sharded dim at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from mpidp.collectives import reduce_from, scatter_v
+from mpidp.errors import ConfigError
+from mpidp.manager import DistributedManager, get_manager
+from mpidp.partition import ShardSpec
+
+__all__ = ["Partial", "Replicate", "Shard", "manager_of", "one_placement", "scatter_tensor"]
+
+_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def manager_of(device_mesh: Any, manager: DistributedManager | None = None) -> DistributedManager:
+    """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh) is; None: ``manager``
+    or the default one."""
+    if device_mesh is None:
+        return manager if manager is not None else get_manager()
+    from mpidp.parallel import _manager_for
+
+    return _manager_for(device_mesh)
+
+
+def one_placement(placements: Sequence[Placement] | None, what: str, rank: int) -> Placement:
+    """The one placement of a 1-D domain mesh."""
+    if placements is None or len(placements) != 1:
+        raise ConfigError(
+            f"rank {rank}: {what}: placements={placements!r}; a ShardedTensor lives on the "
+            f"1-D domain mesh: pass one placement, e.g. [Shard(2)] or [Replicate()]"
+        )
+    p = placements[0]
+    if not isinstance(p, (Shard, Replicate, Partial)):
+        raise ConfigError(f"rank {rank}: {what}: unknown placement {p!r}")
+    return p
+
+
+def partial_value(local: torch.Tensor, p: Partial, m: DistributedManager) -> torch.Tensor:
+    """The value whose summands the ranks hold (``Partial("sum")`` or ``"avg"``), on every
+    rank: one all-reduce now (gradient: the value's, whole, to every summand)."""
+    from mpidp.sharded.tensor import replicated
+
+    t = m.transport(None, local.device)
+    op = getattr(p, "reduce_op", "sum")
+    if op not in ("sum", "avg"):
+        raise ConfigError(f"rank {m.rank}: Partial({op!r}): only sum and avg partials reduce")
+    whole = reduce_from(local, t)
+    return replicated(whole / t.size if op == "avg" else whole, t)
+
+
+def _meta(tensor: torch.Tensor | None, src: int, m: DistributedManager) -> tuple[list[int], Any]:
+    """Shape and dtype of ``src``'s tensor on every rank (one small all-gather)."""
+    t = m.transport(None, "cpu")
+    mine = (
+        []
+        if m.domain_rank != src or tensor is None
+        else [_DTYPES.index(tensor.dtype), *tensor.shape]
+    )
+    rows = t.all_gather_ints([len(mine), *mine, *([0] * (16 - len(mine)))])
+    row = rows[src]
+    if row[0] == 0:
+        raise ConfigError(f"rank {m.rank}: scatter_tensor: the source rank passed no tensor")
+    return row[2 : 1 + row[0]], _DTYPES[row[1]]
+
+
+def scatter_tensor(
+    tensor: torch.Tensor | None,
+    global_src: int,
+    mesh: Any,
+    placements: Sequence[Placement],
+    global_shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+) -> Any:
+    """``tensor``, held by global rank ``global_src`` alone (others may pass None), spread over
+    ``mesh`` (a manager's domain mesh; None: the default manager's): ``[Shard(d)]`` gives
+    each rank its band by the manager's partition (any length), ``[Replicate()]`` the whole
+    tensor everywhere. ``global_shape`` and ``dtype`` are read from the source when None. The
+    result is a leaf when ``requires_grad``. Collective over the domain group."""
+    m = manager_of(mesh)
+    src = global_src - m.dp_rank * m.domain_world_size
+    if not isinstance(global_src, int) or not 0 <= src < m.domain_world_size:
+        raise ConfigError(
+            f"rank {m.rank}: scatter_tensor: global_src={global_src!r} is not in this domain "
+            f"group (global ranks {m.dp_rank * m.domain_world_size}.."
+            f"{(m.dp_rank + 1) * m.domain_world_size - 1})"
+        )
+    p = one_placement(placements, "scatter_tensor", m.rank)
+    if global_shape is None or dtype is None:
+        shape, kind = _meta(tensor, src, m)
+        global_shape = shape if global_shape is None else global_shape
+        dtype = kind if dtype is None else dtype
+    device = m.device if tensor is None else tensor.device
+    source = tensor.detach().to(dtype) if tensor is not None and m.domain_rank == src else None
+    if isinstance(p, Replicate):
+        from mpidp.sharded.tensor import replicated
+
+        t = m.transport(None, device)
+        buf = (
+            source
+            if source is not None
+            else torch.empty(tuple(global_shape), dtype=dtype, device=device)
+        )
+        whole = t.broadcast(buf.contiguous(), src).requires_grad_(requires_grad)
+        return replicated(whole, t)
+    if not isinstance(p, Shard):
+        raise ConfigError(f"rank {m.rank}: scatter_tensor: {p!r}; scatter to Shard or Replicate")
+    from mpidp.sharded.tensor import ShardedTensor
+
+    d = p.dim % len(global_shape)
+    spec = m.spec(int(global_shape[d]))
+    band = scatter_v(source, list(spec.sizes), d, src, m.transport(None, device))
+    return ShardedTensor(band.detach().requires_grad_(requires_grad), spec, d, m)
+
+
+def spec_from_shapes(
+    sharding_shapes: Any, d: int, rows: int, m: DistributedManager, global_shape: Any
+) -> ShardSpec | None:
+    """The partition ``from_local`` is told (``"chunk"`` with ``global_shape``, or ShardTensor's
+    ``{mesh_dim: [shape per rank]}``); None: learn it (``"infer"``, or ``"chunk"`` without a
+    global shape, which is then checked to be torch.chunk's cut)."""
+    from mpidp.sharded.tensor import chunk_spec
+
+    if isinstance(sharding_shapes, dict):
+        shapes = sharding_shapes.get(0)
+        if shapes is None or len(shapes) != m.domain_world_size:
+            raise ConfigError(
+                f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass "
+                f"{{0: [shape of each of the {m.domain_world_size} ranks' parts]}}"
+            )
+        return ShardSpec(tuple(int(s[d]) for s in shapes))
+    if sharding_shapes == "chunk" and global_shape is not None:
+        return chunk_spec(int(global_shape[d]), m.domain_world_size)
+    if sharding_shapes not in ("infer", "chunk"):
+        raise ConfigError(
+            f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass 'infer', "
+            f"'chunk' or a dict of shapes"
+        )
+    return None
