@@ -8,17 +8,24 @@ weighted mean, and the bands are gathered back: both equal the single-process re
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
 
 import mpidp
+from mpidp.cli import HelpFormatter
 from mpidp.partition import balanced_sizes, offsets
 
 H, W = 181, 360
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+
+
+def main(argv: list[str] | None = None) -> None:
+    build_parser().parse_args(argv)
     manager = mpidp.init(domain_parallel_size=mpidp.DistributedManager.world_from_launcher())
     comm = manager.transport()
     sizes = balanced_sizes(H, comm.size)
@@ -39,8 +46,11 @@ def main() -> None:
         assert field is not None and gathered is not None
         w_full = torch.cos(torch.deg2rad(lat))[:, None].expand(H, W)
         serial = ((field * w_full).sum() / w_full.sum()).item()
-        print(manager)
-        print(f"bands {list(sizes)} over {comm.size} ranks via the {comm.name} transport")
+        shown = ", ".join(str(n) for n in sizes)
+        print(
+            f"demo: bands of {shown} rows on {comm.size} rank(s), launcher "
+            f"{manager.launch_info.launcher}, {comm.name} transport"
+        )
         print(f"area-weighted mean: distributed {mean:.15f}, serial {serial:.15f}")
         assert math.isclose(mean, serial, rel_tol=1e-13), (mean, serial)
         assert torch.equal(gathered, field)

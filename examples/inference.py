@@ -5,64 +5,84 @@
         --steps 8 --start 50 --map t2m
 
 The checkpoint may come from any rank count (its state_dict keys are the serial model's). By
-default every rank joins one domain group (``--domain`` sets fewer; the data-parallel replicas
-then roll out different start times, ``--start`` and the following ones). Each rank reads only
+default every rank joins one domain group (--domain sets fewer; the data-parallel replicas
+then roll out different start times, --start and the following ones). Each rank reads only
 its band of the initial state, the model steps forward autoregressively on bands, and each
-step is written, in physical units, by the sharded writer into one file per start time
-(``forecast-<start>.nc``, atomically; xarray opens it). World rank 0 gathers one field of the
-last step and saves a PNG map of it.
+step is written, in physical units with the source data's CF units and long_name, by
+the sharded writer into one file per start time (forecast-<start>.nc, atomically; xarray
+opens it). Each step is scored against the data (mpidp.skill: latitude-weighted RMSE and
+anomaly correlation of the forecast, of persistence and of the training times' climatology),
+written as skill-<start>.json. World rank 0 prints the table and saves a PNG of one
+variable's last step: truth, forecast and error side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
-from typing import Any
 
 import h5py
 import torch
+from skill import save_comparison, training_times  # examples/skill.py
 from train import build_model  # the model a checkpoint names (examples/train.py)
 
 import mpidp
+from mpidp.cli import HelpFormatter
 from mpidp.io import RolloutWriter, ShardedH5Dataset, load_checkpoint
+from mpidp.progress import Progress
+from mpidp.skill import Skill, SkillMeter, climatology, physical_band
 
 HERE = Path(__file__).resolve().parent
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default="runs/train/checkpoint.pt")
-    p.add_argument("--data", default="", help="default: the data the checkpoint trained on")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
-        "--start", type=int, default=-1, help="first initial time (-1: the latest possible)"
+        "--checkpoint", default="runs/train/checkpoint.pt", help="what examples/train.py wrote"
     )
-    p.add_argument("--steps", type=int, default=4, help="forecast steps")
-    p.add_argument("--domain", type=int, default=0, help="ranks per domain group (0: all)")
-    p.add_argument("--out", default="runs/inference")
-    p.add_argument("--map", default="t2m", help="the variable drawn on the PNG map")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--data",
+        default="",
+        metavar="PATH",
+        help="the data the initial states come from (default: the data of the training run)",
+    )
+    p.add_argument(
+        "--start",
+        type=int,
+        default=-1,
+        metavar="INDEX",
+        help="time index of the first initial state; -1: the latest that leaves --steps steps",
+    )
+    p.add_argument("--steps", type=int, default=4, metavar="N", help="forecast steps")
+    p.add_argument(
+        "--domain",
+        type=int,
+        default=0,
+        metavar="N",
+        help="ranks per domain group; 0: all ranks in one group",
+    )
+    p.add_argument("--out", default="runs/inference", metavar="DIR", help="folder for the output")
+    p.add_argument(
+        "--map",
+        default="t2m",
+        metavar="CHANNEL",
+        help="the channel drawn on the PNG (truth, forecast, error)",
+    )
+    return p
 
 
-def save_map(path: Path, field: torch.Tensor, lat: Any, lon: Any, title: str) -> None:
-    import matplotlib
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=120)
-    extent = (float(lon[0]), float(lon[-1]), float(lat[-1]), float(lat[0]))
-    im = ax.imshow(field.numpy(), extent=extent, aspect="auto", cmap="RdYlBu_r")
-    fig.colorbar(im, ax=ax, shrink=0.9)
-    ax.set_xlabel("longitude (degrees east)")
-    ax.set_ylabel("latitude")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+def layout_text(layout: dict[str, int]) -> str:
+    """``4 ranks = dp 2 x domain 2`` for a checkpoint's layout."""
+    parts = [f"dp {layout.get('dp', 1)}"]
+    if layout.get("tensor", 1) > 1:
+        parts.append(f"tensor {layout['tensor']}")
+    parts.append(f"domain {layout.get('domain', 1)}")
+    return f"{layout.get('world', 1)} ranks = {' x '.join(parts)}"
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -86,6 +106,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     with h5py.File(data, "r") as f:
         units = f["time"].attrs.get("units") if "time" in f else None
     units = units.decode() if isinstance(units, bytes) else units
+    hours = None  # between steps, for the skill table's lead times
+    if ds.times is not None and len(ds.times) > 1 and str(units).startswith("hours"):
+        hours = float(ds.times[1] - ds.times[0])
     last = ds.n_times - 1 - args.steps
     first = last if args.start < 0 else args.start
     if not 0 <= first <= last:
@@ -99,9 +122,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     assert ds.mean is not None and ds.std is not None  # normalised data (the default)
     mean = ds.mean.to(dtype).view(-1, 1, 1).to(manager.device)
     std = ds.std.to(dtype).view(-1, 1, 1).to(manager.device)
+    # the reference forecast "climatology": the mean state of the times the model trained on
+    clim = climatology(ds, training_times(ds.n_times, cfg["val_samples"]), manager)
+    assert ds.latitudes is not None  # the sample data and ERA5-style files carry them
+    weights = mpidp.latitude_weights(ds.latitudes, manager=manager)
+    field_units = [ds.attributes[c].get("units", "") for c in ds.channels]
     written: list[Path] = []
+    skill: Skill | None = None
     t0 = time.perf_counter()
-    for start in starts[manager.dp_rank :: manager.dp_world_size]:
+    mine = starts[manager.dp_rank :: manager.dp_world_size]
+    bar = Progress(len(mine) * args.steps, prefix="inference: ", enabled=manager.rank == 0)
+    for start in mine:
         path = out / f"forecast-{start}.nc"
         x = ds.read_band(start).unsqueeze(0).to(manager.device)
         with (
@@ -113,30 +144,68 @@ def main(argv: list[str] | None = None) -> list[Path]:
                 manager,
                 time_units=units,
                 attrs={"source": "mpidp examples/inference.py", "checkpoint": args.checkpoint},
+                variable_attrs=ds.attributes,
             ) as writer,
             torch.no_grad(),
         ):
+            meter = SkillMeter(
+                ds.channels,
+                physical_band(ds, start),
+                clim,
+                weights,
+                manager,
+                units=field_units,
+                step_hours=hours,
+            )
             for k in range(1, args.steps + 1):
                 x = x + model(x)
                 time_k = float(ds.times[start + k]) if ds.times is not None else k
                 writer.write(x[0] * std + mean, time=time_k)
+                bar.advance(f"forecast from time index {start}")
+                meter.add(k, (x[0] * std + mean).cpu(), physical_band(ds, start + k))
+        skill = meter.result()
+        if manager.domain_rank == 0:
+            skill.write_json(out / f"skill-{start}.json")
         written.append(path)
+    bar.close()
     seconds = time.perf_counter() - t0
-    # one map: replica 0's last step, gathered over its domain group
+    # one figure: replica 0's last step, gathered over its domain group
     if manager.dp_rank == 0 and starts:
+        assert skill is not None  # replica 0 rolled out starts[0]
         c = ds.channels.index(args.map)
         field = mpidp.gather_tensor((x[0, c] * std[c, 0] + mean[c, 0]).cpu(), 0, manager=manager)
+        truth = physical_band(ds, starts[0] + args.steps)[c]
+        truth = mpidp.gather_tensor(truth, 0, manager=manager)
         if manager.domain_rank == 0:
             png = out / f"{args.map}-{starts[0]}+{args.steps}.png"
-            title = f"{args.map}: {args.steps}-step forecast from time index {starts[0]}"
-            save_map(png, field, ds.latitudes, ds.longitudes, title)
+            lead = f" ({args.steps * hours:g} h)" if hours else ""
+            title = (
+                f"{ds.attributes[args.map]['long_name']}: {args.steps}-step{lead} forecast "
+                f"from time index {starts[0]}"
+            )
+            save_comparison(
+                png,
+                truth,
+                field,
+                ds.latitudes,
+                ds.longitudes,
+                name=args.map,
+                units=field_units[c],
+                title=title,
+                rmse=skill.of(args.map)[-1].rmse,
+            )
             print(
                 f"mpidp inference: {manager.world_size} ranks = dp {manager.dp_world_size} x "
-                f"domain {manager.domain_world_size}; checkpoint saved at "
-                f"{state['layout']}; {len(starts)} rollout(s) of {args.steps} steps in "
-                f"{seconds:.2f} s; wrote {', '.join(str(out / f'forecast-{s}.nc') for s in starts)}"
-                f" and {png}",
+                f"domain {manager.domain_world_size}, from a checkpoint saved by "
+                f"{layout_text(state['layout'])}; {len(starts)} rollout(s) of {args.steps} "
+                f"steps in {seconds:.2f} s; wrote "
+                f"{', '.join(str(out / f'forecast-{s}.nc') for s in starts)}, "
+                f"{', '.join(str(out / f'skill-{s}.json') for s in starts)} and {png}\n",
                 flush=True,
+            )
+            print(skill.table(), flush=True)
+            print(
+                f"\nthe forecast from time index {starts[0]} {skill.verdict(args.map)}", flush=True
             )
     ds.close()
     manager.shutdown()

@@ -16,12 +16,14 @@ Every rank holds one latitude band of every field (uneven bands are fine); data-
 replicas see different samples. The loss is the latitude-weighted MSE of the whole global
 batch, computed exactly (sums over every band and replica, then one division), so a 2 x 2 run
 follows the one-process run's loss curve to rounding. Validation reports the exact
-latitude-weighted RMSE of every variable in its physical units.
+latitude-weighted RMSE of every variable in its physical units, and the forecast's skill
+against persistence and climatology (mpidp.skill); the last line says whether it beats
+persistence.
 
-Writes, in ``--out`` (default ``runs/train``): ``checkpoint.pt`` every ``--checkpoint-every``
-steps and at the end (loadable at any rank count, and by the serial model), ``metrics.json``
-(losses, validation, timing), ``loss_curve.png``. The sample data (``mpidp sample-data``) is
-generated on first use. Rank 0 alone prints.
+Writes, in --out (default runs/train): checkpoint.pt every --checkpoint-every steps and at the
+end (loadable at any rank count, and by the serial model), metrics.json (losses, validation,
+timing) and loss_curve.png. The sample data (mpidp sample-data) is generated on first use.
+Rank 0 alone prints: a progress bar on a terminal, else a line every --log-every steps.
 """
 
 from __future__ import annotations
@@ -31,15 +33,16 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from skill import training_times  # examples/skill.py
 from torch.utils.data import Subset
 
 import mpidp
+from mpidp.cli import HelpFormatter
 from mpidp.io import (
     DataParallelSampler,
     ShardedH5Dataset,
@@ -56,51 +59,103 @@ from mpidp.parallel import (
     apply_tensor_parallel,
     build_device_mesh,
 )
+from mpidp.progress import Progress
+from mpidp.skill import Skill, SkillMeter, climatology
 
 HERE = Path(__file__).resolve().parent
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] = (), metavar: str = "") -> Any:
+    """A Config field with its --help text (and its choices, where there are some)."""
+    meta = {"help": help, "choices": choices, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
 class Config:
     """Everything a run depends on; a YAML file may set any field, flags win over it."""
 
-    data: str = ""  # default: examples/data/sample-<lat>x<lon>.h5, generated when missing
-    model: str = "unet"  # unet, afno (FourCastNet-style), fno (Fourier neural op.), swin, graph
-    lat: int = 0  # 0: 91, or 92 for afno and swin (a multiple of their patch)
-    lon: int = 180
-    times: int = 64
-    domain: str = "auto"  # ranks per domain group; auto: 2 when world/tensor is even, else all
-    data_parallel: str = "none"  # none (mpidp.sync_gradients), ddp or fsdp2
-    tensor: int = 1  # tensor-parallel ranks splitting the bottleneck MLP's channels
-    mlp: int = 0  # hidden channels of the bottleneck MLP (0: none); needs >= tensor
-    steps: int = 40
-    batch: int = 2  # global batch: split over the data-parallel replicas
-    lr: float = 2e-3
-    width: int = 8  # U-Net width; AFNO and Swin embed 4 x width channels, FNO has 2 x width
-    groups: int = 2
-    patch: int = 4  # AFNO / Swin patch size (lat and lon must be multiples of it)
-    modes: int = 12  # FNO modes kept along each dim
-    precision: str = "float32"  # or float64
-    val_samples: int = 8
-    val_every: int = 10
-    checkpoint_every: int = 10
-    log_every: int = 5
-    seed: int = 0
-    out: str = "runs/train"
-    resume: bool = False
-    plot: bool = True
+    data: str = option(
+        "",
+        "the HDF5/netCDF-4 training data (default: examples/data/sample-LATxLON.h5, "
+        "written on first use)",
+        metavar="PATH",
+    )
+    model: str = option(
+        "unet",
+        "the network: a U-Net, AFNO (FourCastNet-style), a Fourier neural operator, "
+        "Swin (Pangu-style windows) or a graph model (GraphCast-style)",
+        ("unet", "afno", "fno", "swin", "graph"),
+    )
+    lat: int = option(0, "latitude rows, poles included; 0 gives 91, or 92 for afno and swin")
+    lon: int = option(180, "longitude columns")
+    times: int = option(64, "time steps of the sample data, 6 hours apart")
+    domain: str = option(
+        "auto",
+        "ranks per domain group, each holding one latitude band; auto gives 2 when the ranks "
+        "left after --tensor are even, else all of them",
+        metavar="N|auto",
+    )
+    data_parallel: str = option(
+        "none",
+        "how the data-parallel replicas share gradients: none (mpidp.sync_gradients), "
+        "ddp (torch DDP) or fsdp2 (parameters sharded over the replicas)",
+        ("none", "ddp", "fsdp2"),
+    )
+    tensor: int = option(1, "tensor-parallel ranks splitting the U-Net's bottleneck MLP")
+    mlp: int = option(0, "hidden channels of the U-Net's bottleneck MLP (0: none), >= --tensor")
+    steps: int = option(40, "the step to train up to (a resumed run continues to it)")
+    batch: int = option(2, "global batch, split over the data-parallel replicas")
+    lr: float = option(2e-3, "Adam learning rate")
+    width: int = option(
+        8, "U-Net width; AFNO, Swin and the graph model use 4 x width channels, FNO 2 x width"
+    )
+    groups: int = option(2, "group-norm groups of the U-Net")
+    patch: int = option(4, "AFNO and Swin patch size; --lat and --lon must be multiples of it")
+    modes: int = option(12, "Fourier modes the FNO keeps along each dimension")
+    precision: str = option(
+        "float32", "floating-point type of the model and the data", ("float32", "float64")
+    )
+    val_samples: int = option(8, "validation samples, taken from the end of the data")
+    val_every: int = option(10, "validate every this many steps and at the end")
+    checkpoint_every: int = option(10, "write the checkpoint every this many steps and at the end")
+    log_every: int = option(5, "one progress line every this many steps when not on a terminal")
+    seed: int = option(0, "seed of the initial weights and of the sample order")
+    out: str = option(
+        "runs/train", "folder for checkpoint.pt, metrics.json and loss_curve.png", metavar="DIR"
+    )
+    resume: bool = option(False, "continue from the checkpoint in --out")
+    plot: bool = option(True, "write loss_curve.png")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A flag per Config field (default None: unset, so a YAML file's value stands)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--config", metavar="YAML", help="a YAML file of the options below (flags win over it)"
+    )
+    for field in dataclasses.fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        text = field.metadata["help"]
+        if field.type == "bool":
+            text += " (default: on)" if field.default else " (default: off)"
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+            continue
+        if "default:" not in text:
+            text += f" (default: {field.default})"
+        kind = {"int": int, "float": float}.get(str(field.type), str)
+        choices = field.metadata["choices"] or None
+        metavar = field.metadata["metavar"] or {int: "N", float: "X"}.get(kind)
+        parser.add_argument(
+            flag, type=kind, default=None, choices=choices, metavar=metavar, help=text
+        )
+    return parser
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="a YAML file of Config fields (flags win over it)")
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            kind = {"int": int, "float": float}.get(str(field.type), str)
-            parser.add_argument(flag, type=kind, default=None)
+    parser = build_parser()
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
@@ -193,42 +248,17 @@ def parallel_model(
     return model
 
 
-class Progress:
-    """A one-line progress bar on a terminal, a log line every ``log_every`` steps otherwise."""
-
-    def __init__(self, total: int, first: int, log_every: int, enabled: bool) -> None:
-        self.total, self.first, self.log_every, self.enabled = total, first, log_every, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.t0 = time.perf_counter()
-
-    def update(self, step: int, loss: float) -> None:
-        if not self.enabled:
-            return
-        rate = (time.perf_counter() - self.t0) / max(step - self.first, 1)
-        text = f"step {step:>5}/{self.total}  loss {loss:.6f}  {rate:.3f} s/step"
-        if self.tty:
-            done = int(30 * step / self.total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {text}")
-            sys.stderr.flush()
-        elif step % self.log_every == 0 or step == self.total:
-            print(text, flush=True)
-
-    def message(self, text: str) -> None:
-        if self.enabled:
-            if self.tty:
-                sys.stderr.write("\r" + " " * 100 + "\r")
-            print(text, flush=True)
-
-
 def sample_data(cfg: Config, manager: mpidp.DistributedManager) -> str:
     """The data file; world rank 0 writes the sample set when it is missing or was written by
     another version of the generator or with other sizes (a cache on a shared disk)."""
     path = cfg.data or str(HERE / "data" / f"sample-{cfg.lat}x{cfg.lon}.h5")
     if not cfg.data and manager.rank == 0:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        _, why = ensure_sample_data(path, n_lat=cfg.lat, n_lon=cfg.lon, n_time=cfg.times)
+        _, why = ensure_sample_data(
+            path, n_lat=cfg.lat, n_lon=cfg.lon, n_time=cfg.times, progress=True
+        )
         if why:
-            print(f"wrote the sample data set to {path} (the cached one: {why})", flush=True)
+            print(f"wrote the sample data to {path}: the file there was {why}", flush=True)
     manager.transport("world", "cpu").barrier()
     return path
 
@@ -255,28 +285,51 @@ def validate(
     per_replica: int,
     weights: torch.Tensor,
     meshes: ParallelMesh,
-) -> tuple[float, dict[str, float]]:
+    clim: torch.Tensor,
+) -> tuple[float, dict[str, float], Skill]:
     """Exact latitude-weighted MSE (normalised units) and RMSE per variable (physical units)
     over every validation sample: local sums, then one all-reduce over the world (tensor-parallel
-    ranks count their replica's samples alike, in numerator and denominator)."""
+    ranks count their replica's samples alike, in numerator and denominator). And the skill of
+    the one-step forecasts against persistence and climatology (``clim``), pooled alike."""
     manager = meshes.manager
     mine = list(indices)[meshes.dp_rank :: meshes.dp_size]  # disjoint, no repeats
     sq = torch.zeros(len(ds.target_channels), dtype=torch.float64)
     count = torch.zeros(1, dtype=torch.float64)
+    inputs, forecasts, truths = [], [], []
     model.eval()
     with torch.no_grad():
         for k in range(0, len(mine), per_replica):
             x, y = batch(ds, mine[k : k + per_replica], weights.device)
-            err = (x + model(x) - y).double().square() * weights
+            forecast = x + model(x)
+            err = (forecast - y).double().square() * weights
             sq += err.sum((0, 2, 3)).cpu()
             count += weights.sum().cpu() * y.size(0) * y.size(-1)
+            inputs.append(x.cpu())
+            forecasts.append(forecast.cpu())
+            truths.append(y.cpu())
     model.train()
-    total = manager.transport("world", "cpu").all_reduce(torch.cat([sq, count]))
+    world = manager.transport("world", "cpu")
+    total = world.all_reduce(torch.cat([sq, count]))
     mse = total[:-1] / total[-1]
-    assert ds.std is not None  # normalised data (the default)
+    assert ds.mean is not None and ds.std is not None  # normalised data (the default)
     std = ds.std.double().flatten()[: len(mse)]
     rmse = {c: float(v) for c, v in zip(ds.target_channels, mse.sqrt() * std, strict=True)}
-    return float(mse.mean()), rmse
+    c = len(ds.channels)
+    mean, scale = ds.mean[:c].double().view(-1, 1, 1), std[:c].view(-1, 1, 1)
+    physical = [torch.cat(v).double() * scale + mean for v in (inputs, forecasts, truths)]
+    units = [ds.attributes[name].get("units", "") for name in ds.channels]
+    meter = SkillMeter(
+        ds.channels,
+        physical[0],
+        clim,
+        weights.cpu(),
+        manager,
+        units=units,
+        forecasts=len(indices),
+        group=world,
+    )
+    meter.add(1, physical[1], physical[2])
+    return float(mse.mean()), rmse, meter.result()
 
 
 def save_plot(path: Path, history: dict[str, Any]) -> None:
@@ -340,6 +393,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"mpidp train: {err}") from None
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     weights = mpidp.latitude_weights(cfg.lat, manager=manager, dtype=dtype).to(manager.device)
+    # the reference forecast "climatology": the mean state of the training times
+    clim = climatology(ds, training_times(ds.n_times, cfg.val_samples), manager)
 
     step = 0
     history: dict[str, list[tuple[int, float]]] = {"train": [], "val": []}
@@ -357,18 +412,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     if lead:
+        bands = ", ".join(str(n) for n in manager.spec(cfg.lat).sizes)
         print(
             f"mpidp train: {cfg.model}; {manager.world_size} ranks = {describe(meshes)}; "
-            f"grid {cfg.lat} x {cfg.lon}, bands {list(manager.spec(cfg.lat).sizes)}; "
-            f"{channels} channels {ds.channels}; {n_params} parameters; {cfg.precision}; "
-            f"global batch {cfg.batch}; steps {step} -> {cfg.steps}",
+            f"grid {cfg.lat} x {cfg.lon} in bands of {bands} rows; "
+            f"{channels} channels ({', '.join(ds.channels)}); {n_params} parameters; "
+            f"{cfg.precision}; global batch {cfg.batch}; steps {step} to {cfg.steps}",
             flush=True,
         )
-    bar = Progress(cfg.steps, step, cfg.log_every, lead)
+    bar = Progress(cfg.steps, first=step, every=cfg.log_every, enabled=lead)
     world_t = manager.transport("world", "cpu")
     t_start = time.perf_counter()
     first_step = step
-    val_loss, rmse = math.nan, dict[str, float]()
+    val_loss, rmse, skill = math.nan, dict[str, float](), None
     while step < cfg.steps:
         epoch, k = divmod(step, per_epoch)
         sampler.set_epoch(epoch)
@@ -383,18 +439,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the global batch's loss: the replicas' equal-size batch means, averaged
         value = float(world_t.all_reduce(loss.detach().double().cpu().reshape(1))) / world
         history["train"].append((step, value))
-        bar.update(step, value)
+        bar.update(step, f"loss {value:.6f}")
         if step % cfg.val_every == 0 or step == cfg.steps:
-            val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, meshes)
+            val_loss, rmse, skill = validate(model, ds, val_idx, per_replica, weights, meshes, clim)
             history["val"].append((step, val_loss))
             shown = ", ".join(f"{c} {v:.4g}" for c, v in rmse.items())
-            bar.message(f"step {step}: validation loss {val_loss:.6f}; RMSE {shown}")
+            bar.message(
+                f"step {step}: validation loss {val_loss:.6f}; RMSE {shown}; {skill.verdict()}"
+            )
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(ckpt, model, optimizer, step, manager, extra=extra())
+    bar.close()
     seconds = time.perf_counter() - t_start
 
-    if not history["val"] or history["val"][-1][0] != step:  # e.g. resumed at the last step
-        val_loss, rmse = validate(model, ds, val_idx, per_replica, weights, meshes)
+    if skill is None or history["val"][-1][0] != step:  # e.g. resumed at the last step
+        val_loss, rmse, skill = validate(model, ds, val_idx, per_replica, weights, meshes, clim)
     metrics = {
         "world": manager.world_size,
         "dp": dp,
@@ -409,6 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_loss": history["train"][-1][1] if history["train"] else math.nan,
         "val_loss": val_loss,
         "val_rmse": rmse,
+        "val_skill": skill.to_dict(),
         "history": history,
     }
     if lead:
@@ -421,6 +481,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"done: {step} steps in {seconds:.1f} s ({metrics['seconds_per_step']:.3f} s/step); "
             f"validation loss {val_loss:.10f}; wrote {ckpt}, {out / 'metrics.json'}"
             + (f", {out / 'loss_curve.png'}" if cfg.plot else ""),
+            flush=True,
+        )
+        print(f"\n{skill.table()}\n", flush=True)
+        print(
+            f"one step ahead on the {len(val_idx)} validation samples, the model {skill.verdict()}",
             flush=True,
         )
     ds.close()

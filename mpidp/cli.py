@@ -1,8 +1,10 @@
-"""Command line: ``mpidp info``, ``mpidp plan``, ``mpidp explain`` and ``mpidp sample-data PATH``
-(also ``python -m mpidp ...``).
+"""Check a domain-parallel job before and while it runs: describe the ranks of a launch,
+price a model's cut per rank before submitting, trace it op by op, write the sample data.
 
-Run it under the launcher of the job to check, e.g. ``mpiexec -n 4 mpidp info -d 2``: rank 0
-prints one table (or, with ``--json``, one JSON document) describing every rank.
+Run info under the launcher of the job to check, e.g. mpiexec -n 4 mpidp info -d 2: rank 0
+prints one table (or, with --json, one JSON document) describing every rank. plan needs no
+MPI and no data; explain starts its own ranks when no launcher did. python -m mpidp is the
+same command. mpidp SUBCOMMAND --help describes each.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["HelpFormatter", "build_parser", "main"]
 
 _COLUMNS = (
     ("rank", "rank"),
@@ -73,54 +75,107 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mpidp", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="describe every rank of this launch")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default after its help, unless the help
+    already names it or it is None, False, empty (the help says what those mean). mpidp's
+    commands and the examples use it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        empty = action.default is None or action.default is False or action.default in ("", [])
+        if empty or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_MODELS = "unet, resblock, patch, afno, fno, swin, graph"
+_INFO = """Describe every rank of this launch: its host, launcher, device, backend, transport and
+place in the (data-parallel, domain) mesh.
+
+Run it under the launcher of the job to check, e.g. mpiexec -n 4 mpidp info -d 2. Rank 0
+prints one table, or with --json one JSON document.
+"""
+_PLAN = """Price a domain-parallel run of a model on a grid before submitting it: per rank, the
+rows it owns, the halo rows every layer fetches, the bytes its halo exchanges move in one
+training step and the activation memory its bands hold.
+
+No MPI and no data: shape arithmetic on meta tensors. Exits 1 when the model cannot be cut
+this way (the problems are printed). Big models show their stages on stderr.
+"""
+_EXPLAIN = """Run a model's forward once on meta tensors cut over N domain ranks and print, per
+module path, each op's result layout and the bytes it sends, and the first op mpidp would
+refuse, with its fix.
+
+Without a launcher it starts its N ranks with the mpiexec next to this Python (or on PATH);
+under a launcher it uses the job's ranks. Rank 0 prints. Exits 1 when an op is refused.
+"""
+_SAMPLE = """Write the built-in synthetic ERA5-like data set to PATH (HDF5 that netCDF-4 reads):
+t2m and msl, and z and t on two pressure levels, 6-hourly, each a climatology plus travelling
+waves. The file is replaced atomically. examples/train.py writes it on first use.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (the --help test reads it)."""
+    parser = argparse.ArgumentParser(
+        prog="mpidp", description=__doc__, formatter_class=HelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="subcommands")
+    info = sub.add_parser(
+        "info",
+        help="describe every rank of this launch",
+        description=_INFO,
+        formatter_class=HelpFormatter,
+    )
     info.add_argument(
         "-d",
         "--domain-parallel-size",
         type=int,
         default=1,
-        help="ranks per domain group (default 1)",
+        metavar="N",
+        help="ranks per domain group",
     )
-    info.add_argument("--backend", default=None, help="torch.distributed backend (default: auto)")
-    info.add_argument("--transport", default="auto", choices=("auto", "mpi", "torch"))
-    info.add_argument("--timeout", type=float, default=120.0, help="rendezvous timeout, seconds")
-    info.add_argument("--json", action="store_true", help="print one JSON document")
-    sample = sub.add_parser(
-        "sample-data", help="write the built-in synthetic ERA5-like data set to PATH"
+    info.add_argument(
+        "--backend",
+        default=None,
+        help="torch.distributed backend, e.g. gloo or nccl (default: the one for the device)",
     )
-    sample.add_argument("path", help="the HDF5/netCDF-4 file to write (replaced atomically)")
-    sample.add_argument("--lat", type=int, default=91, help="latitude rows, poles included")
-    sample.add_argument("--lon", type=int, default=180, help="longitude columns")
-    sample.add_argument("--time", type=int, default=64, help="time steps, 6 hours apart")
-    sample.add_argument("--seed", type=int, default=0)
+    info.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "mpi", "torch"),
+        help="how ranks talk: MPI, torch.distributed, or auto (MPI when the launcher is MPI's)",
+    )
+    info.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="rendezvous timeout"
+    )
+    info.add_argument("--json", action="store_true", help="print one JSON document, not a table")
     plan = sub.add_parser(
         "plan",
-        help="per-rank rows, halo rows per layer, halo bytes per step and activation memory "
-        "of a model on a grid, before submitting (no MPI, no data)",
+        help="price a model's cut per rank, before submitting",
+        description=_PLAN,
+        formatter_class=HelpFormatter,
     )
-    plan.add_argument(
-        "--grid", default="721x1440", help="LATxLON or TIMExLATxLON (5-D input; default 721x1440)"
-    )
-    plan.add_argument("-d", "--domain", type=int, default=4, help="domain ranks (default 4)")
+    plan.add_argument("--grid", default="721x1440", help="LATxLON, or TIMExLATxLON for a 5-D input")
+    plan.add_argument("-d", "--domain", type=int, default=4, metavar="N", help="domain ranks")
     plan.add_argument(
         "--model",
         default="unet",
-        help="an example model (unet, resblock, patch, afno, fno, swin, graph) or module:factory "
-        "(default unet)",
+        metavar="NAME",
+        help=f"an example model ({_MODELS}) or module:factory",
     )
-    plan.add_argument("--channels", type=int, default=6, help="input channels (default 6)")
-    plan.add_argument("--batch", type=int, default=1, help="samples per rank (default 1)")
+    plan.add_argument("--channels", type=int, default=6, metavar="N", help="input channels")
+    plan.add_argument("--batch", type=int, default=1, metavar="N", help="samples per rank")
     plan.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "float64", "bfloat16"),
-        help="activation dtype: sets the bytes priced (default float32)",
+        help="activation dtype: sets the bytes priced",
     )
     plan.add_argument(
-        "--partition", default="balanced", help="balanced or weighted:w0,w1,... (one per rank)"
+        "--partition",
+        default="balanced",
+        metavar="RULE",
+        help="how rows are split: balanced, or weighted:w0,w1,... with one weight per rank",
     )
     plan.add_argument(
         "--input",
@@ -129,18 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SHAPE",
         help="a further input of the model's forward, e.g. 1x3x721x1440 (repeatable)",
     )
-    plan.add_argument("--json", action="store_true", help="print one JSON document")
+    plan.add_argument("--json", action="store_true", help="print one JSON document, not a table")
     explain = sub.add_parser(
         "explain",
-        help="run a model once on meta ShardedTensors over N ranks and print, per module path, "
-        "each op's result layout and bytes sent, and the first op that would be refused",
+        help="trace a model op by op over N ranks, on meta tensors",
+        description=_EXPLAIN,
+        formatter_class=HelpFormatter,
     )
     explain.add_argument(
         "--model",
         default="unet",
-        help="an example model (unet, resblock, patch, afno, fno, swin, graph) or module:factory "
-        "(called with whichever of in_channels, out_channels, channels, grid it takes; "
-        "default unet)",
+        metavar="NAME",
+        help=f"an example model ({_MODELS}) or module:factory, called with whichever of "
+        "in_channels, out_channels, channels and grid it takes",
     )
     explain.add_argument(
         "--shape",
@@ -148,35 +204,70 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         metavar="SHAPE",
         help="an input of the model's forward, e.g. 1x6x721x1440; the first is cut into bands; "
-        "repeatable (default 1x6x91x180)",
+        "repeatable (default: 1x6x91x180)",
     )
     explain.add_argument(
-        "--dim", type=int, default=-2, help="the dim of the first input cut into bands (-2)"
+        "--dim", type=int, default=-2, help="the dimension of the first input cut into bands"
     )
     explain.add_argument(
         "-n",
         "--ranks",
         type=int,
         default=2,
-        help="domain ranks (default 2; under a launcher: the job's ranks)",
+        metavar="N",
+        help="domain ranks; under a launcher, the job's ranks",
     )
     explain.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "float64", "bfloat16"),
-        help="dtype of the model and its inputs: sets the bytes counted (default float32)",
+        help="dtype of the model and its inputs: sets the bytes counted",
     )
-    explain.add_argument(
-        "--json", action="store_true", help="print one JSON document (default: a table)"
+    explain.add_argument("--json", action="store_true", help="print one JSON document, not a table")
+    sample = sub.add_parser(
+        "sample-data",
+        help="write the synthetic ERA5-like sample data to PATH",
+        description=_SAMPLE,
+        formatter_class=HelpFormatter,
     )
+    sample.add_argument("path", help="the file to write")
+    sample.add_argument(
+        "--lat", type=int, default=91, metavar="N", help="latitude rows, poles included"
+    )
+    sample.add_argument("--lon", type=int, default=180, metavar="N", help="longitude columns")
+    sample.add_argument(
+        "--time", type=int, default=64, metavar="N", help="time steps, 6 hours apart"
+    )
+    sample.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the waves and noise"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "explain":
         return _explain(args, list(argv) if argv is not None else sys.argv[1:])
     if args.command == "sample-data":
-        return _sample_data(args)
+        return _sample_data(args) if _first_rank() else 0
     if args.command == "plan":
-        return _plan(args)
+        return _plan(args) if _first_rank() else 0
     return _info(args)
+
+
+def _first_rank() -> bool:
+    """Whether this process is rank 0 of its launch, or started alone: plan and sample-data
+    need no MPI, so under a launcher the other ranks do nothing (and print nothing)."""
+    import os
+
+    from mpidp.bootstrap import detect_launch
+    from mpidp.errors import MpidpError
+
+    try:
+        return detect_launch(dict(os.environ)).rank == 0
+    except MpidpError:  # an inconsistent environment: info says why; here, carry on
+        return True
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -184,6 +275,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from mpidp.errors import MpidpError
     from mpidp.plan import build_model, parse_partition, plan_model, to_json
+    from mpidp.progress import Progress
 
     try:
         grid = tuple(int(v) for v in args.grid.lower().split("x"))
@@ -192,21 +284,30 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         print(
-            f"mpidp plan: --grid {args.grid!r} / --input {args.input}: use LATxLON or "
-            f"TIMExLATxLON, and full shapes like 1x3x721x1440 for --input",
+            f"mpidp plan: cannot read --grid {args.grid}"
+            + "".join(f" or --input {shape}" for shape in args.input)
+            + ": use LATxLON or TIMExLATxLON for --grid and full shapes like 1x3x721x1440 "
+            "for --input",
             file=sys.stderr,
         )
         return 2
+    # three stages, shown on stderr (stdout holds the result) once they take over 2 s
+    stages = Progress(
+        3, label="stage", prefix="mpidp plan: ", rate=False, every=1, stream=sys.stderr, delay=2
+    )
     try:
-        model = build_model(args.model, args.channels, grid)  # type: ignore[arg-type]
-        result = plan_model(
-            model,
-            (args.batch, args.channels, *grid),
-            args.domain,
-            partition=parse_partition(args.partition, args.domain),
-            dtype=getattr(torch, args.dtype),
-            extra_inputs=extra,
-        )
+        with stages:
+            stages.advance(f"building the {args.model} model")
+            model = build_model(args.model, args.channels, grid)  # type: ignore[arg-type]
+            result = plan_model(
+                model,
+                (args.batch, args.channels, *grid),
+                args.domain,
+                partition=parse_partition(args.partition, args.domain),
+                dtype=getattr(torch, args.dtype),
+                extra_inputs=extra,
+                progress=stages.advance,
+            )
     except MpidpError as err:
         print(f"mpidp plan: {err}", file=sys.stderr)
         return 2
@@ -230,7 +331,8 @@ def _explain(args: argparse.Namespace, argv: list[str]) -> int:
             raise ValueError
     except ValueError:
         print(
-            f"mpidp explain: --shape {args.shape}: use full shapes like 1x6x721x1440",
+            f"mpidp explain: cannot read --shape {' '.join(args.shape)}: use full shapes "
+            "like 1x6x721x1440",
             file=sys.stderr,
         )
         return 2
@@ -269,9 +371,12 @@ def _sample_data(args: argparse.Namespace) -> int:
     from mpidp.io import make_sample_data
 
     path = make_sample_data(
-        args.path, n_lat=args.lat, n_lon=args.lon, n_time=args.time, seed=args.seed
+        args.path, n_lat=args.lat, n_lon=args.lon, n_time=args.time, seed=args.seed, progress=True
     )
-    print(f"mpidp: wrote {path} ({args.time} x {args.lat} x {args.lon}, 4 variables, 6 channels)")
+    print(
+        f"mpidp: wrote {path}: 4 variables in 6 channels, {args.time} times on a "
+        f"{args.lat} x {args.lon} grid."
+    )
     return 0
 
 

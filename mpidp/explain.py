@@ -5,9 +5,9 @@ storage, no values) through the same handlers and layers as a real run, over the
 group: collectives move shapes only (:class:`~mpidp.comm.meta.MetaTransport`) and count the
 bytes the real ones would send. It records, for every outermost torch call and converted layer
 on a band, the module path it ran in, the layout of its result (a band along which dim, its
-rows per rank, blocks merged before it; Replicated; whole) and the bytes each rank sends for
-it, then stops at the first call that would be refused, with its message (the op, the module
-path and the fix) -- the same on every rank, as in a real run.
+rows per rank, blocks merged before it; a partial sum; Replicated; whole) and the bytes each
+rank sends for it, then stops at the first call that would be refused, with its message (the
+op, the module path and the fix) -- the same on every rank, as in a real run.
 
 ``mpidp explain --model module:factory --shape 1x3x721x1440 -n 4`` prints it (it starts the
 ranks itself under the MPI of this environment when it is not launched by one). The backward
@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from mpidp.errors import MpidpError
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.sharded.dispatch import WATCHERS, name_of
+from mpidp.sharded.partial import PartialSum
 from mpidp.sharded.tensor import Replicated, ShardedTensor, shard
 from mpidp.sharded.where import module_path
 
@@ -115,6 +116,8 @@ def _layout(out: Any) -> str:
     if isinstance(t, ShardedTensor):
         blocks = f", {t.blocks} blocks" if t.blocks > 1 else ""
         text = f"band dim {t.shard_dim} of {tuple(t.shape)}{blocks}: {list(t.spec.sizes)}"
+    elif isinstance(t, PartialSum):
+        text = f"partial sum {tuple(t.shape)} (summed when used)"
     elif isinstance(t, Replicated):
         text = f"replicated {tuple(t.shape)}"
     else:

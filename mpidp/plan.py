@@ -424,12 +424,16 @@ def plan_model(
     dtype: torch.dtype = torch.float32,
     shard_dim: int = -2,
     extra_inputs: Sequence[Any] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
     ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
     that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
-    balanced). Local: no communication, no data."""
+    balanced). ``progress`` is called with the name of each of its two stages as it begins
+    (``mpidp plan`` shows them on big models). Local: no communication, no data."""
     policy = partition if partition is not None else Balanced()
+    if progress is not None:
+        progress("checking how each layer cuts")
     report = validate_sharding_constraints(
         model,
         parts=parts,
@@ -440,6 +444,8 @@ def plan_model(
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks = []
     inputs = [tuple(global_shape), *extra_inputs]
+    if progress is not None:
+        progress("counting the activation memory")
     saved, serial = _saved_bytes(model, inputs, report, parts, itemsize)
     for r in range(parts):
         recv = send = moved_all = 0

@@ -4,8 +4,9 @@
 * :mod:`mpidp.compat.physicsnemo` - NVIDIA PhysicsNeMo's ``physicsnemo.distributed`` (manager,
   ``utils``, ``autograd``, ``fft``, ``mappings``) and ``physicsnemo.domain_parallel``
   (``ShardTensor``, ``scatter_tensor``);
-* ECMWF anemoi's ``anemoi.models.distributed`` primitives: :mod:`mpidp.anemoi` (moving to
-  ``mpidp.compat.anemoi``).
+* :mod:`mpidp.compat.anemoi` - ECMWF anemoi's ``anemoi.models.distributed`` (``graph``,
+  ``khop_edges``, ``shapes``, ``transformer``, ``utils``; :mod:`mpidp.anemoi` re-exports its
+  old form for one release).
 
 Each name keeps its source's signature, defaults, return values and meaning, and is a thin
 layer over mpidp's one implementation (no numerics of its own). Where the source is right only

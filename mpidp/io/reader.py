@@ -35,7 +35,7 @@ from mpidp.io._common import check_everywhere, describe_error, digest
 from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.partition import ShardSpec
 
-__all__ = ["DataParallelSampler", "ShardedH5Dataset"]
+__all__ = ["CF_ATTRIBUTES", "DataParallelSampler", "ShardedH5Dataset"]
 
 Opener = Callable[[str], h5py.File]
 Variables = str | Sequence[str | tuple[str, Sequence[int]]] | None
@@ -44,6 +44,9 @@ _LAT_NAMES = ("latitude", "lat")
 _LON_NAMES = ("longitude", "lon")
 _TIME_NAMES = ("time", "valid_time")
 _LEVEL_NAMES = ("level", "pressure_level", "plev", "isobaricInhPa")
+
+#: The variable attributes a dataset passes on to what is written from it (CF conventions).
+CF_ATTRIBUTES = ("units", "long_name", "standard_name")
 
 
 _LIVE: weakref.WeakSet[ShardedH5Dataset] = weakref.WeakSet()
@@ -71,6 +74,33 @@ def _coordinate(f: h5py.File, dset: h5py.Dataset, axis: int, names: Sequence[str
     for name in names:
         if name in f and isinstance(f[name], h5py.Dataset) and f[name].shape == (n,):
             return f[name][()]
+    return None
+
+
+def _text(value: Any) -> str:
+    """An HDF5 attribute as text (h5py returns str, bytes or a 0-d/1-element array)."""
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(()).item()
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cf_attributes(obj: Any) -> dict[str, str]:
+    """The :data:`CF_ATTRIBUTES` that ``obj`` (a dataset, or None) carries, as text."""
+    if obj is None:
+        return {}
+    return {k: _text(obj.attrs[k]) for k in CF_ATTRIBUTES if k in obj.attrs}
+
+
+def _level_scale(f: h5py.File, dset: h5py.Dataset) -> h5py.Dataset | None:
+    """The coordinate dataset of ``dset``'s level axis (axis 1), found as :func:`_coordinate`
+    finds it; None without one."""
+    n = dset.shape[1]
+    for scale in dset.dims[1].values():
+        if scale.ndim == 1 and scale.shape[0] == n and not _is_pure_dim(scale):
+            return scale
+    for name in _LEVEL_NAMES:
+        if name in f and isinstance(f[name], h5py.Dataset) and f[name].shape == (n,):
+            return f[name]
     return None
 
 
@@ -103,6 +133,12 @@ class _FileInfo:
         self.time = _coordinate(f, first, 0, _TIME_NAMES)
         self.levels = {n: _coordinate(f, f[n], 1, _LEVEL_NAMES) for n in names if f[n].ndim == 4}
         self.stats = {n: (f[n].attrs.get("mean"), f[n].attrs.get("std")) for n in names}
+        self.attrs = {n: _cf_attributes(f[n]) for n in names}
+        self.level_units = {
+            n: _cf_attributes(_level_scale(f, f[n])).get("units", "")
+            for n in names
+            if f[n].ndim == 4
+        }
         stat = os.stat(path) if os.path.exists(path) else None
         self.fingerprint = (
             self.shapes,
@@ -135,6 +171,24 @@ def _channel_names(name: str, n_levels: int, levels: tuple[int, ...], coord: Any
     if coord is not None and np.all(np.mod(coord, 1) == 0):
         return [f"{name}{int(coord[i])}" for i in levels]
     return [f"{name}_{i}" for i in levels]
+
+
+def _channel_attributes(
+    name: str, levels: tuple[int, ...], info: _FileInfo
+) -> list[dict[str, str]]:
+    """The CF attributes of each channel of variable ``name``: the variable's own
+    (``units``, ``long_name``, ``standard_name``), ``long_name`` defaulting to its name; the
+    channel of one level names it (``t at 500 hPa``)."""
+    own = info.attrs[name]
+    base = own.get("long_name", name)
+    if len(info.shapes[name]) == 3:
+        return [{**own, "long_name": base}]
+    coord, units = info.levels.get(name), info.level_units.get(name, "")
+    out = []
+    for i in levels:
+        where = f"level {i}" if coord is None else f"{coord[i]:g} {units}".strip()
+        out.append({**own, "long_name": f"{base} at {where}"})
+    return out
 
 
 def _halo(halo: int | tuple[int, int] | HaloSpec, parts: int) -> tuple[tuple[int, ...], ...]:
@@ -186,6 +240,11 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         its latitude coordinate, is mirrored) or ``"file"``.
     opener:
         Opens one file (default ``h5py.File(path, "r")``); e.g. to count the bytes read.
+
+    ``attributes`` maps every channel read (inputs and targets) to the CF attributes of its
+    source variable (:data:`CF_ATTRIBUTES`: ``units``, ``long_name``, ``standard_name`` where
+    the file has them; ``long_name`` defaults to the variable's name, and a level's channel
+    names its level): pass it to :class:`~mpidp.io.RolloutWriter` as ``variable_attrs``.
 
     Construction is collective over the world (every rank checks its files; a problem on any
     rank raises the same :class:`~mpidp.DataError` everywhere). Files are opened lazily, once
@@ -406,6 +465,14 @@ class ShardedH5Dataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.channels = [c for _, _, names in self._sources_in for c in names]
         self.target_channels = [c for _, _, names in self._sources_out for c in names]
         self._all_channels = list(dict.fromkeys(self.channels + self.target_channels))
+        self.attributes: dict[str, dict[str, str]] = {}
+        for (name, levels), (_, _, names) in zip(
+            self._inputs + self._outputs, self._sources_in + self._sources_out, strict=True
+        ):
+            shape = first.shapes[name]
+            every = tuple(range(shape[1])) if len(shape) == 4 else ()
+            attrs = _channel_attributes(name, levels if levels is not None else every, first)
+            self.attributes.update(zip(names, attrs, strict=True))
 
     @staticmethod
     def _sources(

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from mpidp.io._common import attach_dims, declare_dims, temporary_name
+from mpidp.progress import Progress
 
 __all__ = ["make_sample_data", "ensure_sample_data", "sample_fingerprint"]
 
@@ -51,13 +52,15 @@ def make_sample_data(
     levels: tuple[int, ...] = (500, 850),
     hours: int = 6,
     seed: int = 0,
+    progress: bool = False,
 ) -> Path:
     """Write the sample data set to ``path`` (atomically) and return the path.
 
     ``n_lat`` rows from 90 to -90 degrees (poles on the rows), ``n_lon`` columns from 0 east,
     ``n_time`` steps ``hours`` apart from 2000-01-01. Every variable carries ``mean`` and
     ``std`` attributes (per level for the 4-D ones) for normalisation. Deterministic in
-    ``seed``. Local: call it on one rank.
+    ``seed``. ``progress`` shows a line per field written (a bar on a terminal). Local: call
+    it on one rank.
     """
     path = Path(path)
     fingerprint = sample_fingerprint(
@@ -70,8 +73,10 @@ def make_sample_data(
     s = np.sin(phi)
     times = np.arange(n_time) * float(hours)
     tmp = temporary_name(path, int(rng.integers(1 << 40)))
+    fields = sum(len(levels) if has_levels else 1 for _, has_levels, *_ in _VARIABLES)
+    bar = Progress(fields, label="field", prefix="sample data: ", every=1, enabled=progress)
     try:
-        with h5py.File(tmp, "w") as f:
+        with bar, h5py.File(tmp, "w") as f:
             f.attrs["title"] = "mpidp synthetic ERA5-like sample data"
             f.attrs[FINGERPRINT_ATTR] = fingerprint
             coords = {
@@ -95,13 +100,12 @@ def make_sample_data(
             f["level"].attrs["units"] = "hPa"
             for name, has_levels, climate, amplitude, units in _VARIABLES:
                 levs = levels if has_levels else (500,)
-                data = np.stack(
-                    [
-                        climate(s, lev) + amplitude * _weather(rng, phi, lam, times, hours)
-                        for lev in levs
-                    ],
-                    axis=1,
-                ).astype(np.float32)
+                parts = []
+                for lev in levs:
+                    weather = _weather(rng, phi, lam, times, hours)
+                    parts.append(climate(s, lev) + amplitude * weather)
+                    bar.advance(name + (str(lev) if has_levels else ""))
+                data = np.stack(parts, axis=1).astype(np.float32)
                 if not has_levels:
                     data = data[:, 0]
                 ds = f.create_dataset(name, data=data)  # contiguous: a band is a hyperslab read
@@ -132,11 +136,12 @@ def ensure_sample_data(
     levels: tuple[int, ...] = (500, 850),
     hours: int = 6,
     seed: int = 0,
+    progress: bool = False,
 ) -> tuple[Path, str]:
     """The sample file at ``path``, written unless a file there came from this generator with
     these arguments: returns ``(path, why)``, ``why`` is ``""`` when the cached file was kept,
     else what made it stale (missing, unreadable, another generator or other arguments).
-    Local: call it on one rank."""
+    ``progress`` as in :func:`make_sample_data`. Local: call it on one rank."""
     path = Path(path)
     arguments = dict(n_lat=n_lat, n_lon=n_lon, n_time=n_time, levels=levels, hours=hours)
     want = sample_fingerprint(**arguments, seed=seed)
@@ -152,7 +157,7 @@ def ensure_sample_data(
         if not why and (got.decode() if isinstance(got, bytes) else got) != want:
             why = "written by another version of the generator or with other arguments"
     if why:
-        make_sample_data(path, **arguments, seed=seed)  # type: ignore[arg-type]
+        make_sample_data(path, **arguments, seed=seed, progress=progress)  # type: ignore[arg-type]
     return path, why
 
 

@@ -53,6 +53,17 @@ __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded
 
 METHODS = ("auto", "mpio", "ordered")
 
+#: CF attributes of the coordinate variables a rollout writes (time: when it has units).
+_COORDINATE_ATTRS = {
+    "time": {"standard_name": "time", "long_name": "time"},
+    "latitude": {"units": "degrees_north", "standard_name": "latitude", "long_name": "latitude"},
+    "longitude": {
+        "units": "degrees_east",
+        "standard_name": "longitude",
+        "long_name": "longitude",
+    },
+}
+
 
 def parallel_hdf5_available() -> bool:
     """Whether this h5py was built with MPI (the ``mpio`` driver)."""
@@ -284,9 +295,14 @@ class RolloutWriter:
 
     ``channels`` are the variable names (e.g. the dataset's ``target_channels``);
     ``latitudes``/``longitudes`` the global coordinates; ``time_units`` the netCDF units of the
-    times passed to :meth:`write` (default step numbers). Use as a context manager::
+    times passed to :meth:`write` (default step numbers). ``attrs`` are written on every
+    variable; ``variable_attrs`` maps a channel to its own attributes (CF ``units`` and
+    ``long_name``: pass :attr:`ShardedH5Dataset.attributes <mpidp.io.ShardedH5Dataset>`, so
+    the forecast carries the source data's). The coordinates carry their CF ``units``,
+    ``standard_name`` and ``long_name``. Use as a context manager::
 
-        with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon) as out:
+        with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon,
+                           variable_attrs=dataset.attributes) as out:
             for step in range(n):
                 x = model(x)
                 out.write(x[0], time=6 * (step + 1))
@@ -304,6 +320,7 @@ class RolloutWriter:
         *,
         time_units: str | None = None,
         attrs: Mapping[str, Any] | None = None,
+        variable_attrs: Mapping[str, Mapping[str, Any]] | None = None,
         dtype: Any = np.float32,
         method: str = "auto",
         group: Any = None,
@@ -322,6 +339,9 @@ class RolloutWriter:
             "channels": self.channels,
             "method": self.method,
             "time_units": time_units,
+            "variable_attrs": repr(
+                sorted((c, sorted(dict(a).items())) for c, a in (variable_attrs or {}).items())
+            ),
         }
         check_everywhere(
             self.t,
@@ -336,6 +356,7 @@ class RolloutWriter:
             if v is not None
         }
         self.time_units, self.attrs, self.dtype = time_units, dict(attrs or {}), np.dtype(dtype)
+        self.variable_attrs = {c: dict((variable_attrs or {}).get(c, {})) for c in self.channels}
         self.tmp = temporary_name(self.path, shared_token(self.t))
         self.steps = 0
         self.sizes: list[int] | None = None
@@ -397,8 +418,12 @@ class RolloutWriter:
                 scales = declare_dims(
                     f, ("time", "latitude", "longitude"), (0, h, w), coords, unlimited=("time",)
                 )
+                for k in self.coords:
+                    f[k].attrs.update(_COORDINATE_ATTRS[k])
                 if self.time_units:
-                    f["time"].attrs["units"] = self.time_units
+                    f["time"].attrs.update({**_COORDINATE_ATTRS["time"], "units": self.time_units})
+                else:
+                    f["time"].attrs["long_name"] = "forecast step"
                 for c in self.channels:
                     ds = f.create_dataset(
                         c,
@@ -408,8 +433,7 @@ class RolloutWriter:
                         dtype=self.dtype,
                     )
                     attach_dims(ds, scales)
-                    for k, v in self.attrs.items():
-                        ds.attrs[k] = v
+                    ds.attrs.update({**self.attrs, **self.variable_attrs[c]})
             f["time"].resize((step + 1,))
             f["time"][step] = step if time is None else time
             for c in self.channels:

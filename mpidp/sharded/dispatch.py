@@ -176,7 +176,11 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``func`` on ShardedTensor arguments through its handler (or refuse)."""
+    """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
+    values among the arguments are summed first: handlers see Replicated values."""
+    from mpidp.sharded.partial import summed
+
+    args, kwargs = summed((args, kwargs))
     if WATCHERS:
         return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
     return _located(func, args, kwargs)

@@ -30,6 +30,7 @@ import torch
 
 from mpidp.errors import ConfigError
 from mpidp.sharded.dispatch import UnsupportedOp
+from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 from mpidp.sharded.where import locate, running
 
@@ -84,7 +85,7 @@ def _band_of(t: Any) -> Any:
     if isinstance(t, ShardedTensor):
         return t.local
     if isinstance(t, Replicated):
-        return t.as_subclass(torch.Tensor)
+        return summed(t).as_subclass(torch.Tensor)
     return t
 
 

@@ -33,6 +33,7 @@ from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_s
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import UnsupportedOp, observed
+from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
 from mpidp.sharded.where import entered, relocated
 
@@ -58,7 +59,7 @@ def _unwrap(args: Any, t: Any) -> Any:
         if isinstance(a, ShardedTensor):
             return a.local
         if isinstance(a, Replicated):
-            plain = a.as_subclass(torch.Tensor)
+            plain = summed(a).as_subclass(torch.Tensor)
             return copy_to(plain, t) if plain.requires_grad else plain
         return a
 

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from mpidp.attention import query_rows_masks
-from mpidp.collectives import all_gather_v, reduce_from
+from mpidp.collectives import all_gather_v
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
+from mpidp.sharded.partial import partial_sum
 from mpidp.sharded.rows import move_to_dim, to_spec
 from mpidp.sharded.shapes import _plain, _wrap
-from mpidp.sharded.tensor import ShardedTensor, replicated
+from mpidp.sharded.tensor import ShardedTensor
 
 __all__: list[str] = []
 
@@ -81,8 +82,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             a = whole(a)
         elif a.shard_dim == na - 1 and nb >= 2 and b.shard_dim == nb - 2:  # both contracted
             t = a.transport
-            partial = torch.matmul(a.local, to_spec(b, a.spec).local)
-            return replicated(reduce_from(partial, t), t)
+            return partial_sum(torch.matmul(a.local, to_spec(b, a.spec).local), t)
         else:
             ok = False
     elif isinstance(a, ShardedTensor):
@@ -183,7 +183,7 @@ def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     out = torch.einsum(f"{lhs}->{rhs}", *local_ops)
     if letter in rhs:
         return _wrap(ref, out, rhs.index(letter))
-    return replicated(reduce_from(out, t), t)
+    return partial_sum(out, t)
 
 
 def _ulysses(

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mpidp.collectives import reduce_from
 from mpidp.sharded.dispatch import refuse, register
+from mpidp.sharded.partial import partial_sum
 from mpidp.sharded.pointwise import pointwise
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
 
@@ -60,8 +61,7 @@ def global_sum(
     t = x.transport
     local = x.local
     part = (torch.nansum if nan else torch.sum)(local, dims, keepdim=True, dtype=dtype)
-    total = reduce_from(part, t)
-    return replicated(_squeeze(total, dims, keepdim), t)
+    return partial_sum(_squeeze(part, dims, keepdim), t)
 
 
 def _lowest(dtype: torch.dtype) -> float:

@@ -479,7 +479,9 @@ def shard(
     m = manager if manager is not None else get_manager()
     whole = isinstance(x, Replicated)  # its gradient must come back whole: all-gathered
     if whole:
-        x = x.as_subclass(torch.Tensor)
+        from mpidp.sharded.partial import summed
+
+        x = summed(x).as_subclass(torch.Tensor)
     d = _dim(x, dim)
     n = x.size(d)
     if spec is None:

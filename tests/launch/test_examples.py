@@ -45,6 +45,13 @@ def serial_run(tmp_path_factory):
 def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
     log = launch(4, TRAIN, "--steps", "20", *F64, "--out", str(tmp_path))
     one, four = metrics(serial_run), metrics(tmp_path)
+    assert one["val_skill"]["variables"]["t2m"]["units"] == "K"
+    for name, v in one["val_skill"]["variables"].items():
+        for score, values in v.items():
+            if score != "units":
+                w = four["val_skill"]["variables"][name][score]
+                assert values == pytest.approx(w, rel=1e-12), (name, score)
+    assert "persistence" in log.strip().splitlines()[-1]  # the last line: does it beat it?
     assert (four["world"], four["dp"], four["domain"]) == (4, 2, 2)
     assert (one["world"], one["dp"], one["domain"]) == (1, 1, 1)
     assert abs(one["val_loss"] - four["val_loss"]) <= 1e-12 * abs(one["val_loss"])
@@ -159,7 +166,22 @@ def test_inference_from_a_four_rank_checkpoint_on_three_ranks(tmp_path):
         # float32 model and file: a few units in the last place of values near 5e4
         assert float(abs(a.z500 - b.z500).max()) <= 1e-6 * float(abs(b.z500).max())
         assert 40000 < float(a.z500.mean()) < 70000  # physical units (m2 s-2)
+        # CF attributes from the source data (its units; long_name: the name and level)
+        assert a.z500.attrs["units"] == "m2 s-2" and a.t2m.attrs["units"] == "K"
+        assert a.z500.attrs["long_name"] == "z at 500 hPa"
+        assert all("units" in a[v].attrs and "long_name" in a[v].attrs for v in a.data_vars)
+        assert a.latitude.attrs["units"] == "degrees_north"
     assert (tmp_path / "p3" / "z500-40+3.png").read_bytes()[:4] == b"\x89PNG"
+    # skill against persistence and climatology, the same at any rank count
+    s3, s1 = (json.loads((tmp_path / p / "skill-40.json").read_text()) for p in ("p3", "p1"))
+    assert s3["steps"] == [1, 2, 3] and s3["lead_hours"] == [6.0, 12.0, 18.0]
+    for name in ("t2m", "z500"):
+        v3, v1 = s3["variables"][name], s1["variables"][name]
+        assert v3["rmse_persistence"] == pytest.approx(v1["rmse_persistence"], rel=1e-12)
+        assert v3["rmse"] == pytest.approx(v1["rmse"], rel=1e-5)  # float32 model
+        assert all(
+            0 < r < c for r, c in zip(v3["rmse_persistence"], v3["rmse_climatology"], strict=True)
+        )
 
 
 def test_uneven_shards_experiment_reproduces_serial():

@@ -1,0 +1,36 @@
+"""anemoi's ``anemoi.models.distributed.shapes``: the per-rank shard shapes anemoi passes to
+its primitives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mpidp.collectives import resolve_transport
+from mpidp.errors import ConfigError
+from mpidp.partition import ShardSpec
+
+__all__ = ["change_channels_in_shape", "get_shape_shards"]
+
+
+def get_shape_shards(tensor: torch.Tensor, dim: int, model_comm_group: Any = None) -> list:
+    """The shape of every rank's shard of ``tensor`` cut along ``dim``: ``torch.tensor_split``'s
+    cut (:meth:`mpidp.ShardSpec.balanced`: the first ``n % P`` shards one row larger; shards
+    beyond the rows empty), as lists of ints. ``model_comm_group`` None: one shard (anemoi's
+    "not distributed"). Local: no communication."""
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ConfigError(
+            f"get_shape_shards: dim {dim} is out of range for a tensor of shape "
+            f"{tuple(tensor.shape)}; pass a dim in [{-tensor.dim()}, {tensor.dim()})"
+        )
+    group = None if model_comm_group is None else resolve_transport(model_comm_group, tensor.device)
+    parts = 1 if group is None else group.size
+    d = dim % tensor.dim()
+    cut = ShardSpec.balanced(tensor.size(d), parts, allow_empty=True)
+    return [[*tensor.shape[:d], size, *tensor.shape[d + 1 :]] for size in cut.sizes]
+
+
+def change_channels_in_shape(shape_list: list, channels: int) -> list:
+    """The shapes with their last entry (the channels) set to ``channels``; ``[]`` for none."""
+    return [[*shape[:-1], channels] for shape in shape_list] if shape_list else []
