@@ -13,9 +13,11 @@
     mpiexec -n 4 python examples/train.py --model graph  # GraphCast-style grid -> mesh -> grid
 
 Every rank holds one latitude band of every field (uneven bands are fine); data-parallel
-replicas see different samples. The loss is the latitude-weighted MSE of the whole global
-batch, computed exactly (sums over every band and replica, then one division), so a 2 x 2 run
-follows the one-process run's loss curve to rounding. Validation reports the exact
+replicas see different samples. The network predicts each variable's six-hour change in
+units of that change's std over the training times (so t2m's small changes count as much as
+msl's); the loss is their latitude-weighted MSE over the whole global batch, computed
+exactly (sums over every band and replica, then one division), so a 2 x 2 run follows the
+one-process run's loss curve to rounding. Validation reports the exact
 latitude-weighted RMSE of every variable in its physical units, and the forecast's skill
 against persistence and climatology (mpidp.skill); the last line says whether it beats
 persistence.
@@ -104,9 +106,9 @@ class Config:
     )
     tensor: int = option(1, "tensor-parallel ranks splitting the U-Net's bottleneck MLP")
     mlp: int = option(0, "hidden channels of the U-Net's bottleneck MLP (0: none), >= --tensor")
-    steps: int = option(40, "the step to train up to (a resumed run continues to it)")
-    batch: int = option(2, "global batch, split over the data-parallel replicas")
-    lr: float = option(2e-3, "Adam learning rate")
+    steps: int = option(300, "the step to train up to (a resumed run continues to it)")
+    batch: int = option(4, "global batch, split over the data-parallel replicas")
+    lr: float = option(4e-3, "Adam learning rate")
     width: int = option(
         8, "U-Net width; AFNO, Swin and the graph model use 4 x width channels, FNO 2 x width"
     )
@@ -117,9 +119,9 @@ class Config:
         "float32", "floating-point type of the model and the data", ("float32", "float64")
     )
     val_samples: int = option(8, "validation samples, taken from the end of the data")
-    val_every: int = option(10, "validate every this many steps and at the end")
-    checkpoint_every: int = option(10, "write the checkpoint every this many steps and at the end")
-    log_every: int = option(5, "one progress line every this many steps when not on a terminal")
+    val_every: int = option(50, "validate every this many steps and at the end")
+    checkpoint_every: int = option(50, "write the checkpoint every this many steps and at the end")
+    log_every: int = option(25, "one progress line every this many steps when not on a terminal")
     seed: int = option(0, "seed of the initial weights and of the sample order")
     out: str = option(
         "runs/train", "folder for checkpoint.pt, metrics.json and loss_curve.png", metavar="DIR"
@@ -196,7 +198,7 @@ MODELS: dict[str, type[torch.nn.Module]] = {
 
 def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
     """The constructor arguments of ``cfg.model`` (saved with the checkpoint, with its name)."""
-    spec: dict[str, Any] = dict(in_channels=channels, out_channels=channels)
+    spec: dict[str, Any] = dict(in_channels=channels, out_channels=channels, tendency=True)
     if cfg.model == "afno":
         spec.update(grid=(cfg.lat, cfg.lon), patch=cfg.patch, embed_dim=4 * cfg.width, depth=2)
     elif cfg.model == "swin":  # 23 x 45 tokens in windows of 4 x 5 (padded to 24 rows)
@@ -211,14 +213,52 @@ def model_spec(cfg: Config, channels: int) -> dict[str, Any]:
     return {"name": cfg.model, **spec}
 
 
+class ScaledTendency(torch.nn.Module):
+    """``net``'s output times ``scale``, per channel: the network predicts the one-step change
+    in units of its typical size (``scale``: the std of the change), so that every variable's
+    change counts in the loss, and the forecast is still ``x + model(x)``.
+
+    Normalising by each variable's overall std alone makes t2m's six-hour change tiny (its std
+    is mostly the pole-to-equator contrast), and the loss all but ignores it. The scale is a
+    buffer: checkpoints hold it, and inference needs no change."""
+
+    def __init__(self, net: torch.nn.Module, channels: int) -> None:
+        super().__init__()
+        self.net = net
+        self.register_buffer("scale", torch.ones(channels, 1, 1))
+        blocks = getattr(net, "_fsdp_blocks", None)  # FSDP2 shards the net's own blocks
+        if blocks is not None:
+            blocks = [blocks] if isinstance(blocks, str) else list(blocks)
+            self._fsdp_blocks = [f"net.{b}" for b in blocks]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+
 def build_model(spec: dict[str, Any]) -> torch.nn.Module:
-    """The serial model of a saved spec (checkpoints from before --model hold a U-Net's)."""
+    """The serial model of a saved spec (checkpoints from before --model hold a U-Net's; those
+    from before the scaled tendency, ``"tendency": true``, the bare network)."""
     args = dict(spec)
     name = args.pop("name", "unet")
+    tendency = args.pop("tendency", False)
     for key in ("grid", "window"):
         if key in args:
             args[key] = tuple(args[key])
-    return MODELS[name](**args)
+    net = MODELS[name](**args)
+    return ScaledTendency(net, args["out_channels"]) if tendency else net
+
+
+def tendency_std(
+    ds: ShardedH5Dataset, samples: range, weights: torch.Tensor, manager: mpidp.DistributedManager
+) -> torch.Tensor:
+    """The latitude-weighted std of each channel's one-step change (target minus input,
+    normalised units) over ``samples``, exact over the whole field: float64 ``(C,)``. Every
+    replica reads every sample, so any layout gives the serial numbers. Collective over the
+    domain group."""
+    change = torch.stack([y - x for x, y in (ds[i] for i in samples)])
+    change, w, dims = change.to(weights.device, torch.float64), weights.double(), (0, 2, 3)
+    mean = mpidp.global_mean(change, w, dims, manager).view(1, -1, 1, 1)
+    return mpidp.global_mean((change - mean).square(), w, dims, manager).sqrt()
 
 
 def domain_size(cfg: Config, world: int) -> int:
@@ -286,8 +326,10 @@ def validate(
     weights: torch.Tensor,
     meshes: ParallelMesh,
     clim: torch.Tensor,
+    change_std: torch.Tensor,
 ) -> tuple[float, dict[str, float], Skill]:
-    """Exact latitude-weighted MSE (normalised units) and RMSE per variable (physical units)
+    """Exact latitude-weighted MSE (the training loss: in units of each variable's typical
+    one-step change, ``change_std``) and RMSE per variable (physical units)
     over every validation sample: local sums, then one all-reduce over the world (tensor-parallel
     ranks count their replica's samples alike, in numerator and denominator). And the skill of
     the one-step forecasts against persistence and climatology (``clim``), pooled alike."""
@@ -329,7 +371,8 @@ def validate(
         group=world,
     )
     meter.add(1, physical[1], physical[2])
-    return float(mse.mean()), rmse, meter.result()
+    loss = mse / change_std.double().cpu().flatten().square()
+    return float(loss.mean()), rmse, meter.result()
 
 
 def save_plot(path: Path, history: dict[str, Any]) -> None:
@@ -343,7 +386,7 @@ def save_plot(path: Path, history: dict[str, Any]) -> None:
     if history["val"]:
         ax.plot(*zip(*history["val"], strict=True), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("latitude-weighted MSE (normalised)")
+    ax.set_ylabel("latitude-weighted MSE of the 6-h change\n(in units of its std)")
     ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -387,12 +430,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the layout
     model = build_model(spec).to(device=manager.device, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    weights = mpidp.latitude_weights(cfg.lat, manager=manager, dtype=dtype).to(manager.device)
+    # the network's output: the change in units of its typical size; the loss counts it alike
+    scale = tendency_std(ds, train_idx, weights, manager).view(-1, 1, 1).to(weights)
+    with torch.no_grad():
+        model.get_buffer("scale").copy_(scale)
     try:
         model = parallel_model(model, meshes, manager)
     except mpidp.ConfigError as err:
         raise SystemExit(f"mpidp train: {err}") from None
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    weights = mpidp.latitude_weights(cfg.lat, manager=manager, dtype=dtype).to(manager.device)
     # the reference forecast "climatology": the mean state of the training times
     clim = climatology(ds, training_times(ds.n_times, cfg.val_samples), manager)
 
@@ -430,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sampler.set_epoch(epoch)
         local = [train_idx[i] for i in list(sampler)[k * per_replica : (k + 1) * per_replica]]
         x, y = batch(ds, local, manager.device)
-        loss = mpidp.global_mean((x + model(x) - y).square(), weights, manager=manager)
+        loss = mpidp.global_mean(((x + model(x) - y) / scale).square(), weights, manager=manager)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         meshes.sync_gradients(model)  # domain parts summed, replicas averaged
@@ -441,7 +488,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         history["train"].append((step, value))
         bar.update(step, f"loss {value:.6f}")
         if step % cfg.val_every == 0 or step == cfg.steps:
-            val_loss, rmse, skill = validate(model, ds, val_idx, per_replica, weights, meshes, clim)
+            val_loss, rmse, skill = validate(
+                model, ds, val_idx, per_replica, weights, meshes, clim, scale
+            )
             history["val"].append((step, val_loss))
             shown = ", ".join(f"{c} {v:.4g}" for c, v in rmse.items())
             bar.message(
@@ -453,7 +502,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seconds = time.perf_counter() - t_start
 
     if skill is None or history["val"][-1][0] != step:  # e.g. resumed at the last step
-        val_loss, rmse, skill = validate(model, ds, val_idx, per_replica, weights, meshes, clim)
+        val_loss, rmse, skill = validate(
+            model, ds, val_idx, per_replica, weights, meshes, clim, scale
+        )
     metrics = {
         "world": manager.world_size,
         "dp": dp,

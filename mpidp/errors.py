@@ -12,6 +12,7 @@ __all__ = [
     "BackendError",
     "CommError",
     "DataError",
+    "OversubscribedWarning",
 ]
 
 
@@ -38,3 +39,9 @@ class CommError(MpidpError, ValueError):
 class DataError(MpidpError, ValueError):
     """A data file that cannot be read or written as asked: missing, corrupt, of the wrong
     layout, or different between ranks."""
+
+
+class OversubscribedWarning(UserWarning):
+    """A node runs more ranks than it has cores: the ranks time-share the cores. Rank 0 warns
+    once per process; filter this category (or set ``MPIDP_WARN_OVERSUBSCRIBED=0``) where the
+    oversubscription is on purpose."""

@@ -6,8 +6,11 @@
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
 #
-# The third-party zoo stage (tests/zoo, scripts/test-zoo.sh) builds its own environments;
-# MPIDP_TEST_ZOO=0 skips it, and the summary says so.
+# The full suite first prints what it needs (scripts/prereqs.sh): root and apt-get for the
+# real-launcher stage, network and disk for the stages that build environments. A stage whose
+# variable is 0 is skipped on purpose (MPIDP_TEST_CLUSTER=0: real launchers; MPIDP_TEST_ZOO=0:
+# the third-party zoo, which builds its own environments); a stage that cannot run here with
+# its variable unset fails at once, naming the variable. The summary lists both.
 #
 # `--quick`: the development tier (a few minutes): ruff, mypy, unit tests, and the MPI tests
 # at 3 ranks (uneven bands, an interior rank, both transports) without the gradcheck tests;
@@ -26,6 +29,12 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # starve the ranks that compute. Sleeping instead took the 4-rank composition tests from 244 s
 # to 28 s and a 4-rank FSDP2 training from 76 s to 19 s on 2 cores (docs/performance.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD="${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}"
+# The suite oversubscribes on purpose (4 and 8 ranks on 2 cores): no OversubscribedWarning from
+# every job (the launch tests' jobs, whose environment drops MPIDP_*, still show it to a failure).
+export MPIDP_WARN_OVERSUBSCRIBED="${MPIDP_WARN_OVERSUBSCRIBED:-0}"
+# shellcheck disable=SC1091  # stage_gate, print_not_run, prereqs_banner
+. scripts/prereqs.sh
+if [ "$quick" = 0 ]; then prereqs_banner; fi
 fail=0
 # Each stage's wall time, printed at the end (the 25-minute budget is for everything but the
 # third-party zoo stage, which has 10 minutes of its own).
@@ -100,18 +109,17 @@ fi
 # a 2-core machine, and it varies with the load (354 s and 508 s measured an hour apart), so the
 # step gets twice the per-run limit.
 step "launch tests"; timeout $((2 * per_run)) "$py" -m pytest -q tests/launch || fail=1
-step "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)"
-if bash scripts/setup-launch.sh; then
-  timeout "$per_run" "$py" -m pytest -q tests/cluster || fail=1
-else
-  echo "!!! real-launcher stage FAILED: its setup could not install what it needs"; fail=1
+if stage_gate cluster; then  # root and apt-get (scripts/prereqs.sh); else listed, at once
+  step "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)"
+  if bash scripts/setup-launch.sh; then
+    timeout "$per_run" "$py" -m pytest -q tests/cluster || fail=1
+  else
+    echo "!!! real-launcher stage FAILED: its setup could not install what it needs"; fail=1
+  fi
 fi
 # Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, each package in an
 # environment of its own (built once, about 5 minutes for both; the runs take about 1.5).
-skipped=()
-if [ "${MPIDP_TEST_ZOO:-1}" = 0 ]; then
-  skipped+=("third-party zoo (MPIDP_TEST_ZOO=0)")
-else
+if stage_gate zoo; then  # the disk its environments need; else listed
   step "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks"
   timeout $((2 * per_run)) bash scripts/test-zoo.sh || { echo "!!! zoo stage FAILED"; fail=1; }
 fi
@@ -121,6 +129,7 @@ if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment
 fi
 report_times
 echo
-for what in "${skipped[@]}"; do echo "skipped on purpose: $what"; done
+print_not_run
+if prereqs_failed; then fail=1; fi
 if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi
 echo "test suite: all steps passed"
