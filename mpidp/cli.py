@@ -108,9 +108,10 @@ refuse, with its fix.
 Without a launcher it starts its N ranks with the mpiexec next to this Python (or on PATH);
 under a launcher it uses the job's ranks. Rank 0 prints. Exits 1 when an op is refused.
 """
-_SAMPLE = """Write the built-in synthetic ERA5-like data set to PATH (HDF5 that netCDF-4 reads):
-t2m and msl, and z and t on two pressure levels, 6-hourly, each a climatology plus travelling
-waves. The file is replaced atomically. examples/train.py writes it on first use.
+_SAMPLE = """Write the built-in synthetic ERA5-like data set to PATH (HDF5 that netCDF-4 reads,
+or with --format zarr a Zarr store in xarray's layout): t2m and msl, and z and t on two pressure
+levels, 6-hourly, each a climatology plus travelling waves. PATH is replaced atomically.
+examples/train.py writes it on first use.
 """
 
 
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=_SAMPLE,
         formatter_class=HelpFormatter,
     )
-    sample.add_argument("path", help="the file to write")
+    sample.add_argument("path", help="the file (or, with --format zarr, the store) to write")
     sample.add_argument(
         "--lat", type=int, default=91, metavar="N", help="latitude rows, poles included"
     )
@@ -240,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sample.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the waves and noise"
+    )
+    sample.add_argument(
+        "--format",
+        default="hdf5",
+        choices=("hdf5", "zarr"),
+        help="hdf5: a netCDF-4 file; zarr: a Zarr store in xarray's layout (needs mpidp[zarr])",
     )
     return parser
 
@@ -368,13 +375,24 @@ def _explain(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _sample_data(args: argparse.Namespace) -> int:
-    from mpidp.io import make_sample_data
+    from mpidp.io import make_sample_data, zarr_available
+    from mpidp.io.zarr_reader import INSTALL
 
+    if args.format == "zarr" and not zarr_available():
+        print(f"mpidp: --format zarr needs zarr>=3: {INSTALL}", file=sys.stderr)
+        return 2
     path = make_sample_data(
-        args.path, n_lat=args.lat, n_lon=args.lon, n_time=args.time, seed=args.seed, progress=True
+        args.path,
+        n_lat=args.lat,
+        n_lon=args.lon,
+        n_time=args.time,
+        seed=args.seed,
+        progress=True,
+        format=args.format,
     )
+    kind = " (a Zarr store)" if args.format == "zarr" else ""
     print(
-        f"mpidp: wrote {path}: 4 variables in 6 channels, {args.time} times on a "
+        f"mpidp: wrote {path}{kind}: 4 variables in 6 channels, {args.time} times on a "
         f"{args.lat} x {args.lon} grid."
     )
     return 0

@@ -14,7 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import h5py
 import numpy as np
@@ -27,6 +31,8 @@ __all__ = ["make_sample_data", "ensure_sample_data", "sample_fingerprint"]
 #: The file attribute that records which generator (this module's code) and which arguments
 #: wrote a sample file, so that a cached copy is regenerated when either changes.
 FINGERPRINT_ATTR = "mpidp_sample_fingerprint"
+
+TITLE = "mpidp synthetic ERA5-like sample data"
 
 #: (name, levels?, climatology of sin(lat), wave amplitude, units)
 _VARIABLES = (
@@ -53,6 +59,8 @@ def make_sample_data(
     hours: int = 6,
     seed: int = 0,
     progress: bool = False,
+    format: str = "hdf5",
+    zarr_format: int = 3,
 ) -> Path:
     """Write the sample data set to ``path`` (atomically) and return the path.
 
@@ -61,63 +69,160 @@ def make_sample_data(
     ``std`` attributes (per level for the 4-D ones) for normalisation. Deterministic in
     ``seed``. ``progress`` shows a line per field written (a bar on a terminal). Local: call
     it on one rank.
+
+    ``format="hdf5"`` writes a netCDF-4 file (contiguous variables); ``format="zarr"`` the same
+    values as a Zarr store in xarray's layout (Zarr format ``zarr_format``, 2 or 3; a time
+    step, a level and :data:`ZARR_LAT_CHUNK` rows per chunk; consolidated metadata), which
+    needs ``mpidp[zarr]``.
     """
+    if format not in ("hdf5", "zarr"):
+        raise ValueError(f"format={format!r}: write 'hdf5' or 'zarr'")
     path = Path(path)
     fingerprint = sample_fingerprint(
         n_lat=n_lat, n_lon=n_lon, n_time=n_time, levels=levels, hours=hours, seed=seed
     )
     rng = np.random.default_rng(seed)
-    lat = np.linspace(90.0, -90.0, n_lat)
-    lon = np.arange(n_lon) * (360.0 / n_lon)
-    phi, lam = np.deg2rad(lat)[:, None], np.deg2rad(lon)[None, :]
-    s = np.sin(phi)
-    times = np.arange(n_time) * float(hours)
+    coords = {
+        "time": np.arange(n_time) * float(hours),
+        "level": np.asarray(levels, dtype=np.int64),
+        "latitude": np.linspace(90.0, -90.0, n_lat),
+        "longitude": np.arange(n_lon) * (360.0 / n_lon),
+    }
     tmp = temporary_name(path, int(rng.integers(1 << 40)))
-    fields = sum(len(levels) if has_levels else 1 for _, has_levels, *_ in _VARIABLES)
-    bar = Progress(fields, label="field", prefix="sample data: ", every=1, enabled=progress)
+    n_fields = sum(len(levels) if has_levels else 1 for _, has_levels, *_ in _VARIABLES)
+    bar = Progress(n_fields, label="field", prefix="sample data: ", every=1, enabled=progress)
+    fields = _fields(rng, coords, hours, bar)
     try:
-        with bar, h5py.File(tmp, "w") as f:
-            f.attrs["title"] = "mpidp synthetic ERA5-like sample data"
-            f.attrs[FINGERPRINT_ATTR] = fingerprint
-            coords = {
-                "time": times,
-                "level": np.asarray(levels, dtype=np.int64),
-                "latitude": lat,
-                "longitude": lon,
-            }
-            dims3 = declare_dims(
-                f, ("time", "latitude", "longitude"), (n_time, n_lat, n_lon), coords
-            )
-            dims4 = declare_dims(
-                f,
-                ("time", "level", "latitude", "longitude"),
-                (n_time, len(levels), n_lat, n_lon),
-                coords,
-            )
-            f["time"].attrs["units"] = "hours since 2000-01-01 00:00:00"
-            f["latitude"].attrs["units"] = "degrees_north"
-            f["longitude"].attrs["units"] = "degrees_east"
-            f["level"].attrs["units"] = "hPa"
-            for name, has_levels, climate, amplitude, units in _VARIABLES:
-                levs = levels if has_levels else (500,)
-                parts = []
-                for lev in levs:
-                    weather = _weather(rng, phi, lam, times, hours)
-                    parts.append(climate(s, lev) + amplitude * weather)
-                    bar.advance(name + (str(lev) if has_levels else ""))
-                data = np.stack(parts, axis=1).astype(np.float32)
-                if not has_levels:
-                    data = data[:, 0]
-                ds = f.create_dataset(name, data=data)  # contiguous: a band is a hyperslab read
-                attach_dims(ds, dims4 if has_levels else dims3)
-                axes = (0, 2, 3) if has_levels else None
-                ds.attrs["mean"] = data.mean(axis=axes, dtype=np.float64)
-                ds.attrs["std"] = data.std(axis=axes, dtype=np.float64)
-                ds.attrs["units"] = units
-        os.replace(tmp, path)
+        with bar:
+            if format == "hdf5":
+                _write_hdf5(tmp, fields, coords, fingerprint)
+            else:
+                _write_zarr(tmp, fields, coords, fingerprint, zarr_format)
+        _install(tmp, path)
     finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
         tmp.unlink(missing_ok=True)
     return path
+
+
+#: Latitude rows per chunk of the Zarr sample store: a band reads the chunks it overlaps.
+ZARR_LAT_CHUNK = 8
+
+_COORD_UNITS = {
+    "time": "hours since 2000-01-01 00:00:00",
+    "level": "hPa",
+    "latitude": "degrees_north",
+    "longitude": "degrees_east",
+}
+
+#: (name, with levels?, float32 data, units, mean, std) of each variable, in file order.
+Field = tuple[str, bool, np.ndarray, str, np.ndarray, np.ndarray]
+
+
+def _fields(
+    rng: np.random.Generator, coords: dict[str, np.ndarray], hours: int, bar: Progress
+) -> Iterator[Field]:
+    """The sample variables, generated one at a time (the order fixes the random draws)."""
+    phi = np.deg2rad(coords["latitude"])[:, None]
+    lam = np.deg2rad(coords["longitude"])[None, :]
+    s = np.sin(phi)
+    for name, has_levels, climate, amplitude, units in _VARIABLES:
+        levs = coords["level"].tolist() if has_levels else [500]
+        parts = []
+        for lev in levs:
+            weather = _weather(rng, phi, lam, coords["time"], hours)
+            parts.append(climate(s, lev) + amplitude * weather)
+            bar.advance(name + (str(lev) if has_levels else ""))
+        data = np.stack(parts, axis=1).astype(np.float32)
+        if not has_levels:
+            data = data[:, 0]
+        axes = (0, 2, 3) if has_levels else None
+        mean = np.asarray(data.mean(axis=axes, dtype=np.float64))
+        std = np.asarray(data.std(axis=axes, dtype=np.float64))
+        yield name, has_levels, data, units, mean, std
+
+
+def _write_hdf5(
+    tmp: Path, fields: Iterator[Field], coords: dict[str, np.ndarray], fingerprint: str
+) -> None:
+    with h5py.File(tmp, "w") as f:
+        f.attrs["title"] = TITLE
+        f.attrs[FINGERPRINT_ATTR] = fingerprint
+        n_time, n_lev = len(coords["time"]), len(coords["level"])
+        n_lat, n_lon = len(coords["latitude"]), len(coords["longitude"])
+        dims3 = declare_dims(f, ("time", "latitude", "longitude"), (n_time, n_lat, n_lon), coords)
+        dims4 = declare_dims(
+            f, ("time", "level", "latitude", "longitude"), (n_time, n_lev, n_lat, n_lon), coords
+        )
+        for name, units in _COORD_UNITS.items():
+            f[name].attrs["units"] = units
+        for name, has_levels, data, units, mean, std in fields:
+            ds = f.create_dataset(name, data=data)  # contiguous: a band is a hyperslab read
+            attach_dims(ds, dims4 if has_levels else dims3)
+            ds.attrs["mean"] = mean
+            ds.attrs["std"] = std
+            ds.attrs["units"] = units
+
+
+def _write_zarr(
+    tmp: Path,
+    fields: Iterator[Field],
+    coords: dict[str, np.ndarray],
+    fingerprint: str,
+    zarr_format: int,
+) -> None:
+    """xarray's layout: dimension names (``dimension_names`` in format 3,
+    ``_ARRAY_DIMENSIONS`` in format 2), 1-D coordinates named after their dimensions."""
+    import zarr
+
+    root = zarr.open_group(tmp, mode="w", zarr_format=cast(Any, zarr_format))
+    root.attrs.update({"title": TITLE, FINGERPRINT_ATTR: fingerprint})
+
+    def put(name: str, data: np.ndarray, dims: tuple[str, ...], attrs: dict[str, Any]) -> None:
+        chunks = data.shape  # a coordinate: one chunk
+        if len(dims) > 1:  # a field: one time step (and level) and a few rows per chunk
+            rows, n_lon = data.shape[-2:]
+            chunks = (1,) * (len(dims) - 2) + (min(rows, ZARR_LAT_CHUNK), n_lon)
+        named = dims if zarr_format == 3 else None  # format 2 keeps them in an attribute
+        fill = np.nan if data.dtype.kind == "f" else 0
+        array = root.create_array(
+            name,
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=chunks,
+            fill_value=fill,
+            dimension_names=named,
+        )
+        array[...] = data
+        if zarr_format == 2:
+            attrs = {**attrs, "_ARRAY_DIMENSIONS": list(dims)}
+        array.attrs.update(attrs)
+
+    for name, units in _COORD_UNITS.items():
+        put(name, coords[name], (name,), {"units": units})
+    for name, has_levels, data, units, mean, std in fields:
+        dims = (
+            ("time", "level", "latitude", "longitude")
+            if has_levels
+            else ("time", "latitude", "longitude")
+        )
+        put(name, data, dims, {"mean": mean.tolist(), "std": std.tolist(), "units": units})
+    with warnings.catch_warnings():  # format 3 has no consolidated metadata yet; zarr says so
+        warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)
+        zarr.consolidate_metadata(tmp, zarr_format=cast(Any, zarr_format))
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Put ``tmp`` at ``path``: a rename; a store (a folder) already there is moved aside
+    first and removed after."""
+    if path.is_dir() and not path.is_symlink():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
 
 
 def sample_fingerprint(**arguments: object) -> str:
