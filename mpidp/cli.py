@@ -109,8 +109,9 @@ Without a launcher it starts its N ranks with the mpiexec next to this Python (o
 under a launcher it uses the job's ranks. Rank 0 prints. Exits 1 when an op is refused.
 """
 _SAMPLE = """Write the built-in synthetic ERA5-like data set to PATH (HDF5 that netCDF-4 reads,
-or with --format zarr a Zarr store in xarray's layout): t2m and msl, and z and t on two pressure
-levels, 6-hourly, each a climatology plus travelling waves. PATH is replaced atomically.
+with --format zarr a Zarr store in xarray's layout, with --format anemoi one in anemoi-datasets'
+layout): t2m and msl, and z and t on two pressure levels (anemoi: z_500, z_850, t_500, t_850),
+6-hourly, each a climatology plus travelling waves. PATH is replaced atomically.
 examples/train.py writes it on first use.
 """
 
@@ -231,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=_SAMPLE,
         formatter_class=HelpFormatter,
     )
-    sample.add_argument("path", help="the file (or, with --format zarr, the store) to write")
+    sample.add_argument(
+        "path", help="the file (or, with --format zarr or anemoi, the store) to write"
+    )
     sample.add_argument(
         "--lat", type=int, default=91, metavar="N", help="latitude rows, poles included"
     )
@@ -245,8 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument(
         "--format",
         default="hdf5",
-        choices=("hdf5", "zarr"),
-        help="hdf5: a netCDF-4 file; zarr: a Zarr store in xarray's layout (needs mpidp[zarr])",
+        choices=("hdf5", "zarr", "anemoi"),
+        help="hdf5: a netCDF-4 file; zarr: a Zarr store in xarray's layout; anemoi: a Zarr "
+        "store in anemoi-datasets' layout, one flattened 'data' array (both need mpidp[zarr])",
     )
     return parser
 
@@ -378,8 +382,8 @@ def _sample_data(args: argparse.Namespace) -> int:
     from mpidp.io import make_sample_data, zarr_available
     from mpidp.io.zarr_reader import INSTALL
 
-    if args.format == "zarr" and not zarr_available():
-        print(f"mpidp: --format zarr needs zarr>=3: {INSTALL}", file=sys.stderr)
+    if args.format in ("zarr", "anemoi") and not zarr_available():
+        print(f"mpidp: --format {args.format} needs zarr>=3: {INSTALL}", file=sys.stderr)
         return 2
     path = make_sample_data(
         args.path,
@@ -390,9 +394,10 @@ def _sample_data(args: argparse.Namespace) -> int:
         progress=True,
         format=args.format,
     )
-    kind = " (a Zarr store)" if args.format == "zarr" else ""
+    kind = {"zarr": " (a Zarr store)", "anemoi": " (a Zarr store in anemoi-datasets' layout)"}
+    content = "6 variables" if args.format == "anemoi" else "4 variables in 6 channels"
     print(
-        f"mpidp: wrote {path}{kind}: 4 variables in 6 channels, {args.time} times on a "
+        f"mpidp: wrote {path}{kind.get(args.format, '')}: {content}, {args.time} times on a "
         f"{args.lat} x {args.lon} grid."
     )
     return 0

@@ -135,7 +135,7 @@ def remove_dead_temporaries(path: Path) -> list[str]:
         try:
             mtime = old.stat().st_mtime
             if _writer_is_dead(int(found.group(1)), int(found.group(2), 16), mtime):
-                old.unlink()
+                discard(old)
                 removed.append(old.name)
         except FileNotFoundError:  # another rank removed it first
             continue
@@ -226,8 +226,30 @@ def agree_or_discard(
             "see the rank's error: on a full disk, free space or write elsewhere, then retry",
         )
     except DataError:
-        tmp.unlink(missing_ok=True)  # every rank: one of them may be alone to get here
+        discard(tmp)  # every rank: one of them may be alone to get here
         raise
+
+
+def discard(tmp: Path) -> None:
+    """Remove the temporary file or store (a folder) ``tmp``; nothing if it is gone."""
+    if tmp.is_dir() and not tmp.is_symlink():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.unlink(missing_ok=True)
+
+
+def install(tmp: Path, path: Path) -> None:
+    """Put ``tmp`` at ``path`` by a rename. A store (a folder) already at ``path`` cannot be
+    renamed over: it is renamed aside first (``.<name>.old-<pid>``) and removed after, so a
+    crash between the two renames (microseconds) leaves the previous store under that name,
+    never half of one."""
+    if path.is_dir() and not path.is_symlink():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
 
 
 def commit(
@@ -237,7 +259,7 @@ def commit(
     it: the previous ``path`` stays untouched) and every rank returns or raises. Collective."""
     agree_or_discard(t, tmp, path, error, what)
     if t is None or t.rank == 0:
-        os.replace(tmp, path)
+        install(tmp, path)
     if t is not None:
         t.barrier()  # the file is in place on return, on every rank
 

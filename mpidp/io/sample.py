@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -23,7 +22,8 @@ from typing import Any, cast
 import h5py
 import numpy as np
 
-from mpidp.io._common import attach_dims, declare_dims, temporary_name
+from mpidp.io._common import attach_dims, declare_dims, install, temporary_name
+from mpidp.io.zarr_writer import consolidate, create_array
 from mpidp.progress import Progress
 
 __all__ = ["make_sample_data", "ensure_sample_data", "sample_fingerprint"]
@@ -72,11 +72,13 @@ def make_sample_data(
 
     ``format="hdf5"`` writes a netCDF-4 file (contiguous variables); ``format="zarr"`` the same
     values as a Zarr store in xarray's layout (Zarr format ``zarr_format``, 2 or 3; a time
-    step, a level and :data:`ZARR_LAT_CHUNK` rows per chunk; consolidated metadata), which
-    needs ``mpidp[zarr]``.
+    step, a level and :data:`ZARR_LAT_CHUNK` rows per chunk; consolidated metadata);
+    ``format="anemoi"`` the same values in anemoi-datasets' layout (:func:`_write_anemoi`:
+    ``t2m``, ``msl`` and one variable per level, ``z_500``...). Both Zarr formats need
+    ``mpidp[zarr]``.
     """
-    if format not in ("hdf5", "zarr"):
-        raise ValueError(f"format={format!r}: write 'hdf5' or 'zarr'")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: write one of {', '.join(map(repr, FORMATS))}")
     path = Path(path)
     fingerprint = sample_fingerprint(
         n_lat=n_lat, n_lon=n_lon, n_time=n_time, levels=levels, hours=hours, seed=seed
@@ -96,15 +98,21 @@ def make_sample_data(
         with bar:
             if format == "hdf5":
                 _write_hdf5(tmp, fields, coords, fingerprint)
-            else:
+            elif format == "zarr":
                 _write_zarr(tmp, fields, coords, fingerprint, zarr_format)
-        _install(tmp, path)
+            else:
+                _write_anemoi(tmp, fields, coords, fingerprint, zarr_format)
+        install(tmp, path)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         tmp.unlink(missing_ok=True)
     return path
 
+
+#: What :func:`make_sample_data` writes: a netCDF-4 file, a Zarr store in xarray's layout or
+#: in anemoi-datasets'.
+FORMATS = ("hdf5", "zarr", "anemoi")
 
 #: Latitude rows per chunk of the Zarr sample store: a band reads the chunks it overlaps.
 ZARR_LAT_CHUNK = 8
@@ -184,20 +192,7 @@ def _write_zarr(
         if len(dims) > 1:  # a field: one time step (and level) and a few rows per chunk
             rows, n_lon = data.shape[-2:]
             chunks = (1,) * (len(dims) - 2) + (min(rows, ZARR_LAT_CHUNK), n_lon)
-        named = dims if zarr_format == 3 else None  # format 2 keeps them in an attribute
-        fill = np.nan if data.dtype.kind == "f" else 0
-        array = root.create_array(
-            name,
-            shape=data.shape,
-            dtype=data.dtype,
-            chunks=chunks,
-            fill_value=fill,
-            dimension_names=named,
-        )
-        array[...] = data
-        if zarr_format == 2:
-            attrs = {**attrs, "_ARRAY_DIMENSIONS": list(dims)}
-        array.attrs.update(attrs)
+        create_array(root, name, data.shape, data.dtype, dims, chunks, attrs)[...] = data
 
     for name, units in _COORD_UNITS.items():
         put(name, coords[name], (name,), {"units": units})
@@ -208,21 +203,72 @@ def _write_zarr(
             else ("time", "latitude", "longitude")
         )
         put(name, data, dims, {"mean": mean.tolist(), "std": std.tolist(), "units": units})
-    with warnings.catch_warnings():  # format 3 has no consolidated metadata yet; zarr says so
-        warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)
-        zarr.consolidate_metadata(tmp, zarr_format=cast(Any, zarr_format))
+    consolidate(tmp)
 
 
-def _install(tmp: Path, path: Path) -> None:
-    """Put ``tmp`` at ``path``: a rename; a store (a folder) already there is moved aside
-    first and removed after."""
-    if path.is_dir() and not path.is_symlink():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+def _write_anemoi(
+    tmp: Path,
+    fields: Iterator[Field],
+    coords: dict[str, np.ndarray],
+    fingerprint: str,
+    zarr_format: int,
+) -> None:
+    """anemoi-datasets' layout: ``data`` (time, variable, ensemble, values) with one member and
+    the grid flattened row by row, chunked as one time step, one variable and
+    :data:`ZARR_LAT_CHUNK` rows' worth of values; its variable names (``z_500`` per level) in
+    the root's ``variables`` attribute with ``field_shape`` and the dates; 1-D ``latitudes``
+    and ``longitudes`` per value, ``dates``, and per-variable ``mean``, ``stdev``,
+    ``minimum`` and ``maximum``."""
+    import zarr
+
+    lat, lon, levels = coords["latitude"], coords["longitude"], coords["level"].tolist()
+    n_time, n_values = len(coords["time"]), len(lat) * len(lon)
+    names = [
+        f"{n}_{lev}" if has_levels else n
+        for n, has_levels, *_ in _VARIABLES
+        for lev in (levels if has_levels else [None])
+    ]
+    dates = np.datetime64("2000-01-01T00:00:00", "s") + (coords["time"] * 3600).astype(
+        "timedelta64[s]"
+    )
+    root = zarr.open_group(tmp, mode="w", zarr_format=cast(Any, zarr_format))
+    root.attrs.update(
+        {
+            "title": TITLE,
+            FINGERPRINT_ATTR: fingerprint,
+            "variables": names,
+            "field_shape": [len(lat), len(lon)],
+            "frequency": f"{int(np.diff(coords['time'][:2])[0]) if n_time > 1 else 6}h",
+            "start_date": str(dates[0]),
+            "end_date": str(dates[-1]),
+        }
+    )
+    data = root.create_array(
+        "data",
+        shape=(n_time, len(names), 1, n_values),
+        dtype=np.float32,
+        chunks=(1, 1, 1, min(len(lat), ZARR_LAT_CHUNK) * len(lon)),
+        fill_value=np.nan,
+    )
+    stats: dict[str, list[float]] = {"mean": [], "stdev": [], "minimum": [], "maximum": []}
+    column = 0
+    for _, has_levels, values, _, mean, std in fields:
+        per_level = values if has_levels else values[:, None]
+        for i in range(per_level.shape[1]):
+            data[:, column, 0, :] = per_level[:, i].reshape(n_time, n_values)
+            stats["mean"].append(float(np.atleast_1d(mean)[i]))
+            stats["stdev"].append(float(np.atleast_1d(std)[i]))
+            stats["minimum"].append(float(per_level[:, i].min()))
+            stats["maximum"].append(float(per_level[:, i].max()))
+            column += 1
+    arrays = {
+        "latitudes": np.repeat(lat, len(lon)),
+        "longitudes": np.tile(lon, len(lat)),
+        "dates": dates,
+        **{k: np.asarray(v, dtype=np.float64) for k, v in stats.items()},
+    }
+    for name, values in arrays.items():
+        root.create_array(name, shape=values.shape, dtype=values.dtype)[...] = values
 
 
 def sample_fingerprint(**arguments: object) -> str:

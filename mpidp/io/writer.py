@@ -1,7 +1,9 @@
-"""Writing a field cut into latitude bands to one HDF5 file that xarray opens, with no rank
-holding the full field.
+"""Writing a field cut into latitude bands to one HDF5 file (or Zarr store) that xarray
+opens, with no rank holding the full field.
 
-Two write paths:
+A target whose name ends in ``.zarr`` (or ``format="zarr"``) is a Zarr store, which every
+rank writes at once, chunk-aligned so that no two ranks write one chunk
+(:mod:`mpidp.io.zarr_writer`). An HDF5 file has two write paths:
 
 * ``"mpio"``: HDF5's MPI-IO driver, every rank writing its rows in one collective write. Needs
   an h5py built against MPI (``scripts/setup-phdf5.sh``); chosen by ``method="auto"`` when
@@ -10,8 +12,9 @@ Two write paths:
   its metadata and writes its rows, then rank 1 opens it and writes its rows, and so on. Works
   with any h5py; the default without parallel HDF5 (see docs/io.md for the measurements).
 
-Both write to a temporary name beside the target and rename it when every rank succeeded; a
-failure on any rank removes the temporary file and leaves the previous file untouched.
+All of them write to a temporary name beside the target and rename it when every rank
+succeeded; a failure on any rank removes the temporary file (or store) and leaves the previous
+one untouched.
 Outputs carry netCDF-4 dimension scales and coordinate variables (``latitude``,
 ``longitude``, ``time``, ...): ``xarray.open_dataset(path, engine="h5netcdf")`` opens them.
 """
@@ -31,6 +34,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import DataError
+from mpidp.io import zarr_writer as zw
 from mpidp.io._common import (
     agree_or_discard,
     attach_dims,
@@ -40,6 +44,7 @@ from mpidp.io._common import (
     default_dims,
     describe_error,
     digest,
+    discard,
     ensure_space,
     explain_os_error,
     io_transport,
@@ -87,6 +92,38 @@ def _method(method: str, t: Transport | None, problems: list[str]) -> str:
     if method == "auto":
         return "mpio" if mpio_ok else "ordered"
     return method
+
+
+def _format(
+    path: Path,
+    format: str,
+    method: str,
+    zarr_format: int,
+    chunk_rows: int | None,
+    problems: list[str],
+) -> bool:
+    """Whether ``path`` is written as a Zarr store; what is wrong with the Zarr options goes
+    to ``problems``."""
+    if format not in zw.FORMATS:
+        problems.append(f"format={format!r} is not one of {', '.join(zw.FORMATS)}")
+        return False
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        problems.append(f"chunk_rows={chunk_rows!r}: pass a whole number of rows, 1 or more")
+    if not zw.is_zarr_target(path, format):
+        return False
+    from mpidp.io.zarr_reader import _zarr_problem
+
+    missing = _zarr_problem()
+    if missing:
+        problems.append(f"writing the Zarr store {path}: {missing}")
+    if method != "auto":
+        problems.append(
+            f"method={method!r} chooses how an HDF5 file is written; every rank writes a Zarr "
+            f"store at once: leave method='auto'"
+        )
+    if zarr_format not in (2, 3):
+        problems.append(f"zarr_format={zarr_format!r}: Zarr formats 2 and 3 are written")
+    return True
 
 
 def _rows_slab(ndim: int, dim: int, lo: int, hi: int) -> tuple[slice, ...]:
@@ -169,9 +206,12 @@ def write_sharded(
     mode: str = "w",
     method: str = "auto",
     group: Any = None,
+    format: str = "auto",
+    chunk_rows: int | None = None,
+    zarr_format: int = 3,
 ) -> Path:
     """Write the field whose band along ``dim`` this rank holds (``x_local``) as variable
-    ``name`` of the HDF5/netCDF-4 file ``path``; returns the path.
+    ``name`` of the HDF5/netCDF-4 file (or Zarr store) ``path``; returns the path.
 
     ``dims`` names the dimensions (default ``(..., "latitude", "longitude")``); ``coords``
     maps dimension names to global coordinate values (each becomes a coordinate variable);
@@ -179,6 +219,12 @@ def write_sharded(
     adds (or replaces) a variable in an existing file, keeping its other contents. The
     partition is learned from the ranks' local sizes unless ``spec`` is given. ``method``:
     ``"auto"``, ``"mpio"`` or ``"ordered"`` (module docstring).
+
+    ``format``: ``"auto"`` (a Zarr store when ``path`` ends in ``.zarr``, else netCDF-4),
+    ``"netcdf"`` or ``"zarr"``. A Zarr store (format ``zarr_format``, 2 or 3) is chunked one
+    step of the leading dimensions by ``chunk_rows`` rows (default: the tallest band) by the
+    whole trailing ones; each rank writes the chunks that start in its band, after the rows of
+    those chunks it does not hold came from its neighbours. ``xarray.open_zarr`` opens it.
 
     Collective over ``group`` (default: the domain group); atomic (a temporary file renamed on
     success). Bad arguments on any rank raise the same :class:`~mpidp.DataError` everywhere.
@@ -195,9 +241,14 @@ def write_sharded(
         problems.append(f"dims {list(names)} name {len(names)} dimensions, the tensor has {x.ndim}")
     if mode not in ("w", "a"):
         problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
+    zarr = _format(path, format, method, zarr_format, chunk_rows, problems)
     if mode == "a" and not path.exists():
         problems.append(f"mode='a' but {path} does not exist")
-    elif mode == "a":
+    elif mode == "a" and zarr and not zw.is_store(path):
+        problems.append(
+            f"mode='a' but {path} is not a Zarr store: restore it, or write a new one with mode='w'"
+        )
+    elif mode == "a" and not zarr:
         try:
             h5py.File(path, "r").close()
         except OSError as err:
@@ -207,7 +258,7 @@ def write_sharded(
             )
     if not path.parent.is_dir():
         problems.append(f"the folder {path.parent} does not exist")
-    how = _method(method, t, problems)
+    how = "zarr" if zarr else _method(method, t, problems)
     coords = dict(coords or {})
     facts = {
         "path": os.path.realpath(path),
@@ -221,6 +272,8 @@ def write_sharded(
         "mode": mode,
         "method": how,
         "spec": None if spec is None else list(spec),
+        "chunk_rows": chunk_rows,
+        "zarr_format": zarr_format,
     }
     table = check_everywhere(
         t,
@@ -256,10 +309,16 @@ def write_sharded(
     copied: BaseException | None = None
     if me == 0 and mode == "a":
         try:
-            shutil.copy2(path, tmp)
+            (zw.copy_store if zarr else shutil.copy2)(path, tmp)
         except OSError as err:  # a full disk: every rank learns of it, nothing is left
             copied = err
     agree_or_discard(t, tmp, path, copied, f"write_sharded({str(path)!r}, mode='a')")
+    if zarr:
+        rows = chunk_rows or max(1, *sizes)
+        field = _ZarrField(tmp, name, x, d, shape, names, coords, attrs or {}, rows)
+        error = field.write(t, sizes, "a" if mode == "a" else "w", zarr_format)
+        commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
+        return path
 
     def create(f: h5py.File) -> None:
         scales = declare_dims(f, names, shape, coords)
@@ -288,6 +347,73 @@ def write_sharded(
     return path
 
 
+class _ZarrField:
+    """One variable of :func:`write_sharded` written into the Zarr store ``tmp``."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        x: np.ndarray,
+        dim: int,
+        shape: tuple[int, ...],
+        dims: tuple[str, ...],
+        coords: Mapping[str, Any],
+        attrs: Mapping[str, Any],
+        rows: int,
+    ) -> None:
+        self.tmp, self.name, self.x, self.dim, self.shape = tmp, name, x, dim, shape
+        self.dims, self.coords, self.attrs, self.rows = dims, coords, attrs, rows
+
+    def create(self, mode: str, zarr_format: int) -> None:
+        """The group, the coordinates it lacks and the (empty) variable: rank 0."""
+        root = zw.open_group(self.tmp, mode, zarr_format)
+        for k, n in zip(self.dims, self.shape, strict=True):
+            if k in root and k != self.name:
+                if root[k].shape != (n,):
+                    raise DataError(
+                        f"dimension {k!r} already has {root[k].shape[0]} entries in the store, "
+                        f"the new variable has {n}; use another dimension name or a new store"
+                    )
+            elif k in self.coords:
+                values = np.asarray(self.coords[k])
+                coord = zw.create_array(
+                    root, k, (n,), values.dtype, (k,), (n,), _COORDINATE_ATTRS.get(k, {})
+                )
+                coord[...] = values
+        chunks = tuple(
+            self.rows if i == self.dim else 1 if i < self.dim else n
+            for i, n in enumerate(self.shape)
+        )
+        zw.create_array(root, self.name, self.shape, self.x.dtype, self.dims, chunks, self.attrs)
+
+    def write(
+        self, t: Transport | None, sizes: Sequence[int], mode: str, zarr_format: int
+    ) -> BaseException | None:
+        """Create (rank 0), move the boundary rows to their chunk's owner, write every rank's
+        chunks, consolidate (rank 0). Returns this rank's error. Collective."""
+        moved, lo = zw.to_owners(self.x, self.dim, sizes, self.rows, t)
+
+        def write() -> None:
+            ensure_space(self.tmp, moved.nbytes)
+            zw.write_rows(zw.open_rows(self.tmp, self.name), moved, self.dim, lo)
+
+        error = zw.in_parallel(t, lambda: self.create(mode, zarr_format), write)
+        return _consolidated(t, self.tmp, error)
+
+
+def _consolidated(t: Transport | None, tmp: Path, error: BaseException | None) -> Any:
+    """``error``; on rank 0 without one, the store's metadata consolidated first (the
+    metadata is complete once rank 0 created it: the other ranks write chunks only; the
+    agreement that follows tells whether they failed)."""
+    if error is None and (t is None or t.rank == 0):
+        try:
+            zw.consolidate(tmp)
+        except Exception as err:
+            return err
+    return error
+
+
 class RolloutWriter:
     """A forecast written step by step: one variable per channel, shaped ``(time, latitude,
     longitude)``, grown by one time step per :meth:`write`; the file appears at ``path`` when
@@ -299,7 +425,13 @@ class RolloutWriter:
     variable; ``variable_attrs`` maps a channel to its own attributes (CF ``units`` and
     ``long_name``: pass :attr:`ShardedH5Dataset.attributes <mpidp.io.ShardedH5Dataset>`, so
     the forecast carries the source data's). The coordinates carry their CF ``units``,
-    ``standard_name`` and ``long_name``. Use as a context manager::
+    ``standard_name`` and ``long_name``.
+
+    A ``path`` ending in ``.zarr`` (or ``format="zarr"``) is written as a Zarr store (format
+    ``zarr_format``), chunked one step by ``chunk_rows`` rows (default: the tallest band) by
+    every longitude; every rank writes its chunks at once (the rows of a chunk that starts in
+    another rank's band go to that rank first: no two ranks ever write one chunk), and
+    ``xarray.open_zarr`` opens it. Use as a context manager::
 
         with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon,
                            variable_attrs=dataset.attributes) as out:
@@ -324,6 +456,9 @@ class RolloutWriter:
         dtype: Any = np.float32,
         method: str = "auto",
         group: Any = None,
+        format: str = "auto",
+        chunk_rows: int | None = None,
+        zarr_format: int = 3,
     ) -> None:
         self.t = io_transport(manager, group)
         self.path = Path(path)
@@ -333,11 +468,15 @@ class RolloutWriter:
             problems.append(f"the folder {self.path.parent} does not exist")
         if len(set(self.channels)) != len(self.channels) or "time" in self.channels:
             problems.append(f"channel names {self.channels} must be distinct and not 'time'")
-        self.method = _method(method, self.t, problems)
+        self.zarr = _format(self.path, format, method, zarr_format, chunk_rows, problems)
+        self.method = "zarr" if self.zarr else _method(method, self.t, problems)
+        self.chunk_rows, self.zarr_format = chunk_rows, zarr_format
         facts = {
             "path": os.path.realpath(self.path),
             "channels": self.channels,
             "method": self.method,
+            "chunk_rows": chunk_rows,
+            "zarr_format": zarr_format,
             "time_units": time_units,
             "variable_attrs": repr(
                 sorted((c, sorted(dict(a).items())) for c, a in (variable_attrs or {}).items())
@@ -411,6 +550,30 @@ class RolloutWriter:
                 f"(a band of another height on one rank?)"
             )
         lo = sum(sizes[:me])
+        if self.zarr:
+            error = self._write_zarr(x, step, time, sizes, w)
+        else:
+            error = self._write_hdf5(x, step, time, sizes, lo, w)
+        problem = [] if error is None else [explain_os_error(error, self.path)]
+        try:
+            check_everywhere(
+                self.t,
+                problem,
+                {},
+                f"writing step {step} of {self.path} failed",
+                "see the rank's error; the previous file is untouched",
+            )
+        except DataError:
+            self.abort()
+            raise
+        self.steps += 1
+
+    def _write_hdf5(
+        self, x: np.ndarray, step: int, time: float | None, sizes: list[int], lo: int, w: int
+    ) -> BaseException | None:
+        """Step ``step`` into the temporary HDF5 file, the ranks in turn (or collectively).
+        Returns this rank's error."""
+        h = sum(sizes)
 
         def create(f: h5py.File) -> None:
             if step == 0:
@@ -420,10 +583,7 @@ class RolloutWriter:
                 )
                 for k in self.coords:
                     f[k].attrs.update(_COORDINATE_ATTRS[k])
-                if self.time_units:
-                    f["time"].attrs.update({**_COORDINATE_ATTRS["time"], "units": self.time_units})
-                else:
-                    f["time"].attrs["long_name"] = "forecast step"
+                f["time"].attrs.update(self._time_attrs())
                 for c in self.channels:
                     ds = f.create_dataset(
                         c,
@@ -452,20 +612,50 @@ class RolloutWriter:
 
             return run
 
-        error = _in_turns(self.t, self.method, self.tmp, create, prepare, x.nbytes)
-        problem = [] if error is None else [explain_os_error(error, self.path)]
-        try:
-            check_everywhere(
-                self.t,
-                problem,
-                {},
-                f"writing step {step} of {self.path} failed",
-                "see the rank's error; the previous file is untouched",
-            )
-        except DataError:
-            self.abort()
-            raise
-        self.steps += 1
+        return _in_turns(self.t, self.method, self.tmp, create, prepare, x.nbytes)
+
+    def _write_zarr(
+        self, x: np.ndarray, step: int, time: float | None, sizes: list[int], w: int
+    ) -> BaseException | None:
+        """Step ``step`` into the temporary Zarr store: rank 0 creates or grows the arrays,
+        then every rank writes its chunks. Returns this rank's error. Collective."""
+        h = sum(sizes)
+        rows = self.chunk_rows or max(1, *sizes)
+        dims = ("time", "latitude", "longitude")
+
+        def create() -> None:
+            root = zw.open_group(self.tmp, "w" if step == 0 else "a", self.zarr_format)
+            if step == 0:
+                for k, values in self.coords.items():
+                    attrs = _COORDINATE_ATTRS[k]
+                    coord = zw.create_array(
+                        root, k, values.shape, values.dtype, (k,), values.shape, attrs
+                    )
+                    coord[...] = values
+                when = self._time_attrs()
+                zw.create_array(root, "time", (0,), np.float64, ("time",), (512,), when)
+                for c in self.channels:
+                    attrs = {**self.attrs, **self.variable_attrs[c]}
+                    zw.create_array(root, c, (0, h, w), self.dtype, dims, (1, rows, w), attrs)
+            root["time"].resize((step + 1,))
+            root["time"][step] = step if time is None else time
+            for c in self.channels:
+                root[c].resize((step + 1, h, w))
+
+        moved, lo = zw.to_owners(x.astype(self.dtype, copy=False), 1, sizes, rows, self.t)
+
+        def write() -> None:
+            ensure_space(self.tmp, moved.nbytes)
+            for i, c in enumerate(self.channels):
+                zw.write_rows(zw.open_rows(self.tmp, c), moved[i], 0, lo, (step,))
+
+        return zw.in_parallel(self.t, create, write)
+
+    def _time_attrs(self) -> dict[str, str]:
+        """The time coordinate's attributes: CF ``units`` when given, else a step count."""
+        if self.time_units:
+            return {**_COORDINATE_ATTRS["time"], "units": self.time_units}
+        return {"long_name": "forecast step"}
 
     def close(self) -> Path:
         """Publish the file (rename the temporary file to ``path``). Collective."""
@@ -473,6 +663,8 @@ class RolloutWriter:
             return self.path
         self._closed = True
         error = None if self.steps else DataError("no step was written")
+        if self.zarr:
+            error = _consolidated(self.t, self.tmp, error)
         commit(self.t, self.tmp, self.path, error, f"RolloutWriter({str(self.path)!r})")
         return self.path
 
@@ -480,7 +672,7 @@ class RolloutWriter:
         """Discard the temporary file; ``path`` keeps what it had. Local (no communication):
         any rank may call it, alone (an exception on one rank inside ``with``)."""
         self._closed = True
-        self.tmp.unlink(missing_ok=True)
+        discard(self.tmp)
 
     def __enter__(self) -> RolloutWriter:
         return self

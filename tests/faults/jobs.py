@@ -133,6 +133,27 @@ def killed_mid_write() -> None:
         out.write(torch.ones(1, rows, 4))
 
 
+def killed_mid_zarr_write() -> None:
+    """A Zarr rollout over a store that exists: after one step, rank 1 is killed with SIGKILL
+    while rank 0 goes on to write the next step. The job must end and the old store must be
+    intact."""
+    import os
+    import signal
+
+    from mpidp.io import RolloutWriter
+
+    path = sys.argv[2]
+    manager = mpidp.init(domain_parallel_size=2)
+    rows = manager.spec(8).sizes[manager.domain_rank]
+    with RolloutWriter(path, ["x"], manager=manager, chunk_rows=3) as out:
+        out.write(torch.full((1, rows, 4), 7.0))
+        MPI.COMM_WORLD.Barrier()
+        if ME == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(f"rank 0 writes step 2 at {time.time():.2f}", flush=True)
+        out.write(torch.full((1, rows, 4), 8.0))
+
+
 def rollout_fills_disk() -> None:
     """A rollout over an existing file on a file system that fills up (a 2 MB tmpfs, or, where
     mounting one is not allowed, a disk whose free space ``argv[3]`` bytes is injected):

@@ -184,6 +184,28 @@ def test_a_rank_killed_mid_write_leaves_the_old_file_intact(tmp_path):
     assert len(left) == 1, (left, out)
 
 
+def test_a_rank_killed_mid_zarr_write_leaves_the_old_store_intact(tmp_path):
+    """The same for a Zarr store (a folder, replaced by two renames at publication): the job
+    ends, ``xarray.open_zarr`` reads the previous values, and the temporary store is what
+    remains."""
+    import numpy as np
+    import xarray as xr
+
+    from mpidp.io import write_sharded
+
+    path = tmp_path / "forecast.zarr"
+    old = np.arange(32.0).reshape(1, 8, 4)
+    write_sharded(path, "x", old, dims=("time", "latitude", "longitude"))
+    start = time.monotonic()
+    out = job("killed-mid-zarr-write", str(path), MPIDP_TIMEOUT="5")
+    assert time.monotonic() - start < 60, out
+    assert "rank 0 writes step 2" in out, out
+    with xr.open_zarr(path) as ds:
+        np.testing.assert_array_equal(ds["x"].values, old)
+    left = [p.name for p in tmp_path.iterdir() if p.name != "forecast.zarr"]
+    assert len(left) == 1 and left[0].startswith(".forecast.zarr.tmp-"), (left, out)
+
+
 def test_a_rollout_that_fills_the_disk_raises_everywhere_and_leaves_nothing(tmp_path):
     """A RolloutWriter on a 2 MB tmpfs (mounted here when the tests run as root; otherwise the
     free space is injected): HDF5 out of space mid-write used to crash the process in h5py.

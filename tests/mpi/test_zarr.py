@@ -16,10 +16,10 @@ import torch
 import xarray as xr
 import zarr
 from mpi4py import MPI
-from zarr.storage import LocalStore, WrapperStore
+from zarr.storage import LocalStore
+from zarr_stores import LoggingStore, chunk_key, expect_everywhere
 
 import mpidp
-from mpidp.errors import DataError
 from mpidp.io import ShardedH5Dataset, ShardedZarrDataset, make_sample_data
 from mpidp.testing import serial_halo
 
@@ -148,34 +148,11 @@ def test_sample_data_as_zarr_equals_hdf5(manager, shared):
 # -- what a rank fetches -----------------------------------------------------------------------
 
 
-class CountingStore(WrapperStore):
-    """A store that records every key read from it."""
-
-    def __init__(self, store, log: list[str] | None = None) -> None:
-        super().__init__(store)
-        self.log = [] if log is None else log
-
-    def _with_store(self, store):
-        return CountingStore(store, self.log)
-
-    async def get(self, key, prototype, byte_range=None):
-        self.log.append(key)
-        return await self._store.get(key, prototype, byte_range)
-
-
-def _chunk_key(fmt: int, name: str, index: tuple[int, ...]) -> str:
-    return (
-        f"{name}/c/" + "/".join(map(str, index))
-        if fmt == 3
-        else f"{name}/" + ".".join(map(str, index))
-    )
-
-
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("rows", [5, 7])
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_fetches_only_the_chunks_overlapping_its_rows(manager, data, fmt, rows, order):
-    counting = CountingStore(LocalStore(data["zarr"][fmt, order, rows], read_only=True))
+    counting = LoggingStore(LocalStore(data["zarr"][fmt, order, rows], read_only=True))
     ds = ShardedZarrDataset(
         zarr.open_group(counting, mode="r"),
         ["t2m", ("t", [0, 2])],
@@ -193,8 +170,8 @@ def test_fetches_only_the_chunks_overlapping_its_rows(manager, data, fmt, rows, 
     needed = serial_halo(numbers, *ds.rows, -2, "polar", -1).unique()
     stored = [(H - int(r) if order == "s2n" else int(r) - 1) for r in needed]
     blocks = sorted({r // rows for r in stored})
-    want = {_chunk_key(fmt, "t2m", (time, b, 0)) for b in blocks}
-    want |= {_chunk_key(fmt, "t", (time, lev, b, 0)) for lev in (0, 2) for b in blocks}
+    want = {chunk_key(fmt, "t2m", (time, b, 0)) for b in blocks}
+    want |= {chunk_key(fmt, "t", (time, lev, b, 0)) for lev in (0, 2) for b in blocks}
     assert sorted(fetched) == sorted(want), (ME, fetched, want)  # each once, no other
     table = WORLD.gather((ME, ds.rows, len(fetched), len(want), -(-H // rows) * 3), root=0)
     if ME == 0:
@@ -206,17 +183,9 @@ def test_fetches_only_the_chunks_overlapping_its_rows(manager, data, fmt, rows, 
 # -- bad input: the same clear error on every rank ---------------------------------------------
 
 
-def _expect_everywhere(match: str, *args, **kwargs) -> str:
-    with pytest.raises(DataError, match=match) as err:
-        ShardedZarrDataset(*args, **kwargs)
-    text = str(err.value)
-    assert text.startswith(f"rank {ME}:") and "fix:" in text, text
-    return text
-
-
 def test_missing_variable(manager, data):
     path = data["zarr"][3, "n2s", 5]
-    text = _expect_everywhere(r"no variable \['q'\]", path, ["t2m", "q"], manager=manager)
+    text = expect_everywhere(r"no variable \['q'\]", path, ["t2m", "q"], manager=manager)
     assert str(path) in text and "'t2m'" in text  # the store and what it has
 
 
@@ -229,7 +198,7 @@ def test_missing_variable_on_one_rank_only(manager, data, shared):
     WORLD.Barrier()
     path = thin if ME == P - 1 else data["zarr"][3, "n2s", 5]
     match = rf"rank {P - 1}: .*thin.zarr: no variable \['msl'\]"
-    _expect_everywhere(match, path, ["t2m", "msl"], manager=manager)
+    expect_everywhere(match, path, ["t2m", "msl"], manager=manager)
 
 
 def test_no_stored_statistics(manager, data, shared):
@@ -242,7 +211,7 @@ def test_no_stored_statistics(manager, data, shared):
                 v.attrs.clear()
             ds.to_zarr(bare, mode="w", zarr_format=3, consolidated=False)
     WORLD.Barrier()
-    text = _expect_everywhere("no 'mean'/'std' attributes", bare, ["t2m"], manager=manager)
+    text = expect_everywhere("no 'mean'/'std' attributes", bare, ["t2m"], manager=manager)
     assert str(bare) in text and "normalize='compute'" in text
     computed = ShardedZarrDataset(bare, ["t2m"], manager=manager, normalize="compute")
     assert computed.mean.shape == (1,)
@@ -255,7 +224,7 @@ def test_latitude_not_monotonic(manager, data, shared):
         lat = zarr.open_array(bad / "latitude", mode="r+")
         lat[:] = np.roll(lat[:], 3)
     WORLD.Barrier()
-    text = _expect_everywhere("not monotonic", bad, ["t2m"], manager=manager)
+    text = expect_everywhere("not monotonic", bad, ["t2m"], manager=manager)
     assert str(bad) in text and "'t2m'" in text and "sortby('latitude')" in text
 
 
@@ -274,14 +243,14 @@ def test_group_that_is_not_a_dataset(manager, data, shared):
         zarr.open_group(empty, mode="w")
     WORLD.Barrier()
     grouped = plain.with_name("grouped.zarr")
-    text = _expect_everywhere("no dimension names", grouped, manager=manager)
+    text = expect_everywhere("no dimension names", grouped, manager=manager)
     assert str(grouped) in text and "'t2m'" in text and "Dataset.to_zarr" in text
     array = zarr.open_array(plain, mode="r")
-    _expect_everywhere("Array, not a group holding a dataset", array, manager=manager)
-    _expect_everywhere(r"no \(time, \[level,\] lat, lon\) variables", empty, manager=manager)
+    expect_everywhere("Array, not a group holding a dataset", array, manager=manager)
+    expect_everywhere(r"no \(time, \[level,\] lat, lon\) variables", empty, manager=manager)
     not_a_group = r"plain.zarr: not a readable Zarr store .*Array, not a group"
-    _expect_everywhere(not_a_group, plain, manager=manager)
-    _expect_everywhere("no such store", shared / "absent.zarr", manager=manager)
+    expect_everywhere(not_a_group, plain, manager=manager)
+    expect_everywhere("no such store", shared / "absent.zarr", manager=manager)
     swap = r"'t2m' has dimensions \('time', 'longitude', 'latitude'\)"
-    text = _expect_everywhere(swap, swapped, manager=manager)
+    text = expect_everywhere(swap, swapped, manager=manager)
     assert "transpose" in text
