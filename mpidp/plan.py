@@ -483,7 +483,17 @@ def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:
     to a callable returning a module; called with whichever of ``in_channels``,
     ``out_channels``, ``channels`` and ``grid`` it accepts)."""
     if name in EXAMPLE_MODELS:
-        return EXAMPLE_MODELS[name](channels, grid)
+        try:
+            return EXAMPLE_MODELS[name](channels, grid)
+        except ValueError as err:  # a grid the example cannot take (patches that do not fit)
+            rows, cols = (n - n % 8 for n in grid)
+            raise ConfigError(
+                f"model {name!r} cannot be built for a {grid[0]} x {grid[1]} grid with "
+                f"{channels} channels: {err}; pass a grid it takes (the patch models cut it "
+                f"into 4- or 8-point patches: {rows}x{cols} drops the rows and columns past "
+                f"a multiple of 8, as ERA5's 721 rows become 720 without the south pole row), "
+                f"or another model (unet and fno take any grid)"
+            ) from err
     if ":" not in name:
         raise ConfigError(
             f"model {name!r}: use one of {', '.join(EXAMPLE_MODELS)} or 'module:factory'"

@@ -124,6 +124,11 @@ def test_cli_plan_table_and_json():
     assert doc["partition"] == "weighted [2.0, 1.0, 1.0]"
     bad = subprocess.run([*cmd, "--model", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "use one of unet" in bad.stderr
+    bad = subprocess.run(
+        [*cmd, "--model", "afno", "--grid", "91x180"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "cannot be built for a 91 x 180 grid" in bad.stderr and "88x176" in bad.stderr
 
 
 def test_cli_plan_five_d_grid_and_extra_inputs(tmp_path):
