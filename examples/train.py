@@ -24,7 +24,8 @@ persistence.
 
 Writes, in --out (default runs/train): checkpoint.pt every --checkpoint-every steps and at the
 end (loadable at any rank count, and by the serial model), metrics.json (losses, validation,
-timing) and loss_curve.png. The sample data (mpidp sample-data) is generated on first use.
+timing) and loss_curve.png. The sample data (mpidp sample-data) is generated on first use;
+--data trains from an HDF5/netCDF-4 file or a Zarr store (each rank reads its band alone).
 Rank 0 alone prints: a progress bar on a terminal, else a line every --log-every steps.
 """
 
@@ -48,6 +49,7 @@ from mpidp.cli import HelpFormatter
 from mpidp.io import (
     DataParallelSampler,
     ShardedH5Dataset,
+    ShardedZarrDataset,
     ensure_sample_data,
     load_checkpoint,
     save_checkpoint,
@@ -66,6 +68,9 @@ from mpidp.skill import Skill, SkillMeter, climatology
 
 HERE = Path(__file__).resolve().parent
 
+#: what --data is read with
+Data = ShardedH5Dataset | ShardedZarrDataset
+
 
 def option(default: Any, help: str, choices: tuple[str, ...] = (), metavar: str = "") -> Any:
     """A Config field with its --help text (and its choices, where there are some)."""
@@ -79,8 +84,10 @@ class Config:
 
     data: str = option(
         "",
-        "the HDF5/netCDF-4 training data (default: examples/data/sample-LATxLON.h5, "
-        "written on first use)",
+        "the training data: an HDF5/netCDF-4 file, or a Zarr store in xarray's or "
+        "anemoi-datasets' layout (a directory ending in .zarr or holding zarr.json or .zgroup; "
+        "needs mpidp[zarr]) "
+        "(default: examples/data/sample-LATxLON.h5, written on first use)",
         metavar="PATH",
     )
     model: str = option(
@@ -249,7 +256,7 @@ def build_model(spec: dict[str, Any]) -> torch.nn.Module:
 
 
 def tendency_std(
-    ds: ShardedH5Dataset, samples: range, weights: torch.Tensor, manager: mpidp.DistributedManager
+    ds: Data, samples: range, weights: torch.Tensor, manager: mpidp.DistributedManager
 ) -> torch.Tensor:
     """The latitude-weighted std of each channel's one-step change (target minus input,
     normalised units) over ``samples``, exact over the whole field: float64 ``(C,)``. Every
@@ -303,6 +310,22 @@ def sample_data(cfg: Config, manager: mpidp.DistributedManager) -> str:
     return path
 
 
+def is_zarr_store(path: str) -> bool:
+    """Whether ``path`` names a Zarr store: a directory ending in ``.zarr`` (or a path so
+    named that does not exist yet: the Zarr reader says so), or a directory holding a Zarr
+    group's metadata (``zarr.json``, format 3; ``.zgroup``, format 2)."""
+    p = Path(path)
+    if p.name.endswith(".zarr") and not p.is_file():
+        return True
+    return p.is_dir() and ((p / "zarr.json").exists() or (p / ".zgroup").exists())
+
+
+def open_data(path: str, cfg: Config, manager: mpidp.DistributedManager, dtype: Any) -> Data:
+    """This rank's band of the data at ``path``: a Zarr store or an HDF5/netCDF-4 file."""
+    reader = ShardedZarrDataset if is_zarr_store(path) else ShardedH5Dataset
+    return reader(path, manager=manager, grid=(cfg.lat, cfg.lon), dtype=dtype)
+
+
 def split(n: int, val: int) -> tuple[range, range]:
     """Training samples first, validation last, one sample apart so no time is shared."""
     if not 0 < val < n - 1:
@@ -310,7 +333,7 @@ def split(n: int, val: int) -> tuple[range, range]:
     return range(0, n - val - 1), range(n - val, n)
 
 
-def batch(ds: ShardedH5Dataset, indices: list[int], device: torch.device) -> tuple[Any, Any]:
+def batch(ds: Data, indices: list[int], device: torch.device) -> tuple[Any, Any]:
     items = [ds[i] for i in indices]
     return (
         torch.stack([x for x, _ in items]).to(device),
@@ -320,7 +343,7 @@ def batch(ds: ShardedH5Dataset, indices: list[int], device: torch.device) -> tup
 
 def validate(
     model: torch.nn.Module,
-    ds: ShardedH5Dataset,
+    ds: Data,
     indices: range,
     per_replica: int,
     weights: torch.Tensor,
@@ -416,9 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
 
-    ds = ShardedH5Dataset(
-        sample_data(cfg, manager), manager=manager, grid=(cfg.lat, cfg.lon), dtype=dtype
-    )
+    ds = open_data(sample_data(cfg, manager), cfg, manager, dtype)
     train_idx, val_idx = split(len(ds), cfg.val_samples)
     sampler = DataParallelSampler(Subset(ds, train_idx), meshes, seed=cfg.seed, drop_last=True)
     per_epoch = len(sampler) // per_replica

@@ -3,6 +3,7 @@ writes that xarray opens, checkpoints that load at any layout, and a built-in sa
 See docs/io.md."""
 
 from mpidp.io.checkpoint import load_checkpoint, save_checkpoint
+from mpidp.io.prefetch import Prefetcher
 from mpidp.io.reader import DataParallelSampler, ShardedH5Dataset
 from mpidp.io.sample import ensure_sample_data, make_sample_data
 from mpidp.io.writer import RolloutWriter, parallel_hdf5_available, write_sharded
@@ -10,6 +11,7 @@ from mpidp.io.zarr_reader import ShardedZarrDataset, zarr_available
 
 __all__ = [
     "DataParallelSampler",
+    "Prefetcher",
     "RolloutWriter",
     "ShardedH5Dataset",
     "ShardedZarrDataset",

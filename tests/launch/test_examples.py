@@ -5,6 +5,7 @@ file xarray opens, the uneven-shards experiment reproduces the serial result."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,21 @@ def test_token_models_four_ranks_match_one_process(tmp_path, model):
     assert f"mpidp train: {model}; 4 ranks = dp 2 x domain 2" in log and grid in log
     _same_run(one, four)
     assert one["val_loss"] < one["history"]["train"][0][1]  # it learned something
+
+
+def test_train_from_a_zarr_store(tmp_path):
+    """``--data PATH.zarr``: the Zarr reader feeds training (2 ranks, domain 2); an HDF5
+    reader would fail on a directory."""
+    pytest.importorskip("zarr")
+    from mpidp.io import make_sample_data
+
+    store = make_sample_data(tmp_path / "sample.zarr", n_time=20, format="zarr")
+    args = ["--steps", "3", "--val-every", "3", "--val-samples", "4", "--no-plot"]
+    log = launch(2, TRAIN, "--data", str(store), *args, "--out", str(tmp_path / "o"))
+    m = metrics(tmp_path / "o")
+    assert m["steps"] == 3 and (m["dp"], m["domain"]) == (1, 2), log[-2000:]
+    losses = [v for _, v in m["history"]["train"]] + [m["val_loss"]]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
