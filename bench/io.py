@@ -8,7 +8,8 @@ The driver writes the sample data set at a larger grid (361 x 720, 6 channels) o
 starts ``mpiexec -n P`` for P = 1, 2, 4. In each run every rank reads its band of every time
 step ("band", mpidp) and, for comparison, the whole field followed by a slice ("full+slice",
 what peers do: every domain rank loads the full sample); then the field is written with each
-write path, and with "gather+write" (the band gathered to rank 0, which writes alone). Times
+write path, with "gather+write" (the band gathered to rank 0, which writes alone), and as a
+Zarr store (every rank writing its own chunks; a band per chunk, and 32-row chunks). Times
 are the slowest rank's, median of the rounds; implementations alternate within a round. The
 file is in the page cache after the first round, so read figures are HDF5 and memory costs,
 not the disk's. Bytes are counted at the file object (mpidp.testing.counting_opener). Not a test.
@@ -91,8 +92,16 @@ def worker(args: argparse.Namespace) -> None:
             os.replace(tmp, out)
         world.Barrier()
 
+    def write_zarr(rows: int | None):
+        def run() -> None:
+            write_sharded(out.with_suffix(".zarr"), "x", field, manager=m, chunk_rows=rows)
+
+        return run
+
     reads = {"band (mpidp)": read_band, "full+slice": read_full}
     writes = {"ordered": write("ordered"), "gather+write": gather_write}
+    writes["zarr"] = write_zarr(None)  # a band per chunk: bands of equal height move nothing
+    writes["zarr, 32-row chunks"] = write_zarr(32)  # boundary rows move to their chunk's owner
     if parallel_hdf5_available():
         writes["mpio"] = write("mpio")
     timings: dict[str, list[float]] = {k: [] for k in [*reads, *writes]}
