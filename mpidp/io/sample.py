@@ -34,7 +34,8 @@ FINGERPRINT_ATTR = "mpidp_sample_fingerprint"
 
 TITLE = "mpidp synthetic ERA5-like sample data"
 
-#: (name, levels?, climatology of sin(lat), wave amplitude, units)
+#: (name, levels?, climatology of sin(lat), wave amplitude, units); the other CF attributes of
+#: each are in :data:`_NAMES`
 _VARIABLES = (
     ("t2m", False, lambda s, lev: 300.0 - 55.0 * s**2, 6.0, "K"),
     ("msl", False, lambda s, lev: 101325.0 - 900.0 * np.cos(3 * np.arcsin(s)), 1200.0, "Pa"),
@@ -117,6 +118,14 @@ FORMATS = ("hdf5", "zarr", "anemoi")
 #: Latitude rows per chunk of the Zarr sample store: a band reads the chunks it overlaps.
 ZARR_LAT_CHUNK = 8
 
+#: CF ``long_name`` and ``standard_name`` of each variable (ERA5's).
+_NAMES = {
+    "t2m": ("2 metre temperature", "air_temperature"),
+    "msl": ("mean sea level pressure", "air_pressure_at_mean_sea_level"),
+    "z": ("geopotential", "geopotential"),
+    "t": ("temperature", "air_temperature"),
+}
+
 _COORD_UNITS = {
     "time": "hours since 2000-01-01 00:00:00",
     "level": "hPa",
@@ -124,8 +133,8 @@ _COORD_UNITS = {
     "longitude": "degrees_east",
 }
 
-#: (name, with levels?, float32 data, units, mean, std) of each variable, in file order.
-Field = tuple[str, bool, np.ndarray, str, np.ndarray, np.ndarray]
+#: (name, with levels?, float32 data, CF attributes, mean, std) of each variable, in file order.
+Field = tuple[str, bool, np.ndarray, dict[str, str], np.ndarray, np.ndarray]
 
 
 def _fields(
@@ -148,7 +157,9 @@ def _fields(
         axes = (0, 2, 3) if has_levels else None
         mean = np.asarray(data.mean(axis=axes, dtype=np.float64))
         std = np.asarray(data.std(axis=axes, dtype=np.float64))
-        yield name, has_levels, data, units, mean, std
+        long_name, standard_name = _NAMES[name]
+        cf = {"units": units, "long_name": long_name, "standard_name": standard_name}
+        yield name, has_levels, data, cf, mean, std
 
 
 def _write_hdf5(
@@ -165,12 +176,12 @@ def _write_hdf5(
         )
         for name, units in _COORD_UNITS.items():
             f[name].attrs["units"] = units
-        for name, has_levels, data, units, mean, std in fields:
+        for name, has_levels, data, cf, mean, std in fields:
             ds = f.create_dataset(name, data=data)  # contiguous: a band is a hyperslab read
             attach_dims(ds, dims4 if has_levels else dims3)
             ds.attrs["mean"] = mean
             ds.attrs["std"] = std
-            ds.attrs["units"] = units
+            ds.attrs.update(cf)
 
 
 def _write_zarr(
@@ -196,13 +207,13 @@ def _write_zarr(
 
     for name, units in _COORD_UNITS.items():
         put(name, coords[name], (name,), {"units": units})
-    for name, has_levels, data, units, mean, std in fields:
+    for name, has_levels, data, cf, mean, std in fields:
         dims = (
             ("time", "level", "latitude", "longitude")
             if has_levels
             else ("time", "latitude", "longitude")
         )
-        put(name, data, dims, {"mean": mean.tolist(), "std": std.tolist(), "units": units})
+        put(name, data, dims, {"mean": mean.tolist(), "std": std.tolist(), **cf})
     consolidate(tmp)
 
 

@@ -184,7 +184,8 @@ def test_inference_from_a_four_rank_checkpoint_on_three_ranks(tmp_path):
         assert 40000 < float(a.z500.mean()) < 70000  # physical units (m2 s-2)
         # CF attributes from the source data (its units; long_name: the name and level)
         assert a.z500.attrs["units"] == "m2 s-2" and a.t2m.attrs["units"] == "K"
-        assert a.z500.attrs["long_name"] == "z at 500 hPa"
+        assert a.z500.attrs["long_name"] == "geopotential at 500 hPa"
+        assert a.t2m.attrs["standard_name"] == "air_temperature"
         assert all("units" in a[v].attrs and "long_name" in a[v].attrs for v in a.data_vars)
         assert a.latitude.attrs["units"] == "degrees_north"
     assert (tmp_path / "p3" / "z500-40+3.png").read_bytes()[:4] == b"\x89PNG"

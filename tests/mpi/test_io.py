@@ -645,4 +645,7 @@ def test_sample_data_is_deterministic_and_self_describing(sample, shared):
         assert xds["z"].dims == ("time", "level", "latitude", "longitude")
         assert list(xds["level"].values) == [500, 850]
         assert float(xds["latitude"][0]) == 90.0
+        assert xds["msl"].attrs["long_name"] == "mean sea level pressure"  # CF, as ERA5's
+        assert xds["t"].attrs["standard_name"] == "air_temperature"
+        assert xds["z"].attrs["units"] == "m2 s-2"
     again.unlink()

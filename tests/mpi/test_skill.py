@@ -46,9 +46,13 @@ def shared() -> Path:
 
 
 def _named(path: Path) -> None:
-    """The sample data with CF names on two variables, as ERA5 files carry them."""
+    """The sample data with CF names of its own on two variables (as ERA5 files carry them),
+    none on the others."""
     make_sample_data(path, n_lat=H, n_lon=W, n_time=T)
     with h5py.File(path, "r+") as f:
+        for name in ("t2m", "msl", "z", "t"):
+            for key in ("long_name", "standard_name"):
+                f[name].attrs.pop(key, None)
         f["t2m"].attrs["long_name"] = "2 metre temperature"
         f["t"].attrs.update({"long_name": "Temperature", "standard_name": "air_temperature"})
 
