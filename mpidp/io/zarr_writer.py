@@ -61,7 +61,11 @@ def create_array(
     attrs: Mapping[str, Any],
 ) -> Any:
     """An array of group ``root`` in xarray's layout: dimension names where its Zarr format
-    keeps them, ``attrs``, NaN (or 0) as fill value. Replaces an array of that name."""
+    keeps them, ``attrs``, NaN as the fill value of floats. Replaces an array of that name.
+
+    Other types get none in format 2 (xarray reads a format-2 fill value as ``_FillValue``
+    and would turn every stored 0 into NaN) and zarr's default in format 3 (which xarray does
+    not mask)."""
     if name in root:
         del root[name]
     fmt = root.metadata.zarr_format
@@ -71,7 +75,7 @@ def create_array(
         shape=tuple(shape),
         dtype=dtype,
         chunks=tuple(max(1, c) for c in chunks),
-        fill_value=np.nan if kind == "f" else 0,
+        fill_value=np.nan if kind == "f" else None if fmt == 2 else 0,
         dimension_names=tuple(dims) if fmt == 3 else None,
     )
     extra = {"_ARRAY_DIMENSIONS": list(dims)} if fmt == 2 else {}

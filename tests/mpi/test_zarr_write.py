@@ -101,6 +101,24 @@ def test_write_sharded_round_trip(manager, shared, kind, fmt, rows):
     assert not _temporaries(shared)
 
 
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_integers_and_zeros_survive_xarray(manager, shared, fmt):
+    """Whole numbers, zeros among them, in a field and a coordinate: xarray reads them back
+    as they were (a format-2 fill value of 0 would turn every 0 into NaN)."""
+    spec = manager.spec(H)
+    full = torch.arange(3 * H * W, dtype=torch.int32).reshape(3, H, W) % 5
+    path = shared / f"ints-{fmt}.zarr"
+    dims = ("step", "latitude", "longitude")
+    write_sharded(
+        path, "n", full[:, spec.slice(ME)], manager=manager, dims=dims,
+        coords={"step": np.array([0, 1, 2])}, zarr_format=fmt,
+    )  # fmt: skip
+    if ME == 0:
+        with xr.open_zarr(path) as ds:
+            assert ds["n"].dtype == np.int32 and ds["step"].values.tolist() == [0, 1, 2]
+            np.testing.assert_array_equal(ds["n"].values, full.numpy())
+
+
 def test_aligned_sizes_give_every_chunk_one_owner():
     """Every chunk of the chunk-aligned partition lies in one band, and bands that are a
     chunk each do not move."""
