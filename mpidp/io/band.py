@@ -300,6 +300,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.target_channels = [c for _, _, names in self._sources_out for c in names]
         self._all_channels = list(dict.fromkeys(self.channels + self.target_channels))
         self._labels = [i.label for i in infos]
+        self._packing = [i.packing for i in infos]  # per part: files may pack differently
         self.attributes: dict[str, dict[str, str]] = {}
         for (name, levels), (_, _, names) in zip(
             self._inputs + self._outputs, self._sources_in + self._sources_out, strict=True
@@ -431,8 +432,10 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         a, b = (h - hi, h - lo) if self._flip else (lo, hi)
         blocks = []
         for name, index, _ in sources:
+            unpack = self._packing[part].get(name)
             try:
-                blocks.append(self.source.read(part, name, local, index, a, b))
+                block = self.source.read(part, name, local, index, a, b)
+                blocks.append(block if unpack is None else unpack.apply(block))
             except ReadFailure as err:
                 raise error(self.rank, err.what, err.fix) from err
             except self.source.errors as err:

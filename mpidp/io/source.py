@@ -16,7 +16,7 @@ import numpy as np
 
 from mpidp.io._common import describe_error, digest
 
-__all__ = ["CF_ATTRIBUTES", "FieldSource", "PartInfo", "ReadFailure", "part_info"]
+__all__ = ["CF_ATTRIBUTES", "FieldSource", "Packing", "PartInfo", "ReadFailure", "part_info"]
 
 LAT_NAMES = ("latitude", "lat")
 LON_NAMES = ("longitude", "lon")
@@ -28,12 +28,48 @@ CF_ATTRIBUTES = ("units", "long_name", "standard_name")
 
 
 @dataclass(frozen=True)
+class Packing:
+    """How a variable's stored numbers become values (CF conventions, as xarray decodes
+    them): ``stored * scale + offset``, and the stored ``missing`` numbers (``_FillValue``,
+    ``missing_value``) NaN."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+    missing: tuple[float, ...] = ()
+
+    def apply(self, stored: np.ndarray) -> np.ndarray:
+        """The values of ``stored`` numbers, in float64."""
+        values = stored.astype(np.float64)
+        if self.missing:
+            values[np.isin(stored, self.missing)] = np.nan
+        return values * self.scale + self.offset
+
+
+def packing(array: Any) -> Packing | None:
+    """The :class:`Packing` of an array (its ``scale_factor``, ``add_offset``, ``_FillValue``
+    and ``missing_value`` attributes); None when its numbers are its values as stored (no
+    scale or offset; a fill value on floats alone, which is NaN already or never occurs)."""
+    attrs = array.attrs
+    scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
+    if scale is None and offset is None:
+        return None
+    missing = [attrs.get(k) for k in ("_FillValue", "missing_value")]
+    found = tuple(float(v) for m in missing if m is not None for v in np.atleast_1d(m))
+    return Packing(
+        1.0 if scale is None else float(np.asarray(scale).reshape(())),
+        0.0 if offset is None else float(np.asarray(offset).reshape(())),
+        found,
+    )
+
+
+@dataclass(frozen=True)
 class PartInfo:
     """What a rank learned from one part (a file, a store) at construction.
 
     ``shapes``, ``dtypes``, ``levels`` (level coordinate or None), ``stats`` (the ``mean`` and
-    ``std`` attributes or None), ``attrs`` (CF attributes) and ``level_units`` are per variable
-    read; ``variables`` lists every data variable the part holds (the default selection);
+    ``std`` attributes or None), ``attrs`` (CF attributes), ``level_units`` and ``packing``
+    (:class:`Packing`, or None for values stored as they are) are per variable read;
+    ``variables`` lists every data variable the part holds (the default selection);
     ``fingerprint`` is compared across ranks (the same part must look the same everywhere)."""
 
     label: str
@@ -49,6 +85,7 @@ class PartInfo:
     attrs: dict[str, dict[str, str]]
     level_units: dict[str, str]
     fingerprint: tuple[Any, ...]
+    packing: dict[str, Packing | None]
 
 
 def part_info(
@@ -80,6 +117,7 @@ def part_info(
         attrs={n: cf_attributes(a) for n, a in arrays.items()},
         level_units={n: cf_attributes(c).get("units", "") for n, c in level_coords.items()},
         fingerprint=(*identity, shapes, dtypes, digest(lat), digest(time)),
+        packing={n: packing(a) for n, a in arrays.items()},
     )
 
 

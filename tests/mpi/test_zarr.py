@@ -120,6 +120,47 @@ def test_items_equal_hdf5_bit_for_bit(manager, data, case, fmt, order, opened):
         assert got.channels == ["t2m", "t500", "t850", "z500", "z700", "z850"]
 
 
+def _packed(h5: Path, folder: Path) -> dict[str, Path]:
+    """The sample data with t2m and z CF-packed (int16, scale_factor, add_offset, _FillValue,
+    and a few missing points), as netCDF-4 and Zarr; and xarray's decoding of it as float64
+    netCDF-4, the reference."""
+    paths = {k: folder / f"packed.{k}" for k in ("nc", "zarr", "decoded.nc")}
+    with xr.open_dataset(h5, engine="h5netcdf", decode_times=False) as ds:
+        ds = ds.load()
+    ds["t2m"][0, 3, 2:5] = np.nan
+    pack = {"dtype": "int16", "_FillValue": -32767}
+    encoding = {
+        "t2m": {**pack, "scale_factor": 0.002, "add_offset": 270.0},
+        "z": {**pack, "scale_factor": 2.5, "add_offset": 50000.0},
+    }
+    ds.to_netcdf(paths["nc"], engine="h5netcdf", encoding=encoding)
+    ds.to_zarr(paths["zarr"], zarr_format=3, mode="w", encoding=encoding, consolidated=False)
+    with xr.open_dataset(paths["nc"], engine="h5netcdf", decode_times=False) as packed:
+        assert packed["t2m"].encoding["dtype"] == np.int16
+        packed.load().to_netcdf(paths["decoded.nc"], engine="h5netcdf")
+    return paths
+
+
+def test_cf_packed_values_are_unpacked(manager, data, shared):
+    """A CF-packed variable (int16 with scale_factor, add_offset and _FillValue) reads as
+    xarray decodes it, missing points NaN, from HDF5 and from Zarr: never the stored ints."""
+    folder = shared / "packed"
+    if ME == 0:
+        folder.mkdir()
+        _packed(data["h5"]["n2s"], folder)
+    WORLD.Barrier()
+    options = dict(variables=["t2m", "msl", "z"], normalize=None, dtype=torch.float64, halo=1)
+    want = ShardedH5Dataset(folder / "packed.decoded.nc", manager=manager, **options)
+    for got in (
+        ShardedH5Dataset(folder / "packed.nc", manager=manager, **options),
+        ShardedZarrDataset(folder / "packed.zarr", manager=manager, **options),
+    ):
+        for i in range(len(want)):
+            for u, v in zip(got[i], want[i], strict=True):
+                torch.testing.assert_close(u, v, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(want[0][0][0]).any() == (want.rows[0] <= 3 < want.rows[1])
+
+
 def test_computed_statistics_and_uneven_spec(manager, data):
     """normalize='compute' reads the same band values: the same float64 statistics; a
     partition of one thin band and one wide one."""
