@@ -5,6 +5,7 @@ variable at one time (:class:`FieldSource`). HDF5 (``reader.py``) and Zarr
 
 from __future__ import annotations
 
+import base64
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -40,21 +41,23 @@ class Packing:
     def apply(self, stored: np.ndarray) -> np.ndarray:
         """The values of ``stored`` numbers, in float64."""
         values = stored.astype(np.float64)
-        if self.missing:
-            values[np.isin(stored, self.missing)] = np.nan
+        if self.missing:  # compared in the stored type, as xarray does (1e20 in float32)
+            values[np.isin(stored, np.asarray(self.missing).astype(stored.dtype))] = np.nan
         return values * self.scale + self.offset
 
 
 def packing(array: Any) -> Packing | None:
     """The :class:`Packing` of an array (its ``scale_factor``, ``add_offset``, ``_FillValue``
     and ``missing_value`` attributes); None when its numbers are its values as stored (no
-    scale or offset; a fill value on floats alone, which is NaN already or never occurs)."""
+    scale, no offset, and no missing number other than NaN)."""
     attrs = array.attrs
     scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
-    if scale is None and offset is None:
+    missing = [_number(attrs.get(k), array.dtype) for k in ("_FillValue", "missing_value")]
+    found = tuple(
+        float(v) for m in missing if m is not None for v in np.atleast_1d(m) if not np.isnan(v)
+    )
+    if scale is None and offset is None and not found:
         return None
-    missing = [attrs.get(k) for k in ("_FillValue", "missing_value")]
-    found = tuple(float(v) for m in missing if m is not None for v in np.atleast_1d(m))
     return Packing(
         1.0 if scale is None else float(np.asarray(scale).reshape(())),
         0.0 if offset is None else float(np.asarray(offset).reshape(())),
@@ -119,6 +122,22 @@ def part_info(
         fingerprint=(*identity, shapes, dtypes, digest(lat), digest(time)),
         packing={n: packing(a) for n, a in arrays.items()},
     )
+
+
+def _number(value: Any, dtype: Any) -> Any:
+    """A fill value as stored in attributes: a number or array; or, as xarray writes a float
+    fill value into Zarr format 3, the base64 of a little-endian float's bytes (8 of them for
+    a float32 array too). None for None or anything else."""
+    if isinstance(value, str):
+        if np.dtype(dtype).kind != "f":
+            return None
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except ValueError:
+            return None
+        kind = {2: "<f2", 4: "<f4", 8: "<f8"}.get(len(raw))
+        return None if kind is None else np.frombuffer(raw, kind)[0]
+    return None if value is None or isinstance(value, bytes) else value
 
 
 class ReadFailure(Exception):

@@ -128,10 +128,12 @@ def _packed(h5: Path, folder: Path) -> dict[str, Path]:
     with xr.open_dataset(h5, engine="h5netcdf", decode_times=False) as ds:
         ds = ds.load()
     ds["t2m"][0, 3, 2:5] = np.nan
+    ds["msl"][1, 2, 0:3] = np.nan
     pack = {"dtype": "int16", "_FillValue": -32767}
     encoding = {
         "t2m": {**pack, "scale_factor": 0.002, "add_offset": 270.0},
         "z": {**pack, "scale_factor": 2.5, "add_offset": 50000.0},
+        "msl": {"_FillValue": -9999.0},  # floats with a missing number of their own
     }
     ds.to_netcdf(paths["nc"], engine="h5netcdf", encoding=encoding)
     ds.to_zarr(paths["zarr"], zarr_format=3, mode="w", encoding=encoding, consolidated=False)
@@ -142,8 +144,9 @@ def _packed(h5: Path, folder: Path) -> dict[str, Path]:
 
 
 def test_cf_packed_values_are_unpacked(manager, data, shared):
-    """A CF-packed variable (int16 with scale_factor, add_offset and _FillValue) reads as
-    xarray decodes it, missing points NaN, from HDF5 and from Zarr: never the stored ints."""
+    """A CF-packed variable (int16 with scale_factor, add_offset and _FillValue), and floats
+    with a missing number of their own, read as xarray decodes them, missing points NaN, from
+    HDF5 and from Zarr: never the stored numbers."""
     folder = shared / "packed"
     if ME == 0:
         folder.mkdir()
