@@ -53,6 +53,9 @@ def packing(array: Any) -> Packing | None:
     attrs = array.attrs
     scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
     missing = [_number(attrs.get(k), array.dtype) for k in ("_FillValue", "missing_value")]
+    meta = getattr(array, "metadata", None)
+    if meta is not None and getattr(meta, "zarr_format", None) == 2 and "_FillValue" not in attrs:
+        missing.append(meta.fill_value)  # Zarr 2 keeps _FillValue here; xarray reads it so
     found = tuple(
         float(v) for m in missing if m is not None for v in np.atleast_1d(m) if not np.isnan(v)
     )

@@ -122,9 +122,9 @@ def test_items_equal_hdf5_bit_for_bit(manager, data, case, fmt, order, opened):
 
 def _packed(h5: Path, folder: Path) -> dict[str, Path]:
     """The sample data with t2m and z CF-packed (int16, scale_factor, add_offset, _FillValue,
-    and a few missing points), as netCDF-4 and Zarr; and xarray's decoding of it as float64
-    netCDF-4, the reference."""
-    paths = {k: folder / f"packed.{k}" for k in ("nc", "zarr", "decoded.nc")}
+    and a few missing points), as netCDF-4 and Zarr (formats 3 and 2, which keeps _FillValue
+    in its metadata); and xarray's decoding of it as float64 netCDF-4, the reference."""
+    paths = {k: folder / f"packed.{k}" for k in ("nc", "zarr", "v2.zarr", "decoded.nc")}
     with xr.open_dataset(h5, engine="h5netcdf", decode_times=False) as ds:
         ds = ds.load()
     ds["t2m"][0, 3, 2:5] = np.nan
@@ -137,6 +137,7 @@ def _packed(h5: Path, folder: Path) -> dict[str, Path]:
     }
     ds.to_netcdf(paths["nc"], engine="h5netcdf", encoding=encoding)
     ds.to_zarr(paths["zarr"], zarr_format=3, mode="w", encoding=encoding, consolidated=False)
+    ds.to_zarr(paths["v2.zarr"], zarr_format=2, mode="w", encoding=encoding)
     with xr.open_dataset(paths["nc"], engine="h5netcdf", decode_times=False) as packed:
         assert packed["t2m"].encoding["dtype"] == np.int16
         packed.load().to_netcdf(paths["decoded.nc"], engine="h5netcdf")
@@ -157,6 +158,7 @@ def test_cf_packed_values_are_unpacked(manager, data, shared):
     for got in (
         ShardedH5Dataset(folder / "packed.nc", manager=manager, **options),
         ShardedZarrDataset(folder / "packed.zarr", manager=manager, **options),
+        ShardedZarrDataset(folder / "packed.v2.zarr", manager=manager, **options),
     ):
         for i in range(len(want)):
             for u, v in zip(got[i], want[i], strict=True):
