@@ -97,7 +97,7 @@ def test_credit_training_loop_gives_the_serial_gradients(manager):
 @pytest.mark.mpi(min_size=2)
 def test_the_loop_without_row_weights_is_off_on_uneven_bands(manager, monkeypatch):
     """The mutation: CREDIT's rule (a plain average of local-mean gradients) fails here."""
-    monkeypatch.setattr(dp.convert, "mean_share", lambda band, dim, m: band)
+    monkeypatch.setattr(dp.convert, "track", lambda band, dim, m: band)
     x, y = rand((2, 2, H, W), 1), rand((2, 2, H, W), 2)
     ref = serial_net()
     F.mse_loss(ref(x), y).backward()

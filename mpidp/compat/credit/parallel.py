@@ -11,6 +11,7 @@ from torch import nn
 
 from mpidp import parallel as _parallel
 from mpidp.compat.credit.domain_parallel.convert import MARK, convert_to_domain_parallel
+from mpidp.compat.credit.domain_parallel.local_mean import LocalBand, plain, track
 from mpidp.compat.credit.domain_parallel.manager import (
     DomainParallelManager,
     get_domain_parallel_manager,
@@ -136,6 +137,8 @@ def unpad_shard_interp(
     manager's partition of ``image_h`` (only boundary rows travel). Where CREDIT falls back to
     a bilinear resize of a band of the wrong size, this raises with the sizes (the padding
     config does not match the data). Collective over the domain group."""
+    followed = isinstance(y_pred, LocalBand)  # the model's output: its means stay weighted
+    y_pred = plain(y_pred)
     squeezed = y_pred.dim() == 5
     y = y_pred.squeeze(2) if squeezed else y_pred
     west, east = padding_opt.pad_WE
@@ -152,14 +155,16 @@ def unpad_shard_interp(
             f"padding_opt (pad_NS={tuple(padding_opt.pad_NS)}, pad_WE={tuple(padding_opt.pad_WE)})"
         )
     y = band.redistribute(spec=manager.manager.partition).local
-    return y.unsqueeze(2) if squeezed else y
+    y = y.unsqueeze(2) if squeezed else y
+    return track(y, -2, manager.manager) if followed else y
 
 
 def sync_domain_gradients(model: nn.Module, manager: DomainParallelManager | None) -> None:
     """Average the gradients over the domain group, in place, as CREDIT does; exact on uneven
     bands as well: the model converted by :func:`mpidp.compat.credit.domain_parallel.
-    convert_to_domain_parallel` weights each rank's local-mean loss by its share of the rows,
-    so the average is the serial gradient (CREDIT's is for even bands only). FSDP2's sharded
+    convert_to_domain_parallel` weights each mean over its output's rows by the rank's share
+    of the rows, so the average is, on any bands, what it is on even ones (a local-mean loss:
+    the serial gradient; CREDIT's is right for even bands only). FSDP2's sharded
     gradients work. A model converted otherwise is refused (its average would be a different
     gradient). Collective over the domain group."""
     if manager is None or manager.domain_parallel_size <= 1:

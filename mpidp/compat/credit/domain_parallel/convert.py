@@ -6,16 +6,18 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from mpidp.compat.credit.domain_parallel.local_mean import plain, track
 from mpidp.compat.credit.domain_parallel.manager import DomainParallelManager, resolve
 from mpidp.convert import convert_to_domain_parallel as _convert
 from mpidp.errors import ConfigError
-from mpidp.training import mean_share
 
 __all__ = ["convert_to_domain_parallel", "validate_sharding_constraints"]
 
-#: set on a model converted here: its band outputs carry the row weights that make CREDIT's
-#: average of local-mean gradients exact (read by ``credit.parallel.sync_domain_gradients``)
+#: set on a model converted here: its band outputs put the row weights on every local mean,
+#: which makes CREDIT's average of local gradients exact (read by
+#: ``credit.parallel.sync_domain_gradients``)
 MARK = "_mpidp_credit_mean_share"
 
 
@@ -33,10 +35,12 @@ def convert_to_domain_parallel(
     the whole field's bands, every op exact or refused) and return it. ``custom_converters``
     are CREDIT's: ``{type: fn(module) -> module}``, checked first, their children skipped.
 
-    The model's band outputs carry CREDIT's training rule made exact: a loss that is each
-    rank's mean over its rows, followed by :func:`mpidp.compat.credit.parallel.
-    sync_domain_gradients` (an average over the domain ranks), gives the serial gradient on
-    uneven bands too (:func:`mpidp.training.mean_share`; with even bands the weights are 1).
+    The model's band outputs carry CREDIT's training rule made exact: each rank's loss on its
+    band, followed by :func:`mpidp.compat.credit.parallel.sync_domain_gradients` (an average
+    over the domain ranks), gives on any bands the gradient it gives on even ones: a local
+    mean the global mean's, a local sum the global sum's over P, for rollouts and sums of
+    losses too (:mod:`~mpidp.compat.credit.domain_parallel.local_mean`; a loss it cannot
+    follow is refused on every rank).
     """
     if shard_dim >= 0:
         raise ConfigError(
@@ -47,13 +51,17 @@ def convert_to_domain_parallel(
     converters = {k: _one_argument(fn) for k, fn in (custom_converters or {}).items()}
     out = _convert(model, m, shard_dim, converters)
 
+    def unwrap(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return tree_map(plain, args), tree_map(plain, kwargs)
+
     def share(_module: nn.Module, _args: Any, result: Any) -> Any:
         if isinstance(result, tuple):
             return tuple(share(_module, _args, r) for r in result)
         if _is_band(result) and result.dim() >= -shard_dim:
-            return mean_share(result, shard_dim, m)
+            return track(result, shard_dim, m)
         return result
 
+    out.register_forward_pre_hook(unwrap, with_kwargs=True, prepend=True)
     out.register_forward_hook(share)
     setattr(out, MARK, True)
     return out
