@@ -32,10 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from mpidp.comm import Transport
 from mpidp.errors import CommError, ConfigError
-from mpidp.manager import DistributedManager, get_manager
+from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.partition import ShardSpec, as_sizes
 
 __all__ = [
@@ -68,7 +70,19 @@ def resolve_transport(group: Any = None, device: torch.device | str | None = Non
         return group
     if isinstance(group, DistributedManager):
         return group.transport(None, device)
+    if isinstance(group, (dist.ProcessGroup, DeviceMesh)) and not _knows(group):
+        from mpidp.adopt import manager_for  # a group mpidp did not build
+
+        return manager_for(group).transport(None, device)
     return get_manager().transport(group, device)
+
+
+def _knows(group: Any) -> bool:
+    """Whether the default manager has ``group`` (its domain, dp or world group)."""
+    if not is_initialized():
+        return False
+    m = get_manager()
+    return group is dist.group.WORLD or group in (m.domain_group, m.data_parallel_group)
 
 
 def debug_enabled(debug: bool | None = None) -> bool:

@@ -92,6 +92,9 @@ class DistributedManager:
     Collective over the world: every rank must construct it with the same arguments.
     """
 
+    #: the gradient convention of plain tensors used on bands (mpidp.adopt): this rank's share
+    gradients = "shares"
+
     def __init__(
         self,
         domain_parallel_size: int = 1,
@@ -153,6 +156,9 @@ class DistributedManager:
         self.domain_world_size = self._check_layout(domain_parallel_size)
         self.dp_world_size = self.world_size // self.domain_world_size
         self.dp_rank, self.domain_rank = divmod(self.rank, self.domain_world_size)
+        first = self.dp_rank * self.domain_world_size
+        #: the global ranks of this rank's domain group, in domain-rank order
+        self.domain_ranks = tuple(range(first, first + self.domain_world_size))
         self.backend, self.device = self._agree(self._choose_device, backend, device)
         if transport == "mpi" and self._world_comm is None:
             raise BackendError(f"rank {self.rank}: transport='mpi' but mpi4py cannot load an MPI")
@@ -494,6 +500,11 @@ class DistributedManager:
     @property
     def is_last_domain_rank(self) -> bool:
         return self.domain_rank == self.domain_world_size - 1
+
+    @property
+    def domain_mesh(self) -> DeviceMesh:
+        """The 1-D device mesh of this rank's domain group."""
+        return self.mesh["domain"]
 
     @property
     def mpi_available(self) -> bool:

@@ -600,22 +600,9 @@ def _split_size(layer: nn.Module, style: str) -> int:
 
 
 def _manager_for(domain: DeviceMesh | DistributedManager | None) -> DistributedManager:
-    if isinstance(domain, DistributedManager):
-        return domain
-    if domain is None:
-        return get_manager()
-    mesh = _one_dim(domain, "domain_mesh")
-    ranks = _group_ranks(mesh)
-    candidates = [*_MANAGERS, *([get_manager()] if is_initialized() else [])]
-    for m in candidates:
-        if not m._closed and m.domain_world_size == len(ranks):
-            first = m.dp_rank * m.domain_world_size
-            if ranks == tuple(range(first, first + m.domain_world_size)):
-                return m
-    raise ConfigError(
-        f"apply_domain_parallel: no mpidp manager has the domain group {list(ranks)}; build "
-        f"the mesh with mpidp.parallel.build_device_mesh (domain innermost) or pass the manager"
-    )
+    from mpidp.adopt import manager_for
+
+    return manager_for(domain)
 
 
 def apply_domain_parallel(

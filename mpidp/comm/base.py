@@ -72,6 +72,9 @@ class Transport(abc.ABC):
     #: whether a check that fails on one rank can be reported on every rank of the call
     #: (the MPI transport folds it into the call's fingerprint); otherwise it raises there
     reports_everywhere: bool = False
+    #: every rank holds the whole gradient of a plain tensor used on this group's bands
+    #: (PhysicsNeMo's and DTensor's convention, mpidp.adopt); else this rank's share
+    whole: bool = False
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
@@ -181,9 +181,44 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from mpidp.sharded.partial import summed
 
     args, kwargs = summed((args, kwargs))
-    if WATCHERS:
-        return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
-    return _located(func, args, kwargs)
+    if not _DEPTH:
+        args, kwargs = whole_gradients((args, kwargs))
+    _DEPTH.append(func)
+    try:
+        if WATCHERS:
+            return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
+        return _located(func, args, kwargs)
+    finally:
+        _DEPTH.pop()
+
+
+#: the functions being dispatched (a handler's own calls on ShardedTensors nest)
+_DEPTH: list[Any] = []
+
+
+def whole_gradients(tree: Any) -> Any:
+    """Under the ``"whole"`` convention (:mod:`mpidp.adopt`: PhysicsNeMo's and DTensor's set-up),
+    each plain tensor that needs a gradient and meets a band enters through
+    :func:`mpidp.collectives.copy_to`, so its gradient, this rank's share, is summed over the
+    domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
+    parameters do. Only at the outermost call (a handler's own calls see those tensors
+    already). Under mpidp's ``"shares"`` convention, ``tree`` as it is."""
+    from mpidp.collectives import copy_to
+
+    leaves, spec = tree_flatten(tree)
+    ref = next((a for a in leaves if isinstance(a, ShardedTensor)), None)
+    if ref is None or not ref.transport.whole or not torch.is_grad_enabled():
+        return tree
+    t = ref.transport
+    plain = [
+        copy_to(a, t)
+        if isinstance(a, torch.Tensor)
+        and not isinstance(a, (ShardedTensor, Replicated))
+        and a.requires_grad
+        else a
+        for a in leaves
+    ]
+    return tree_unflatten(plain, spec)
 
 
 def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -32,7 +32,7 @@ from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.manager import DistributedManager, get_manager
 from mpidp.partition import ShardSpec
-from mpidp.sharded.dispatch import UnsupportedOp, observed
+from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
 from mpidp.sharded.where import entered, relocated
@@ -74,6 +74,23 @@ def _known(sharded: list[ShardedTensor]) -> Iterator[list[Any]]:
         yield stack.enter_context(band_call(tuple((a.local, a.shard_dim) for a in sharded)))
 
 
+@contextlib.contextmanager
+def _whole_parameters(layer: nn.Module, t: Any) -> Iterator[None]:
+    """Under the ``"whole"`` convention (:func:`mpidp.sharded.dispatch.whole_gradients`), the
+    layer's parameters enter through ``copy_to`` for the call: their gradients are summed
+    over the domain group in the backward. Nothing under mpidp's own convention, or inside a
+    handler (whose caller's tensors are already summed)."""
+    params = dict(layer.named_parameters()) if t.whole and not _DEPTH else {}
+    params = {k: p for k, p in params.items() if p.requires_grad and torch.is_grad_enabled()}
+    if not params:
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(layer, {k: copy_to(p, t) for k, p in params.items()}):
+        yield
+
+
 def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
     leaves, _ = tree_flatten((args, kwargs))
     return [a for a in leaves if isinstance(a, ShardedTensor)]
@@ -92,7 +109,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     if any(a.blocks > 1 for a in sharded):  # blocks merged before the band: op by op
         return torch_forward(layer)(layer, *args, **kwargs)
     try:
-        with _known(sharded) as notes:
+        with _known(sharded) as notes, _whole_parameters(layer, t):
             out = forward(layer, *_unwrap(args, t), **_unwrap(kwargs, t))
     except LayoutMismatch:
         return torch_forward(layer)(layer, *args, **kwargs)

@@ -9,7 +9,7 @@ or, when dims before the band were merged into it, ``_StridedShard(dim, split_fa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from mpidp.collectives import reduce_from, scatter_v
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, get_manager
+from mpidp.manager import DistributedManager
 from mpidp.partition import ShardSpec
 
 __all__ = ["Partial", "Replicate", "Shard", "manager_of", "one_placement", "scatter_tensor"]
@@ -38,14 +38,17 @@ _DTYPES = [
 ]
 
 
-def manager_of(device_mesh: Any, manager: DistributedManager | None = None) -> DistributedManager:
-    """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh) is; None: ``manager``
-    or the default one."""
-    if device_mesh is None:
-        return manager if manager is not None else get_manager()
-    from mpidp.parallel import _manager_for
+def manager_of(
+    device_mesh: Any, manager: DistributedManager | None = None, gradients: str | None = None
+) -> DistributedManager:
+    """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh, or a process group)
+    is, adopted when mpidp did not build it (:func:`mpidp.adopt.manager_for`); None:
+    ``manager`` or the default one."""
+    from mpidp.adopt import manager_for
 
-    return _manager_for(device_mesh)
+    if device_mesh is None:
+        return manager_for(manager, gradients=gradients)
+    return manager_for(device_mesh, gradients=gradients)
 
 
 def one_placement(placements: Sequence[Placement] | None, what: str, rank: int) -> Placement:
@@ -97,20 +100,22 @@ def scatter_tensor(
     global_shape: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     requires_grad: bool = False,
+    *,
+    cut: Callable[[int, int], ShardSpec] | None = None,
 ) -> Any:
     """``tensor``, held by global rank ``global_src`` alone (others may pass None), spread over
-    ``mesh`` (a manager's domain mesh; None: the default manager's): ``[Shard(d)]`` gives
-    each rank its band by the manager's partition (any length), ``[Replicate()]`` the whole
-    tensor everywhere. ``global_shape`` and ``dtype`` are read from the source when None. The
-    result is a leaf when ``requires_grad``. Collective over the domain group."""
+    ``mesh`` (a 1-D DeviceMesh or process group, adopted when mpidp did not build it, or a
+    manager; None: the default manager's): ``[Shard(d)]`` gives each rank its band by the
+    manager's partition (any length; ``cut(n, parts)`` instead when given), ``[Replicate()]``
+    the whole tensor everywhere. ``global_shape`` and ``dtype`` are read from the source when
+    None. The result is a leaf when ``requires_grad``. Collective over the domain group."""
     m = manager_of(mesh)
-    src = global_src - m.dp_rank * m.domain_world_size
-    if not isinstance(global_src, int) or not 0 <= src < m.domain_world_size:
+    if not isinstance(global_src, int) or global_src not in m.domain_ranks:
         raise ConfigError(
             f"rank {m.rank}: scatter_tensor: global_src={global_src!r} is not in this domain "
-            f"group (global ranks {m.dp_rank * m.domain_world_size}.."
-            f"{(m.dp_rank + 1) * m.domain_world_size - 1})"
+            f"group (global ranks {list(m.domain_ranks)}); pass one of them"
         )
+    src = m.domain_ranks.index(global_src)
     p = one_placement(placements, "scatter_tensor", m.rank)
     if global_shape is None or dtype is None:
         shape, kind = _meta(tensor, src, m)
@@ -134,7 +139,11 @@ def scatter_tensor(
     from mpidp.sharded.tensor import ShardedTensor
 
     d = p.dim % len(global_shape)
-    spec = m.spec(int(global_shape[d]))
+    spec = (
+        m.spec(int(global_shape[d]))
+        if cut is None
+        else cut(int(global_shape[d]), m.domain_world_size)
+    )
     band = scatter_v(source, list(spec.sizes), d, src, m.transport(None, device))
     return ShardedTensor(band.detach().requires_grad_(requires_grad), spec, d, m)
 

@@ -243,7 +243,7 @@ class ShardedTensor(torch.Tensor):
     @property
     def device_mesh(self) -> Any:
         """The manager's 1-D domain mesh (a torch DeviceMesh)."""
-        return self._manager.mesh["domain"]
+        return self._manager.domain_mesh
 
     def offsets(self, mesh_dim: int | None = None) -> list[int] | int:
         """This rank's first row along the sharded dim, per mesh dim (``[start]``), or for
@@ -282,7 +282,10 @@ class ShardedTensor(torch.Tensor):
         from mpidp.sharded.rows import move_to_dim, to_spec
 
         del async_op
-        if device_mesh is not None and pl.manager_of(device_mesh) is not self._manager:
+        if (
+            device_mesh is not None
+            and pl.manager_of(device_mesh).domain_ranks != self._manager.domain_ranks
+        ):
             raise ConfigError(
                 f"rank {self.rank}: redistribute to another mesh: a ShardedTensor stays on its "
                 f"manager's domain mesh; pass device_mesh=None or x.device_mesh"
@@ -328,7 +331,7 @@ class ShardedTensor(torch.Tensor):
 
         n, p = self._spec.total, self._spec.parts
         x = self.redistribute(spec=chunk_spec(n, p))
-        mesh = self._manager.mesh["domain"]
+        mesh = self._manager.domain_mesh
         return DTensor.from_local(
             x.local,
             mesh,
@@ -392,6 +395,26 @@ class Replicated(torch.Tensor):
     rank 0 only (the shares rule: ``sync_gradients`` sums them)."""
 
     _t: Transport
+
+    # DTensor's vocabulary: a value every rank holds is Replicate() on the domain mesh
+
+    @property
+    def placements(self) -> tuple[Any, ...]:
+        """``(Replicate(),)``."""
+        from torch.distributed.tensor import Replicate
+
+        return (Replicate(),)
+
+    def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
+        """The value. Under PhysicsNeMo's and DTensor's gradient convention (``"whole"``,
+        :mod:`mpidp.adopt`) a plain tensor, as theirs; under mpidp's, this Replicated value
+        itself, so that what is computed from it keeps the shares rule."""
+        del grad_placements  # a value every rank holds has a gradient every rank holds
+        return self.as_subclass(torch.Tensor) if self._t.whole else self
+
+    def full_tensor(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
+        """The value (it is whole already): see :meth:`to_local`."""
+        return self.to_local(grad_placements=grad_placements)
 
     @classmethod
     def __torch_function__(
@@ -459,7 +482,7 @@ class _RankZeroGrad(torch.autograd.Function):
 
 def _share(a: Any, t: Transport) -> Any:
     plain = isinstance(a, torch.Tensor) and not isinstance(a, (Replicated, ShardedTensor))
-    if plain and a.requires_grad and t.size > 1:
+    if plain and a.requires_grad and t.size > 1 and not t.whole:
         return _RankZeroGrad.apply(a, t.rank)
     return a
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import rand
 from mpi4py import MPI
@@ -71,7 +72,7 @@ def layer(x, edge_attr, edge_index, params, mgroup):
     n = x.size(0)
     shapes = get_shape_shards(x, 0, mgroup)
     hshapes = change_channels_in_shape(shapes, HEADS * CH)
-    rank = 0 if mgroup is None else ME
+    rank = 0 if mgroup is None else _group_rank(mgroup)
     lo = sum(s[0] for s in shapes[:rank])
 
     h = torch.tanh(shard_tensor(x, 0, shapes, mgroup) @ w1)  # (n_r, HEADS * CH)
@@ -97,6 +98,11 @@ def layer(x, edge_attr, edge_index, params, mgroup):
 
     energy = reduce_tensor((h**2).sum(), mgroup)  # one value, the same on every rank
     return gather_tensor(h, 0, hshapes, mgroup), energy
+
+
+def _group_rank(mgroup):
+    """This rank's place in ``mgroup`` (a transport, or a process group of any ranks)."""
+    return mgroup.rank if isinstance(mgroup, TorchTransport) else dist.get_rank(mgroup)
 
 
 def run(n, mgroup):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from mpidp.collectives import resolve_transport
 from mpidp.errors import ConfigError
@@ -24,11 +26,20 @@ def get_shape_shards(tensor: torch.Tensor, dim: int, model_comm_group: Any = Non
             f"get_shape_shards: dim {dim} is out of range for a tensor of shape "
             f"{tuple(tensor.shape)}; pass a dim in [{-tensor.dim()}, {tensor.dim()})"
         )
-    group = None if model_comm_group is None else resolve_transport(model_comm_group, tensor.device)
-    parts = 1 if group is None else group.size
+    parts = 1 if model_comm_group is None else _size(model_comm_group, tensor.device)
     d = dim % tensor.dim()
     cut = ShardSpec.balanced(tensor.size(d), parts, allow_empty=True)
     return [[*tensor.shape[:d], size, *tensor.shape[d + 1 :]] for size in cut.sizes]
+
+
+def _size(group: Any, device: torch.device) -> int:
+    """The ranks in ``group``: asked of torch for its own groups and meshes (no manager, no
+    communication), else of mpidp's transport."""
+    if isinstance(group, dist.ProcessGroup):
+        return int(dist.get_world_size(group))
+    if isinstance(group, DeviceMesh):
+        return int(group.size())
+    return resolve_transport(group, device).size
 
 
 def change_channels_in_shape(shape_list: list, channels: int) -> list:

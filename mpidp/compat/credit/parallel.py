@@ -40,12 +40,14 @@ __all__ = [
 def build_device_mesh(parallelism_conf: dict, device: str = "cuda") -> tuple[Any, dict]:
     """``(mesh, submeshes)`` for CREDIT's ``{data, tensor, domain}`` block: the mesh is
     mpidp's 3-D ``("dp", "tp", "domain")`` mesh (CREDIT's holds only the dims in use; the
-    sub-meshes, keyed ``"dp"``, ``"tp"``, ``"domain"`` where present, are the same); ``(None,
-    {})`` when nothing is parallel. Initialises mpidp when it is not. Collective."""
+    sub-meshes, keyed ``"dp"`` when dp > 1, ``"tp"`` when tensor > 1, ``"domain"`` when
+    domain > 1, as CREDIT's, are the same); ``(None, {})`` when nothing is parallel.
+    Initialises mpidp when it is not. Collective."""
     meshes = _parallel.build_device_mesh(parallelism_conf, device)
-    if not meshes.submeshes and meshes.mesh.size() == 1:
+    subs = {k: v for k, v in meshes.submeshes.items() if k != "dp" or v.size() > 1}
+    if not subs and meshes.mesh.size() == 1:
         return None, {}
-    return meshes.mesh, dict(meshes.submeshes)
+    return meshes.mesh, subs
 
 
 def _amp(conf: dict) -> dict[str, Any] | None:
@@ -64,14 +66,22 @@ def _amp(conf: dict) -> dict[str, Any] | None:
 
 
 def apply_fsdp2(model: nn.Module, dp_mesh: Any, conf: dict) -> nn.Module:
-    """FSDP2 over ``dp_mesh`` (None: the world), each block then the model, with the mixed
-    precision of ``conf["trainer"]`` (``amp``, ``fsdp2_mp_policy``) as CREDIT reads it.
-    mpidp's blocks are the model's ``_fsdp_blocks`` or its children with parameters.
+    """FSDP2 over ``dp_mesh``, each block then the model, with the mixed precision of
+    ``conf["trainer"]`` (``amp``, ``fsdp2_mp_policy``) as CREDIT reads it. mpidp's blocks are
+    the model's ``_fsdp_blocks`` or its children with parameters. None (what CREDIT's usage
+    passes when dp is 1): the data-parallel ranks of mpidp's manager, so that no parameter is
+    sharded across the ranks of one domain group (CREDIT's None, the whole world, would
+    average the domain ranks' gradients in FSDP's reduce-scatter and then again, shard by
+    shard, in ``sync_domain_gradients``); the world when there is no domain group.
     Collective over ``dp_mesh``."""
     if dp_mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dp_mesh = init_device_mesh(resolve(None).device.type, (torch.distributed.get_world_size(),))
+        m = resolve(None)
+        if m.domain_world_size > 1:
+            dp_mesh = m.mesh["dp"]
+        else:
+            dp_mesh = init_device_mesh(m.device.type, (torch.distributed.get_world_size(),))
     return _parallel.apply_fsdp2(model, dp_mesh, mixed_precision=_amp(conf))
 
 

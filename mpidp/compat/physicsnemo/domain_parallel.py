@@ -1,10 +1,20 @@
 """PhysicsNeMo's ``physicsnemo.domain_parallel`` (``ShardTensor``, ``scatter_tensor``) on
 mpidp's :class:`~mpidp.ShardedTensor`, which speaks the same DTensor vocabulary natively.
 
-``ShardTensor`` is a name for ShardedTensor with ShardTensor's defaults: ``from_local``
-without placements means ``Replicate()`` (mpidp's own default is a band along -2),
-``from_dtensor`` keeps torch.chunk's cut, and handlers are registered in ShardTensor's three
-ways. ``isinstance(x, ShardTensor)`` holds for every ShardedTensor.
+``ShardTensor`` is a name for ShardedTensor with ShardTensor's defaults and meanings:
+
+* the mesh: any 1-D DeviceMesh or named axis (PhysicsNeMo's ``initialize_mesh``, torch's
+  ``init_device_mesh``); none given: the current one (``with mesh:``), else the one mesh
+  PhysicsNeMo's manager holds, else mpidp's domain mesh; a band is never taken as the whole;
+* gradients as PhysicsNeMo gives them (:mod:`mpidp.adopt`, ``"whole"``): every rank holds
+  the whole gradient of every parameter or plain tensor it used, with no gradient sync
+  (PhysicsNeMo's reduction of weight gradients over the mesh, and ``full_tensor()``'s plain
+  result);
+* the cut of ``scatter_tensor`` and ``from_dtensor`` is torch.chunk's (``ceil(n / P)`` rows,
+  the last ranks short), as PhysicsNeMo's;
+* ``from_local`` without placements means ``Replicate()``; handlers are registered in
+  ShardTensor's three ways. ``isinstance(x, ShardTensor)`` holds for every ShardedTensor
+  (``isinstance(x, DTensor)`` does not: docs/migration.md).
 """
 
 from __future__ import annotations
@@ -14,12 +24,48 @@ from typing import Any
 
 import torch
 
+from mpidp.errors import ConfigError
+from mpidp.manager import DistributedManager
 from mpidp.sharded import ShardedTensor
 from mpidp.sharded.dispatch import register
-from mpidp.sharded.placements import Replicate, scatter_tensor
+from mpidp.sharded.placements import Replicate, manager_of
+from mpidp.sharded.placements import scatter_tensor as _scatter
 from mpidp.sharded.tensor import chunk_spec
 
 __all__ = ["ShardTensor", "scatter_tensor"]
+
+#: PhysicsNeMo's gradient convention (mpidp.adopt)
+WHOLE = "whole"
+
+
+def _mesh(device_mesh: Any) -> DistributedManager:
+    """The manager of ``device_mesh`` with PhysicsNeMo's gradients; None: the mesh PhysicsNeMo
+    (and DTensor) would take, or a refusal on every rank."""
+    if device_mesh is not None:
+        return manager_of(device_mesh, gradients=WHOLE)
+    from torch.distributed.device_mesh import _mesh_resources
+
+    import mpidp
+    from mpidp.compat.physicsnemo.distributed.manager import DistributedManager as PNM
+
+    if _mesh_resources.mesh_stack:  # with mesh:
+        return manager_of(_mesh_resources.mesh_stack[-1], gradients=WHOLE)
+    held = PNM._shared_state.get("_global_mesh")
+    if held is not None:
+        return manager_of(held, gradients=WHOLE)
+    if mpidp.is_initialized():
+        core = mpidp.get_manager()
+        if core.domain_world_size > 1 or core.world_size == 1:
+            return manager_of(None, core, gradients=WHOLE)
+        rank = core.rank
+    else:
+        rank = -1
+    raise ConfigError(
+        f"rank {rank}: ShardTensor without a device mesh and none to take: no `with mesh:` "
+        f"is active, PhysicsNeMo's DistributedManager holds no mesh and mpidp's domain is one "
+        f"rank, so this rank's part would be taken as the whole tensor; pass the mesh "
+        f"(DistributedManager().initialize_mesh(...), init_device_mesh) or enter `with mesh:`"
+    )
 
 
 class _ShardTensorMeta(type(ShardedTensor)):  # type: ignore[misc]
@@ -38,10 +84,12 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
         placements: Sequence[Any] | None = None,
         sharding_shapes: str | dict[int, list[tuple[int, ...]]] = "infer",
     ) -> Any:
-        """``local_tensor`` on ``device_mesh`` (None: mpidp's domain mesh) with ``placements``
+        """``local_tensor`` on ``device_mesh`` (None: the current mesh, else PhysicsNeMo's
+        one mesh, else mpidp's domain mesh; refused when there is none) with ``placements``
         (None: ``Replicate()``, as in ShardTensor); uneven parts. Collective for ``"infer"``."""
         chosen = [Replicate()] if placements is None else placements
-        return ShardedTensor.from_local(local_tensor, device_mesh, chosen, sharding_shapes)
+        m = _mesh(device_mesh)
+        return ShardedTensor.from_local(local_tensor, None, chosen, sharding_shapes, manager=m)
 
     @classmethod
     def from_dtensor(cls, dtensor: Any) -> ShardedTensor:  # type: ignore[override]
@@ -51,8 +99,9 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
 
         place = dtensor.placements[0]
         n = dtensor.shape[place.dim % dtensor.dim()] if isinstance(place, Shard) else 0
+        m = _mesh(dtensor.device_mesh)
         return ShardedTensor.from_dtensor(
-            dtensor, spec=chunk_spec(n, dtensor.device_mesh.size()) if n else None
+            dtensor, manager=m, spec=chunk_spec(n, m.domain_world_size) if n else None
         )
 
     @classmethod
@@ -79,3 +128,22 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
         """``handler(func, types, args, kwargs)`` for the custom op named ``func_name``
         (``"mylib.fused.default"``, or ``"mylib::fused"``)."""
         register(func_name)(lambda f, args, kwargs: handler(f, (ShardedTensor,), args, kwargs))
+
+
+def scatter_tensor(
+    tensor: torch.Tensor | None,
+    global_src: int,
+    mesh: Any,
+    placements: Sequence[Any],
+    global_shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+) -> Any:
+    """PhysicsNeMo's ``scatter_tensor``: ``tensor``, held by global rank ``global_src`` alone,
+    spread over ``mesh`` (a 1-D DeviceMesh or named axis; None: as :meth:`ShardTensor.
+    from_local` takes one) cut as torch.chunk cuts (PhysicsNeMo's: 13 rows over 3 ranks are
+    5, 5, 3), with PhysicsNeMo's gradients. Collective over the mesh's group."""
+    return _scatter(
+        tensor, global_src, _mesh(mesh), placements, global_shape, dtype, requires_grad,
+        cut=chunk_spec,
+    )  # fmt: skip
