@@ -102,6 +102,35 @@ def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
     return deco
 
 
+#: the operator forms of an aten op, where the operands keep the op's order
+_OPERATORS = {
+    "add": ("__add__", "__radd__", "__iadd__"),
+    "mul": ("__mul__", "__rmul__", "__imul__"),
+    "sub": ("__sub__", "__isub__"),
+    "div": ("__truediv__", "__itruediv__"),
+    "pow": ("__pow__", "__ipow__"),
+    "matmul": ("__matmul__",),
+    "neg": ("__neg__",),
+    "abs": ("__abs__",),
+}
+
+
+def public_forms(op: Any) -> list[Any]:
+    """The public torch functions that run an aten operator (``torch.ops.aten.sigmoid.default``:
+    ``torch.sigmoid``, ``Tensor.sigmoid``, ``torch.special.expit`` is another name and not
+    found), which ``__torch_function__`` sees instead of the operator: ``torch.X``,
+    ``Tensor.X``, ``F.X``, ``torch.special.X``, ``torch.linalg.X``, ``torch.fft.X`` and the
+    operators of :data:`_OPERATORS`. Empty for other operators."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.name.startswith("aten::"):
+        return []
+    name = schema.name.split("::", 1)[1]
+    spaces = (torch, torch.Tensor, torch.nn.functional, torch.special, torch.linalg, torch.fft)
+    found = [getattr(space, name) for space in spaces if callable(getattr(space, name, None))]
+    found += [getattr(torch.Tensor, n) for n in _OPERATORS.get(name, ())]
+    return list({key(f): f for f in found}.values())
+
+
 def handled(func: Any) -> bool:
     """Whether ``func`` has a handler."""
     return key(func) in _HANDLERS

@@ -138,3 +138,21 @@ def test_python_is_this_suites(slurm):
     """The tasks run the environment under test, not whatever python3 is on PATH."""
     res = run(slurm, ["srun", "-n", "1", PY, "-c", "import sys; print(sys.executable)"])
     assert res.returncode == 0 and res.stdout.strip() == PY, res.stderr
+
+
+def test_physicsnemo_initialize_under_srun_mpi_none_forms_one_job(slurm):
+    """PhysicsNeMo initialises from SLURM's variables alone (its env-only path): its
+    DistributedManager.initialize() with only the import changed forms one job of the tasks
+    srun --mpi=none started, instead of asking for an argument it cannot pass."""
+    script = (
+        "from mpidp.compat.physicsnemo.distributed import DistributedManager as D\n"
+        "import torch, torch.distributed as dist\n"
+        "D.initialize(); m = D()\n"
+        "t = torch.ones(1) * (m.rank + 1); dist.all_reduce(t)\n"
+        "print('task', m.rank, 'of', m.world_size, 'sum', int(t))\n"
+        "D.cleanup(barrier=True)\n"
+    )
+    res = run(slurm, ["srun", "--mpi=none", "-n", "2", "--overcommit", PY, "-c", script])
+    assert res.returncode == 0, res.stderr
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("task"))
+    assert lines == ["task 0 of 2 sum 3", "task 1 of 2 sum 3"], res.stdout

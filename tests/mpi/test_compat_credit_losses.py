@@ -68,6 +68,19 @@ def rollout_detached(model, x):
     return [out1, model(out1.detach())]
 
 
+def credit_base_loss(o, y, w, p):
+    """CREDIT's BaseLoss on its Reconstruct postblock: per-variable channel slices unflattened
+    to (B, levels, time, H, W), an element-wise base loss, latitude weights, a mean per
+    variable, weighted variables stacked and averaged."""
+    terms = []
+    for i, weight in enumerate((0.7, 1.3)):
+        pred = o[0][:, i : i + 1, ...].unflatten(1, (1, 1)).float()
+        target = y[:, i : i + 1, ...].unflatten(1, (1, 1)).float()
+        elementwise = F.mse_loss(target, pred, reduction="none") * w
+        terms.append(weight * elementwise.mean())
+    return p * torch.stack(terms).mean()
+
+
 # each case: (steps, loss(outs, y, w) written as CREDIT's users write it on a band, and the
 # number P multiplies each term by when the loss is read on the whole field: means P, sums 1)
 CASES = {
@@ -91,6 +104,7 @@ CASES = {
         rollout,
         lambda o, y, w, p: p * F.mse_loss(o[0], y) + p * torch.mean((o[1] - y) ** 2),
     ),
+    "CREDIT's BaseLoss": (one_step, credit_base_loss),
     "rollout detached": (
         rollout_detached,
         lambda o, y, w, p: p * F.mse_loss(o[0], y) + p * F.mse_loss(o[1], y),

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from test_compat_anemoi import NODES
 from test_compat_anemoi import run as anemoi_run
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import mpidp
 from mpidp.compat.physicsnemo.distributed import DistributedManager
@@ -136,6 +136,10 @@ def test_full_tensor_and_replicate_answer_as_physicsnemo(pnm):
         assert type(whole.to_local()) is torch.Tensor
         torch.testing.assert_close(whole.to_local(), x, **TOL)
         torch.testing.assert_close(whole.full_tensor(), x, **TOL)
+    dt = distribute_tensor(x, mesh, [Shard(2)])  # a DTensor on PhysicsNeMo's mesh
+    st = ShardTensor.from_dtensor(dt)
+    assert st.to_local().shape == dt.to_local().shape  # torch.chunk's cut, no rows moved
+    torch.testing.assert_close(st.full_tensor(), x, **TOL)
     # a plain parameter used after full_tensor(): its whole gradient on every rank
     a = rand((W,), 4).requires_grad_()
     (xs.full_tensor() * a).sum().backward()

@@ -420,6 +420,7 @@ def test_credit_training_loop_with_only_the_import_changed():
     conf = {"trainer": {"parallelism": {"data": data, "tensor": 1, "domain": domain}}}
     with mpidp.init(domain_parallel_size=domain) as manager:
         _mesh, submeshes = credit_mesh(conf["trainer"]["parallelism"], device="cpu")
+        assert ("dp" in submeshes) == (dp > 1)  # CREDIT's keys: "dp" only when dp > 1
         torch.manual_seed(3)
         model = Net().to(DT)
         if submeshes.get("domain"):

@@ -167,3 +167,20 @@ def test_shard_tensor_names(m, own_handlers):
         torch.special.erfcx, lambda f, types, args, kwargs: seen.append(types) or args[0]
     )
     assert torch.special.erfcx(x) is x and seen == [(ShardedTensor,)]
+
+
+def test_an_aten_handler_runs_for_every_public_form(m, own_handlers):
+    """PhysicsNeMo's handler by operator overload sees torch.sigmoid(x) too (its dispatch is
+    below the public function); so does mpidp's: every public form of the op, not only a
+    direct aten call."""
+    x = shard(rand((1, 2, H, W), 9), 2, m)
+    calls = []
+
+    def doubled(t):
+        calls.append(1)
+        return t.like(torch.sigmoid(t.local) * 2)
+
+    ShardTensor.register_dispatch_handler(torch.ops.aten.sigmoid.default, doubled)
+    for form in (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, torch.ops.aten.sigmoid.default):
+        torch.testing.assert_close(form(x).local, 2 * torch.sigmoid(x.local))
+    assert len(calls) == 4

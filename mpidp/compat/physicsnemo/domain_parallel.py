@@ -27,7 +27,7 @@ import torch
 from mpidp.errors import ConfigError
 from mpidp.manager import DistributedManager
 from mpidp.sharded import ShardedTensor
-from mpidp.sharded.dispatch import register
+from mpidp.sharded.dispatch import public_forms, register
 from mpidp.sharded.placements import Replicate, manager_of
 from mpidp.sharded.placements import scatter_tensor as _scatter
 from mpidp.sharded.tensor import chunk_spec
@@ -112,8 +112,10 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
     @classmethod
     def register_dispatch_handler(cls, op: Any, handler: Callable[..., Any]) -> None:
         """``handler(*args, **kwargs)`` computes operator overload ``op`` (e.g.
-        ``torch.ops.aten.conv2d.default``) when called on ShardedTensors."""
-        register(op)(lambda _f, args, kwargs: handler(*args, **kwargs))
+        ``torch.ops.aten.conv2d.default``) on ShardedTensors, called directly or through its
+        public forms (``torch.conv2d``, ``Tensor.sigmoid``, ``x + y``...: what PhysicsNeMo's
+        dispatch-level handler also sees; :func:`mpidp.sharded.dispatch.public_forms`)."""
+        register(op, *public_forms(op))(lambda _f, args, kwargs: handler(*args, **kwargs))
 
     @classmethod
     def register_function_handler(

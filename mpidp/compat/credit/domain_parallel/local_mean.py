@@ -56,6 +56,8 @@ _LAYOUT = {
     torch.Tensor.reshape_as,
     torch.Tensor.flatten,
     torch.flatten,
+    torch.Tensor.unflatten,
+    torch.unflatten,
     torch.Tensor.squeeze,
     torch.squeeze,
     torch.Tensor.expand,
@@ -163,6 +165,9 @@ class LocalBand(torch.Tensor):
         first = bands[0]
         if func in _KEEP:
             return out
+        prop = _property(func)
+        if prop is not None and prop not in _VALUES:  # .data, ._base, .grad: not the loss's ops
+            return _plain_tree(out)
         if any(isinstance(a, LocalMean) for a in tree_flatten((args, kwargs))[0]):
             raise _refuse(first, func, "a mean over rows meets the band again")
         if any(b._row != first._row or b._w != first._w for b in bands):
@@ -205,6 +210,17 @@ def _linear(func: Any, args: Sequence[Any], means: list[LocalMean]) -> bool:
 
 def _is_mean(a: Any) -> bool:
     return isinstance(a, LocalMean)
+
+
+#: properties whose value is computed from the band's values (the rest: bookkeeping)
+_VALUES = {"real", "imag", "T", "mT", "H", "mH"}
+
+
+def _property(func: Any) -> str | None:
+    """The name of the tensor property ``func`` reads, or None."""
+    if getattr(func, "__name__", "") != "__get__":
+        return None
+    return str(getattr(getattr(func, "__self__", None), "__name__", ""))
 
 
 def _needs_grad(out: Any) -> bool:
@@ -252,7 +268,8 @@ def _refuse(first: LocalBand | LocalMean, func: Any, why: str) -> ConfigError:
 def _follow(first: LocalBand, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
     """The output of ``func`` as the band's rows went through it, or refused."""
     src = first.dim() + first._row  # the row dim, counted from the start
-    if func in POINTWISE or (func in _LOSSES and kwargs.get("reduction", "mean") == "none"):
+    pointwise = func in POINTWISE or _property(func) in ("real", "imag")
+    if pointwise or (func in _LOSSES and kwargs.get("reduction", "mean") == "none"):
         if isinstance(out, torch.Tensor) and _rows_kept(first, out, first._row):
             return _wrap(first, out, first._row)
         raise _refuse(first, func, "its result does not keep the band's rows")

@@ -69,6 +69,18 @@ class _Named:
         self.transports: dict[str, Transport] = {}
 
 
+def _launch_transport() -> str:
+    """``"torch"`` where the launcher started several tasks that MPI does not join (``srun
+    --mpi=none``: every task an MPI singleton), which PhysicsNeMo initialises from SLURM's
+    variables alone; else mpidp's choice (``"auto"``). Local: the same answer on every task."""
+    from mpidp.bootstrap import detect_launch
+    from mpidp.manager import _mpi_world
+
+    comm = _mpi_world()
+    launched = detect_launch(dict(os.environ)).world_size
+    return "torch" if launched > 1 and (comm is None or comm.Get_size() == 1) else "auto"
+
+
 def _mpidp() -> mpidp.DistributedManager:
     """The mpidp manager under the shared state (raises the uninitialised error)."""
     core = DistributedManager._shared_state.get("_core")
@@ -125,7 +137,8 @@ class DistributedManager:
                 f"{', '.join(_METHODS)}; unset it to let mpidp detect the launcher"
             )
         owns = not mpidp.is_initialized()
-        DistributedManager._attach(mpidp.init() if owns else mpidp.get_manager(), owns)
+        core = mpidp.init(transport=_launch_transport()) if owns else mpidp.get_manager()
+        DistributedManager._attach(core, owns)
 
     @staticmethod
     def _attach(core: mpidp.DistributedManager, owns: bool) -> None:
@@ -159,7 +172,10 @@ class DistributedManager:
         if not DistributedManager.is_initialized():
             owns = not mpidp.is_initialized()
             DistributedManager._attach(
-                mpidp.init(backend=backend) if owns else mpidp.get_manager(), owns
+                mpidp.init(backend=backend, transport=_launch_transport())
+                if owns
+                else mpidp.get_manager(),
+                owns,
             )
         core = _mpidp()
         given = (rank, world_size, core.local_rank if local_rank is None else local_rank)
