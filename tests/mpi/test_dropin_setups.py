@@ -102,10 +102,11 @@ def _recipe(x, conv, head, w):
 MESHES = ["initialize_mesh", "init_device_mesh"] + (["axis of a 2-D mesh"] if WORLD == 4 else [])
 
 
+@pytest.mark.parametrize("rows", [H, 5])  # 5 rows: torch.chunk leaves the last of 4 empty
 @pytest.mark.parametrize("kind", MESHES)
-def test_physicsnemo_shardtensor_recipe_under_its_own_manager_and_mesh(pnm, kind):
+def test_physicsnemo_shardtensor_recipe_under_its_own_manager_and_mesh(pnm, kind, rows):
     mesh = _mesh(pnm, kind)
-    x, w = rand((1, 3, H, W), 1), rand((1, 4, H, W), 2)
+    x, w = rand((1, 3, rows, W), 1), rand((1, 4, rows, W), 2)
     conv, head = _serial()
     xr = x.clone().requires_grad_()
     loss, want = _recipe(xr, conv, head, w)
@@ -117,8 +118,8 @@ def test_physicsnemo_shardtensor_recipe_under_its_own_manager_and_mesh(pnm, kind
     xs = scatter_tensor(x, src, mesh, (Shard(2),), requires_grad=True)
     ws = scatter_tensor(w, src, mesh, (Shard(2),))
     p = mesh.size()
-    chunk = -(-H // p)
-    assert xs.to_local().shape[2] == max(0, min(chunk, H - mesh.get_local_rank() * chunk))
+    chunk = -(-rows // p)
+    assert xs.to_local().shape[2] == max(0, min(chunk, rows - mesh.get_local_rank() * chunk))
     loss, got = _recipe(xs, conv, head, ws)
     loss.backward()
     torch.testing.assert_close(got, want.detach(), **TOL)
