@@ -210,19 +210,35 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from mpidp.sharded.partial import summed
 
     args, kwargs = summed((args, kwargs))
-    if not _DEPTH:
+    if not _DEPTH and _whole(args, kwargs):
         args, kwargs = whole_gradients((args, kwargs))
-    _DEPTH.append(func)
-    try:
-        if WATCHERS:
-            return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
-        return _located(func, args, kwargs)
-    finally:
-        _DEPTH.pop()
+        _DEPTH.append(func)
+        try:
+            return _run(func, args, kwargs)
+        finally:
+            _DEPTH.pop()
+    return _run(func, args, kwargs)
 
 
-#: the functions being dispatched (a handler's own calls on ShardedTensors nest)
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if WATCHERS:
+        return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
+    return _located(func, args, kwargs)
+
+
+#: the outermost call under the ``"whole"`` convention (a handler's own calls nest in it)
 _DEPTH: list[Any] = []
+
+
+def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call's ShardedTensors live under the ``"whole"`` gradient convention (one
+    attribute read on the common path: a ShardedTensor among the positional arguments)."""
+    ref = next((a for a in args if isinstance(a, ShardedTensor)), None)
+    if ref is None:
+        ref = next(
+            (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedTensor)), None
+        )
+    return ref is not None and ref.manager.gradients == "whole" and torch.is_grad_enabled()
 
 
 def whole_gradients(tree: Any) -> Any:
@@ -230,15 +246,12 @@ def whole_gradients(tree: Any) -> Any:
     each plain tensor that needs a gradient and meets a band enters through
     :func:`mpidp.collectives.copy_to`, so its gradient, this rank's share, is summed over the
     domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
-    parameters do. Only at the outermost call (a handler's own calls see those tensors
-    already). Under mpidp's ``"shares"`` convention, ``tree`` as it is."""
+    parameters do. Called at the outermost call only (a handler's own calls see those tensors
+    already)."""
     from mpidp.collectives import copy_to
 
     leaves, spec = tree_flatten(tree)
-    ref = next((a for a in leaves if isinstance(a, ShardedTensor)), None)
-    if ref is None or not ref.transport.whole or not torch.is_grad_enabled():
-        return tree
-    t = ref.transport
+    t = next(a for a in leaves if isinstance(a, ShardedTensor)).transport
     plain = [
         copy_to(a, t)
         if isinstance(a, torch.Tensor)

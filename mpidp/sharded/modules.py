@@ -81,6 +81,7 @@ def _whole_parameters(layer: nn.Module, t: Any) -> Iterator[None]:
     over the domain group in the backward. Nothing under mpidp's own convention, or inside a
     handler (whose caller's tensors are already summed)."""
     params = dict(layer.named_parameters()) if t.whole and not _DEPTH else {}
+    # (inside a dispatched call of the "whole" convention, _DEPTH holds it: already summed)
     params = {k: p for k, p in params.items() if p.requires_grad and torch.is_grad_enabled()}
     if not params:
         yield
