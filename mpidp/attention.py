@@ -23,7 +23,13 @@ from mpidp.collectives import all_to_all_v, resolve_transport
 from mpidp.errors import ConfigError
 from mpidp.partition import ShardSpec
 
-__all__ = ["head_spec", "shard_heads", "shard_sequence", "sliding_window_attention"]
+__all__ = [
+    "attention_over_key_band",
+    "head_spec",
+    "shard_heads",
+    "shard_sequence",
+    "sliding_window_attention",
+]
 
 
 def head_spec(num_heads: int, parts: int) -> ShardSpec:
@@ -137,3 +143,79 @@ def sliding_window_attention(
     j = torch.arange(a - left, b + right, device=q.device)
     allowed = (j >= i - left) & (j <= i + right) & (j >= 0) & (j < rows.total)
     return F.scaled_dot_product_attention(q, kx, vx, attn_mask=allowed, scale=scale)
+
+
+def attention_over_key_band(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_start: int,
+    key_total: int,
+    group: Any = None,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` for queries every rank holds whole (latents, a
+    global token) against keys and values cut along the sequence: this rank holds key rows
+    ``[key_start, key_start + S_r)`` of ``key_total``.
+
+    Split softmax, merged exactly: each rank scores its key block, and with the global row
+    maximum ``M`` (one all-reduce of a max, no gradient: any shift is exact) sums
+    ``exp(s - M)`` and ``exp(s - M) v`` over its block; one all-reduce of those sums
+    (``reduce_from``: every rank then uses the same value, so its backward hands each rank the
+    whole gradient, and each rank's block gets its own share) gives the output, the same on
+    every rank. Moves ``O(batch x heads x queries x (head_dim + 2))`` per rank, never the keys.
+    ``attn_mask`` (boolean: True attends; or additive) of the global ``(..., L, S)`` shape
+    is cut to this rank's columns; ``is_causal``: key ``j`` attends to query ``i`` when
+    ``j <= i``. An empty block adds nothing. Collective over ``group``.
+
+    The gradient of ``q`` is this rank's share (its block's part): a plain ``q`` is summed
+    by ``mpidp.sync_gradients``; enter a replicated ``q`` through ``copy_to``.
+    """
+    from mpidp.collectives import reduce_from
+
+    t = resolve_transport(group, q.device)
+    rows = k.size(-2)
+    scale = 1.0 / float(q.size(-1)) ** 0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (..., L, S_r)
+    bias = _columns(attn_mask, key_start, rows, key_total, q)
+    if is_causal:
+        keys = torch.arange(key_start, key_start + rows, device=q.device)
+        allowed = keys <= torch.arange(q.size(-2), device=q.device).unsqueeze(-1)
+        bias = _additive(allowed, q) if bias is None else bias + _additive(allowed, q)
+    if bias is not None:
+        scores = scores + bias
+    with torch.no_grad():
+        local = (
+            scores.amax(-1, keepdim=True)
+            if rows
+            else torch.full((*scores.shape[:-1], 1), -torch.inf, dtype=q.dtype, device=q.device)
+        )
+        top = t.all_reduce(local, "max")
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows all masked
+    weights = torch.exp(scores - top)
+    sums = torch.cat([weights @ v, weights.sum(-1, keepdim=True)], dim=-1)
+    total = reduce_from(sums, t)
+    return total[..., :-1] / total[..., -1:]
+
+
+def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(allowed, zero, torch.full_like(zero, -torch.inf))
+
+
+def _columns(
+    mask: torch.Tensor | None, start: int, rows: int, total: int, like: torch.Tensor
+) -> torch.Tensor | None:
+    """``mask`` as an additive bias over this rank's key columns."""
+    if mask is None:
+        return None
+    if mask.size(-1) == total and total != 1:
+        mask = mask.narrow(-1, start, rows)
+    elif mask.size(-1) != 1:
+        raise ConfigError(
+            f"attention over a band of keys: attn_mask has {mask.size(-1)} key columns, the "
+            f"keys {total}; pass a mask of the global (..., L, {total}) shape (or 1 column)"
+        )
+    return _additive(mask, like) if mask.dtype == torch.bool else mask

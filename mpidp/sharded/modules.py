@@ -274,8 +274,21 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls.append(None)
         return None
     ref = sharded[0]
-    calls.append(("band", ref))
-    return _unwrap(args, ref.transport), _unwrap(kwargs, ref.transport)
+    empty = ref.local.size(ref.shard_dim) == 0
+    calls.append(("band", ref, empty))
+    args, kwargs = _unwrap(args, ref.transport), _unwrap(kwargs, ref.transport)
+    if empty:  # torch refuses some zero-row inputs (a 1x1 conv): one zero row, dropped after
+        args, kwargs = tree_map(lambda a: _one_row(a, ref), (args, kwargs))
+    return args, kwargs
+
+
+def _one_row(a: Any, ref: ShardedTensor) -> Any:
+    """An empty band's tensor of the band's rank with one zero row along the band's dim: a
+    module computing row by row then runs (its graph reaching its parameters: zero gradients,
+    the same backward on every rank) and the row is dropped from its outputs."""
+    if _plain(a) and a.dim() == ref.dim() and a.size(ref.shard_dim) == 0:
+        return base.with_rows(a, ref.shard_dim, 1)
+    return a
 
 
 def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -288,7 +301,13 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     if call[0] == "model":
         call[1].__exit__(None, None, None)
         return tree_map(lambda o: _to_band(o, call[2]), out)
-    return _band_outputs(out, call[1], kind == "learn", type(module).__name__)
+    ref, empty = call[1], call[2]
+    if empty:  # the zero row enter_module added: dropped from every output of the band's rank
+        d = ref.shard_dim
+        out = tree_map(
+            lambda o: o.narrow(d, 0, 0) if _plain(o) and o.dim() >= ref.dim() else o, out
+        )
+    return _band_outputs(out, ref, kind == "learn", type(module).__name__)
 
 
 def install() -> None:

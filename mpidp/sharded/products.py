@@ -15,14 +15,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.attention import query_rows_masks
+from mpidp.attention import attention_over_key_band, query_rows_masks
 from mpidp.collectives import all_gather_v
 from mpidp.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
 from mpidp.sharded.partial import partial_sum
 from mpidp.sharded.rows import move_to_dim, to_spec
 from mpidp.sharded.shapes import _plain, _wrap
-from mpidp.sharded.tensor import ShardedTensor
+from mpidp.sharded.tensor import ShardedTensor, replicated
 
 __all__: list[str] = []
 
@@ -30,17 +30,31 @@ __all__: list[str] = []
 # -- products over unsharded dims ---------------------------------------------------------------
 
 
-@register(F.linear)
+@register(F.linear, blocks=True)
 def _linear(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Over other dims the batch rule runs it locally (mpidp.sharded.batch); here: over the
-    sharded dim, or a sharded weight."""
-    raise refuse(
-        func,
-        args,
-        kwargs,
-        "a linear map over the sharded dim (or a sharded weight)",
-        "shard along another dim",
-    )
+    sharded dim (a global head on a flattened field: ``Conv2d -> Flatten -> Linear``), where
+    the band may hold blocks (the channels merged before it). Each rank multiplies its
+    entries by the weight's matching columns: a partial sum, summed once when needed (the
+    bias added to the value). A sharded weight is refused."""
+    names = ("input", "weight", "bias")
+    a = dict(zip(names, args, strict=False))
+    a.update(kwargs)
+    x, weight, bias = a["input"], a["weight"], a.get("bias")
+    if (
+        not isinstance(x, ShardedTensor)
+        or isinstance(weight, ShardedTensor)
+        or isinstance(bias, ShardedTensor)
+        or x.shard_dim != x.dim() - 1
+    ):
+        raise refuse(
+            func, args, kwargs, "a linear map with a sharded weight or bias",
+            "keep the weight whole (a parameter); shard the input",
+        )  # fmt: skip
+    t = x.transport
+    w = x.rows_of(_plain(weight, t), 1)  # this rank's columns (its rows of every block)
+    out = partial_sum(torch.matmul(x.local, w.transpose(0, 1)), t)
+    return out if bias is None else out + bias
 
 
 def whole(x: ShardedTensor) -> torch.Tensor:
@@ -86,6 +100,10 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         else:
             ok = False
     elif isinstance(a, ShardedTensor):
+        if a.shard_dim == a.dim() - 1 and b.dim() >= 1:  # a contraction over the band
+            t = a.transport
+            w = a.rows_of(_plain(b, t), 0 if b.dim() == 1 else b.dim() - 2)
+            return partial_sum(torch.matmul(a.local, w), t)
         ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
         ok = ok and (a.blocks == 1 or a.shard_dim < a.dim() - 2)
     else:
@@ -229,7 +247,7 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a.update(kwargs)
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
     if not isinstance(q, ShardedTensor):
-        raise refuse(func, args, kwargs, "keys or values cut but not the queries", "shard q")
+        return _whole_queries(func, args, kwargs, q, k, v, a)
     t, n = q.transport, q.dim()
     if q.shard_dim < n - 2:  # heads or batch: independent problems
         k2, v2 = (to_spec(z, q.spec).local if isinstance(z, ShardedTensor) else z for z in (k, v))
@@ -258,6 +276,38 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mask = causal if mask is None else mask & causal
     a["attn_mask"] = mask
     return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
+
+
+def _whole_queries(
+    func: Any, args: Any, kwargs: Any, q: Any, k: Any, v: Any, a: dict[str, Any]
+) -> Any:
+    """Queries every rank holds whole (learned latents, a pooled token) against keys and
+    values cut along the sequence: :func:`mpidp.attention.attention_over_key_band` (split
+    softmax merged exactly; the keys never move). The result is the same on every rank."""
+    if not isinstance(k, ShardedTensor) or k.shard_dim != k.dim() - 2:
+        raise refuse(
+            func, args, kwargs, "the values are cut but neither the queries nor the keys' sequence",
+            "cut the keys and values along the sequence (dim -2), or the queries too",
+        )  # fmt: skip
+    if a.get("dropout_p", 0.0) or a.get("enable_gqa", False):
+        raise refuse(
+            func, args, kwargs, "dropout or grouped-query heads with whole queries over a band "
+            "of keys", "pass dropout_p=0 (model.eval()) and as many key heads as query heads",
+        )  # fmt: skip
+    t = k.transport
+    if isinstance(v, ShardedTensor):
+        if v.shard_dim != v.dim() - 2:
+            raise refuse(func, args, kwargs, "values cut along another dim", "cut them as keys")
+        v = to_spec(v, k.spec).local
+    else:  # the whole values: this rank's rows (its share of their gradient)
+        v = _plain(v, t).narrow(-2, k.start, k.spec.sizes[k.rank])
+    mask = a.get("attn_mask")
+    mask = whole(mask) if isinstance(mask, ShardedTensor) else _plain(mask, t)
+    out = attention_over_key_band(
+        _plain(q, t), k.local, v, k.start, k.spec.total, t, mask,
+        bool(a.get("is_causal", False)), a.get("scale"),
+    )  # fmt: skip
+    return replicated(out, t)
 
 
 _MHA_ARGS = tuple(inspect.signature(F.multi_head_attention_forward).parameters)

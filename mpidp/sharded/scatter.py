@@ -194,9 +194,11 @@ def _local_scatter(
     return ref.like(out)
 
 
-@register(torch.gather, torch.Tensor.gather)
+@register(torch.gather, torch.Tensor.gather, torch.take_along_dim, torch.Tensor.take_along_dim)
 def _gather(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x, dim, index = args[0], int(args[1]) % args[0].dim(), args[2]
+    x, dim, index = _gather_args(func, args, kwargs)
+    if isinstance(x, ShardedTensor) and dim == x.shard_dim and x.blocks == 1:
+        return _gather_from_band(func, args, kwargs, x, dim, index)
     if not isinstance(index, ShardedTensor) or isinstance(x, ShardedTensor) or index.blocks > 1:
         if isinstance(x, ShardedTensor) and isinstance(index, ShardedTensor):
             if x.shard_dim == index.shard_dim != dim and x.spec == index.spec and x.blocks == 1:
@@ -218,3 +220,44 @@ def _gather(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             )
         whole = index.rows_of(whole, d)
     return index.like(torch.gather(whole, dim, index.local))
+
+
+def _gather_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int, Any]:
+    """``(x, dim, index)`` of ``gather(x, dim, index)`` or ``take_along_dim(x, index, dim)``."""
+    if func in (torch.take_along_dim, torch.Tensor.take_along_dim):
+        x, index = args[0], args[1] if len(args) > 1 else kwargs["indices"]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim")
+        if dim is None:
+            raise refuse(func, args, kwargs, "take_along_dim of the flattened band", "pass dim")
+        return x, int(dim) % x.dim(), index
+    return (
+        args[0],
+        int(args[1] if len(args) > 1 else kwargs["dim"]) % args[0].dim(),
+        (args[2] if len(args) > 2 else kwargs["index"]),
+    )
+
+
+def _gather_from_band(
+    func: Any, args: Any, kwargs: Any, x: ShardedTensor, dim: int, index: Any
+) -> ShardedTensor:
+    """``gather`` along the sharded dim with an index of global row ids: the result is a band
+    of the index's shape (cut like a sharded index, else by the manager's partition of its
+    length), each rank fetching the rows its part names (:func:`mpidp.sharded.select.
+    gather_rows`)."""
+    from mpidp.sharded.select import gather_rows
+
+    m = x.manager
+    if isinstance(index, ShardedTensor):
+        if index.shard_dim != dim or index.blocks > 1:
+            raise refuse(
+                func, args, kwargs, "an index cut along another dim than the gather's",
+                "cut the index along the gathered dim, or pass it whole",
+            )  # fmt: skip
+        spec = index.spec
+        index = index.full_tensor().as_subclass(torch.Tensor)
+    else:
+        index = _plain(index, x.transport)
+        spec = m.partition.derived(index.size(dim), m.domain_world_size)
+    if index.dim() != x.dim() or index.is_floating_point():
+        raise refuse(func, args, kwargs, "an index of another rank or dtype", "match torch.gather")
+    return gather_rows(x, index.to(torch.long), spec)

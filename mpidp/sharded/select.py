@@ -81,6 +81,9 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "use index_select(dim, index) with a 1-D sharded index",
         )
     parts = _index_parts(x, index)
+    by_index = _one_index_along_rows(x, parts)
+    if by_index is not None:
+        return _index_select(torch.index_select, (x, x.shard_dim, by_index), {})
     if any(isinstance(p, (torch.Tensor, list, bool)) for p in parts):
         raise refuse(
             func,
@@ -126,6 +129,30 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         dim += 1
     assert axis is not None
     return x.like(x.local[tuple(local_idx)], axis, spec)
+
+
+def _one_index_along_rows(x: ShardedTensor, parts: list[Any]) -> torch.Tensor | None:
+    """The global row ids of ``x[parts]`` when it is one 1-D index (integer tensor or list, or
+    a boolean mask, whole or a band) along the sharded dim and full slices elsewhere: it is
+    then ``index_select`` along that dim. None otherwise."""
+    if x.blocks > 1 or len(parts) != x.dim() or any(p is None for p in parts):
+        return None
+    d = x.shard_dim
+    if any(p != slice(None) for i, p in enumerate(parts) if i != d):
+        return None
+    p = parts[d]
+    if isinstance(p, list) and all(isinstance(i, (int, bool)) for i in p):
+        p = torch.tensor(p, dtype=torch.bool if p and isinstance(p[0], bool) else torch.long)
+    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.is_floating_point():
+        return None
+    if isinstance(p, ShardedTensor):  # a band of ids or of the mask: every rank reads it whole
+        p = p.full_tensor().as_subclass(torch.Tensor)
+    p = p.as_subclass(torch.Tensor) if isinstance(p, Replicated) else p
+    if p.dtype == torch.bool:
+        if p.numel() != x.spec.total:
+            return None
+        return p.nonzero().squeeze(-1)
+    return p.to(torch.long)
 
 
 @register(torch.narrow, torch.Tensor.narrow)
@@ -181,6 +208,12 @@ def _index_select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     rows = [int(i) % x.spec.total for i in index.tolist()]
     if not isinstance(args[2], ShardedTensor):
         spec = m.partition.derived(len(rows), m.domain_world_size)
+    return remap(x, spec, runs_of(rows))
+
+
+def runs_of(rows: list[int]) -> Any:
+    """``source(a, b)`` for :func:`mpidp.sharded.rows.remap`: positions ``[a, b)`` take the
+    global rows ``rows[a:b]``, consecutive ones as one run."""
 
     def runs(a: int, b: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
@@ -191,7 +224,28 @@ def _index_select(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 out.append((r, r + 1))
         return out
 
-    return remap(x, spec, runs)
+    return runs
+
+
+def gather_rows(
+    x: ShardedTensor, index: torch.Tensor, spec: ShardSpec, take: Any = torch.gather
+) -> ShardedTensor:
+    """``torch.gather(x, x.shard_dim, index)`` for a band ``x`` and the whole ``index`` (global
+    row ids, any order, repeats): the result is a band cut by ``spec`` along that dim. Each
+    rank fetches the distinct rows its part of the index names (one exchange; the backward
+    sends their gradients home and sums repeats), then gathers locally (backward: a
+    scatter-add). Collective over the domain group."""
+    d = x.shard_dim
+    n = x.spec.total
+    index = index % n
+    parts = [index.narrow(d, spec.start(q), spec.sizes[q]) for q in range(spec.parts)]
+    needed = [torch.unique(part) for part in parts]  # sorted
+    sizes = ShardSpec(tuple(int(u.numel()) for u in needed))
+    rows = [int(r) for u in needed for r in u.tolist()]
+    fetched = remap(x, sizes, runs_of(rows))
+    mine = needed[x.rank].to(index.device)
+    local = torch.searchsorted(mine, parts[x.rank].contiguous())
+    return ShardedTensor(take(fetched.local, d, local), spec, d, x.manager)
 
 
 @register(torch.roll, torch.Tensor.roll)

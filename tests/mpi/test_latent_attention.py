@@ -1,0 +1,138 @@
+"""Attention from whole queries (learned latents) to keys and values cut along the sequence:
+a Perceiver-style aggregator over a field's tokens, with and without a key padding mask, and
+with logits far beyond exp's range, through both front ends (``convert_to_domain_parallel``
+and ShardedTensor input) against serial torch, float64, uneven bands (an empty one at 4
+ranks: 3 rows), 1e-10: outputs, input gradients and every parameter gradient. The keys never
+move: the bytes sent are the latents' size (a counting test). A mutation that merges the
+blocks without the max shift fails the large-logit case."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import mpidp
+import mpidp.attention
+from mpidp.sharded import shard
+from mpidp.testing import assert_matches_serial, count_traffic
+from tests.mpi.helpers import check_sharded, rand
+
+WORLD = MPI.COMM_WORLD.Get_size()
+F64 = torch.float64
+C, W, HEADS, LATENTS = 4, 5, 2, 3
+
+
+@pytest.fixture(scope="module")
+def m():
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as manager:
+        yield manager
+
+
+class LatentAggregator(nn.Module):
+    """Learned latent queries attend to the field's tokens (keys and values projected from
+    the band); the attended latents, pooled, come back into the field as a bias."""
+
+    def __init__(
+        self, masked: bool = False, loud: float = 1.0, stride: int = 1, manual: bool = False
+    ) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(HEADS, LATENTS, C // HEADS) * loud)
+        self.kv = nn.Linear(C, 2 * C)
+        self.back = nn.Linear(C, C)
+        self.conv = nn.Conv2d(C, C, 3, padding=1, stride=stride)
+        self.masked, self.manual = masked, manual
+
+    def forward(self, x):
+        f = self.conv(x)
+        b, c, h, w = f.shape
+        tokens = f.flatten(2).transpose(1, 2)  # (B, H W, C): the band's rows
+        k, v = self.kv(tokens).chunk(2, dim=-1)
+        k, v = (z.reshape(b, h * w, HEADS, c // HEADS).transpose(1, 2) for z in (k, v))
+        q = self.latents.expand(b, -1, -1, -1)
+        mask = None
+        if self.masked:  # every third token is padding
+            keep = torch.arange(h * w) % 3 != 1
+            mask = keep.view(1, 1, 1, h * w).expand(b, 1, LATENTS, h * w)
+        if self.manual:  # the written-out form, through the matmul and softmax rules
+            att = torch.softmax(q @ k.transpose(-2, -1) / (c // HEADS) ** 0.5, dim=-1) @ v
+        else:
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, L, hd)
+        pooled = att.transpose(1, 2).reshape(b, LATENTS, c).mean(1)
+        return x + self.back(pooled)[:, :, None, None]
+
+
+CASES = {
+    "latents": {},
+    "key padding mask": {"masked": True},
+    "logits past exp's range": {"loud": 4e3},
+    "written out": {"manual": True},
+}
+
+
+def build(case, stride=1):
+    torch.manual_seed(11)
+    return LatentAggregator(**CASES[case], stride=stride).to(F64)
+
+
+# (rows, stride): 5 rows over 4 ranks strided to 3, so one band of tokens is empty
+ROWS = [(7, 1)] + ([(5, 2)] if WORLD == 4 else [])
+
+
+@pytest.mark.parametrize(("rows", "stride"), ROWS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_latent_cross_attention_on_sharded_tensors(m, case, rows, stride):
+    model = build(case, stride)
+    check_sharded(m, model, rand((2, C, rows, W), 1), dim=2, module=model)
+
+
+@pytest.mark.parametrize(("rows", "stride"), ROWS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_latent_cross_attention_through_conversion(m, case, rows, stride):
+    serial = build(case, stride)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
+    assert_matches_serial(
+        serial, dist, [rand((2, C, rows, W), 2)], manager=m, modules=(serial, dist),
+        rtol=1e-10, atol=1e-12,
+    )  # fmt: skip
+
+
+def test_the_keys_never_move(m):
+    """The merge sends the latents' sums (B x heads x L x (head_dim + 1) values, and their
+    maxima), whatever the field's size."""
+    model = build("latents")
+    sent = []
+    for rows in (8, 32):
+        x = shard(rand((1, C, rows, W), 3), 2, m)
+        with count_traffic(m) as traffic:
+            y = model.conv(x).flatten(2).transpose(1, 2)
+            k, v = (z.reshape(1, rows * W, HEADS, 2).transpose(1, 2) for z in (y, y))
+            F.scaled_dot_product_attention(model.latents.expand(1, -1, -1, -1), k, v)
+        sent.append(traffic.bytes)
+    assert sent[0] == sent[1], sent  # independent of the number of keys
+    keys = 32 * W * C * 8 // WORLD  # the keys of one band at 32 rows, float64
+    assert sent[1] < keys, (sent, keys)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_without_the_max_shift_the_large_logits_fail(m, monkeypatch):
+    """Mutation: blocks merged with exp(s) instead of exp(s - M) overflow."""
+    real = mpidp.attention.attention_over_key_band
+
+    def unshifted(q, k, v, start, total, group=None, attn_mask=None, is_causal=False, scale=None):
+        from mpidp.collectives import reduce_from
+
+        scores = (q @ k.transpose(-2, -1)) * (scale or 1.0 / q.size(-1) ** 0.5)
+        weights = torch.exp(scores)
+        total_ = reduce_from(torch.cat([weights @ v, weights.sum(-1, keepdim=True)], -1), group)
+        return total_[..., :-1] / total_[..., -1:]
+
+    monkeypatch.setattr("mpidp.sharded.products.attention_over_key_band", unshifted)
+    model = build("logits past exp's range")
+    with pytest.raises(AssertionError):
+        check_sharded(m, model, rand((2, C, 7, W), 1), dim=2, module=model)
+    assert real is mpidp.attention.attention_over_key_band
