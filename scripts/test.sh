@@ -15,6 +15,13 @@
 # `--quick`: the development tier (a few minutes): ruff, mypy, unit tests, and the MPI tests
 # at 3 ranks (uneven bands, an interior rank, both transports) without the gradcheck tests;
 # no composition, one-rank, launch or cluster stages. MPIDP_TEST_RANKS overrides the rank counts.
+#
+# Limits: every stage runs under a limit of a few times MPIDP_TEST_TIMEOUT (default 600 s; the
+# MPI stages 2x, the launch and zoo stages 3x), generous for a loaded 2-core machine: quiet,
+# the longest stage (launch) takes about 7 minutes and the 3-rank MPI stage about 4. A stage
+# killed by its limit says so in one line (the stage, the last test it started, the limit and
+# the variable); the summary gives each stage's time and result (passed, FAILED, KILLED) and
+# names the ones that did not pass again at the end.
 set -euo pipefail
 quick=0
 if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
@@ -23,11 +30,10 @@ venv="${MPIDP_VENV:-.venv}"
 export PATH="$PWD/$venv/bin:$PATH"
 py="$PWD/$venv/bin/python"
 per_run="${MPIDP_TEST_TIMEOUT:-600}"
-export MPIEXEC_TIMEOUT="$per_run"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # MPICH's waiting ranks spin (and sched_yield) at 100% CPU: with more ranks than cores they
 # starve the ranks that compute. Sleeping instead took the 4-rank composition tests from 244 s
-# to 28 s and a 4-rank FSDP2 training from 76 s to 19 s on 2 cores (docs/performance.md).
+# to 28 s and a 4-rank FSDP2 training from 76 s to 19 s on 2 cores (docs/launching.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD="${MPIR_CVAR_ENABLE_HEAVY_YIELD:-1}"
 # The suite oversubscribes on purpose (4 and 8 ranks on 2 cores): no OversubscribedWarning from
 # every job (the launch tests' jobs, whose environment drops MPIDP_*, still show it to a failure).
@@ -36,31 +42,54 @@ export MPIDP_WARN_OVERSUBSCRIBED="${MPIDP_WARN_OVERSUBSCRIBED:-0}"
 . scripts/prereqs.sh
 if [ "$quick" = 0 ]; then prereqs_banner; fi
 fail=0
-# Each stage's wall time, printed at the end (the 25-minute budget is for everything but the
-# third-party zoo stage, which has 10 minutes of its own).
+# Each stage's wall time and result, printed at the end (the 25-minute budget is for everything
+# but the third-party zoo stage, which has 10 minutes of its own).
 times=()
-last=""
-t0=$SECONDS
-step() {
-  if [ -n "$last" ]; then times+=("$((SECONDS - t0)) s  $last"); fi
-  last="$*"; t0=$SECONDS; echo; echo "=== $*"
+bad=()
+last_test="$(mktemp "${TMPDIR:-/tmp}/mpidp-last-test.XXXXXX")"
+trap 'rm -f "$last_test"' EXIT
+# run_stage NAME FACTOR CMD...: CMD under a limit of FACTOR x MPIDP_TEST_TIMEOUT seconds (an mpiexec
+# inside it gets a little more, so that the limit, not MPICH's own timeout, ends it); records
+# the stage's time and result. A stage over its limit is killed and says so.
+run_stage() {
+  local name="$1" factor="$2" limit=$(($2 * per_run)) rc=0 t0=$SECONDS result
+  shift 2
+  echo; echo "=== $name"
+  : >"$last_test"
+  MPIDP_TEST_LAST="$last_test" MPIEXEC_TIMEOUT=$((limit + 60)) timeout "$limit" "$@" || rc=$?
+  if [ "$rc" = 0 ]; then
+    result=passed
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    result=KILLED
+    echo
+    echo "!!! stage '$name' KILLED at its limit of $limit s ($factor x MPIDP_TEST_TIMEOUT=$per_run);" \
+      "the last test it started: $(cat "$last_test" 2>/dev/null | grep . || echo 'none (still starting)');" \
+      "on a loaded machine give it longer: MPIDP_TEST_TIMEOUT=$((2 * per_run)) bash scripts/test.sh"
+  else
+    result=FAILED
+    echo; echo "!!! stage '$name' FAILED (exit $rc)"
+  fi
+  times+=("$(printf '%5d s  %-7s %s' $((SECONDS - t0)) "$result" "$name")")
+  if [ "$result" != passed ]; then bad+=("$result: $name"); fail=1; fi
 }
 report_times() {
-  if [ -n "$last" ]; then times+=("$((SECONDS - t0)) s  $last"); fi
-  echo; echo "stage times (total $SECONDS s):"
+  echo; echo "stage times and results (total $SECONDS s):"
   for line in "${times[@]}"; do echo "  $line"; done
+  if [ "${#bad[@]}" -gt 0 ]; then
+    echo; echo "stages that did not pass:"
+    for line in "${bad[@]}"; do echo "  $line"; done
+  fi
 }
 
-step "ruff"; "$py" -m ruff check mpidp tests examples bench docs || fail=1
-step "mypy"; "$py" -m mypy || fail=1
-step "unit tests"; timeout "$per_run" "$py" -m pytest -q tests/unit || fail=1
+run_stage "ruff" 1 "$py" -m ruff check mpidp tests examples bench docs
+run_stage "mypy" 1 "$py" -m mypy
+run_stage "unit tests" 1 "$py" -m pytest -q tests/unit
 if [ "$quick" = 1 ]; then
   # gradcheck tests verify the Functions' math; the full suite runs them at 1-3 ranks
   export MPIDP_GRADCHECK_MAX_RANKS="${MPIDP_GRADCHECK_MAX_RANKS:-2}"
   for n in ${MPIDP_TEST_RANKS:-3}; do
-    step "MPI tests, $n ranks"
-    timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi \
-      --ignore=tests/mpi/test_parallel.py || { echo "MPI tests FAILED at $n ranks"; fail=1; }
+    run_stage "MPI tests, $n ranks" 2 mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
+      tests/mpi --ignore=tests/mpi/test_parallel.py
   done
   report_times
   echo
@@ -84,54 +113,52 @@ for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
     files=("${wide[@]/#/tests/mpi/}"); files=("${files[@]/%/.py}")
   fi
-  step "MPI tests, $n ranks (${files[*]})"
-  timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi "${files[@]}" \
-    --ignore=tests/mpi/test_parallel.py || { echo "MPI tests FAILED at $n ranks"; fail=1; }
+  if [ "${#files[@]}" -gt 1 ]; then echo; echo "(at $n ranks: ${wide[*]})"; fi
+  run_stage "MPI tests, $n ranks" 2 mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
+    "${files[@]}" --ignore=tests/mpi/test_parallel.py
 done
 # DDP / FSDP2 / tensor parallelism (mpidp.parallel) in jobs of their own: every layout builds
 # gloo process groups, and whatever of them outlives a test (threads, sockets) slowed the MPI
 # tests that followed in the same 4-rank job several times over (2 cores, oversubscribed).
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
-  step "DDP / FSDP2 / tensor-parallel composition tests, $n ranks"
-  timeout $((per_run + 30)) mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
-    tests/mpi/test_parallel.py || { echo "composition tests FAILED at $n ranks"; fail=1; }
+  run_stage "DDP / FSDP2 / tensor-parallel composition tests, $n ranks" 1 \
+    mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
 done
 # The 3-D mesh: dp 2 x tp 2 x domain 2 with DDP and with FSDP2, eight ranks oversubscribed on
 # however many cores there are (about 80 s on 2 cores). MPIDP_TEST_BIG_RANKS= skips it.
 big="${MPIDP_TEST_BIG_RANKS-8}"
 if [ -n "$big" ]; then
-  step "composition tests, $big ranks oversubscribed (dp 2 x tp 2 x domain 2)"
   oversub=()
   mpiexec --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE" && oversub=(--oversubscribe)
-  timeout $((per_run + 30)) mpiexec "${oversub[@]}" -n "$big" "$py" -m mpi4py -m pytest -q \
-    --with-mpi tests/mpi/test_parallel.py -k five_steps \
-    || { echo "composition tests FAILED at $big ranks"; fail=1; }
+  run_stage "composition tests, $big ranks oversubscribed (dp 2 x tp 2 x domain 2)" 1 \
+    mpiexec "${oversub[@]}" -n "$big" "$py" -m mpi4py -m pytest -q --with-mpi \
+    tests/mpi/test_parallel.py -k five_steps
 fi
 # 53 real jobs (examples trained at 1-4 ranks, torchrun, docs at 1 and 2 ranks): 6-9 minutes on
-# a 2-core machine, and it varies with the load (354 s and 508 s measured an hour apart), so the
-# step gets twice the per-run limit.
-step "launch tests"; timeout $((2 * per_run)) "$py" -m pytest -q tests/launch || fail=1
+# a 2-core machine, and it varies with the load (354 s and 508 s measured an hour apart, 427 s
+# quiet), so the stage gets three times the limit.
+run_stage "launch tests" 3 "$py" -m pytest -q tests/launch
 if stage_gate cluster; then  # root and apt-get (scripts/prereqs.sh); else listed, at once
-  step "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)"
-  if bash scripts/setup-launch.sh; then
-    timeout "$per_run" "$py" -m pytest -q tests/cluster || fail=1
-  else
-    echo "!!! real-launcher stage FAILED: its setup could not install what it needs"; fail=1
-  fi
+  # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
+  run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \
+    'bash scripts/setup-launch.sh || { echo "!!! its setup could not install what it needs"; exit 1; }
+     exec "$0" -m pytest -q tests/cluster' "$py"
 fi
 # Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, each package in an
 # environment of its own (built once, about 5 minutes for both; the runs take about 1.5).
 if stage_gate zoo; then  # the disk its environments need; else listed
-  step "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks"
-  timeout $((2 * per_run)) bash scripts/test-zoo.sh || { echo "!!! zoo stage FAILED"; fail=1; }
+  run_stage "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks" 3 \
+    bash scripts/test-zoo.sh
 fi
 if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
-  step "parallel HDF5 (mpio) I/O tests"
-  { bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh; } || fail=1
+  run_stage "parallel HDF5 (mpio) I/O tests" 2 bash -c \
+    'bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh'
 fi
 report_times
 echo
 print_not_run
 if prereqs_failed; then fail=1; fi
-if [ "$fail" -ne 0 ]; then echo "test suite: FAILED"; exit 1; fi
+if [ "$fail" -ne 0 ]; then
+  echo "test suite: FAILED (${#bad[@]} stage(s) did not pass: see the list above)"; exit 1
+fi
 echo "test suite: all steps passed"

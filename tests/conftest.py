@@ -1,11 +1,23 @@
 """Shared by every test stage: a failure is printed the moment it happens, not only in the
-summary, so a stage that a timeout kills later still shows what failed and why."""
+summary, so a stage that a timeout kills later still shows what failed and why; and the test
+each stage starts is written where scripts/test.sh reads it when a stage is killed by its
+limit (``MPIDP_TEST_LAST``; by the first rank of an MPI run)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
+
+_LAST = os.environ.get("MPIDP_TEST_LAST")
+_FIRST = all(os.environ.get(v, "0") == "0" for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _LAST and _FIRST:
+        with open(_LAST, "w") as f:
+            f.write(nodeid + "\n")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

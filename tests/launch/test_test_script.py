@@ -1,0 +1,33 @@
+"""The README's test command on a machine too slow for its limits: scripts/test.sh run for
+real (the quick tier, one rank) with a limit of 10 s, which the unit and MPI stages overrun.
+Each killed stage says so in one line (the stage, the last test it started, the limit and the
+variable that lengthens it), the summary marks it KILLED and names it again, and the suite
+ends FAILED."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from test_launch import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_stage_over_its_limit_says_so_and_the_summary_marks_it_killed():
+    env = clean_env(MPIDP_TEST_TIMEOUT="10", MPIDP_TEST_RANKS="1")
+    res = subprocess.run(
+        ["bash", "scripts/test.sh", "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    line = re.search(r"^!!! stage 'unit tests' KILLED at its limit of 10 s .*$", out, re.M)
+    assert line, out[-3000:]
+    assert "1 x MPIDP_TEST_TIMEOUT=10" in line.group(0)
+    assert re.search(r"the last test it started: (tests/unit/\S+|none \(still starting\))", line[0])
+    assert "MPIDP_TEST_TIMEOUT=20 bash scripts/test.sh" in line.group(0)
+    assert re.search(r"^ +\d+ s  KILLED  unit tests$", out, re.M), out[-2000:]
+    assert re.search(r"^stages that did not pass:\n(  .*\n)*  KILLED: unit tests$", out, re.M)
+    assert "quick tier: FAILED" in out
