@@ -28,7 +28,7 @@ from skill import save_comparison, training_times  # examples/skill.py
 from train import build_model  # the model a checkpoint names (examples/train.py)
 
 import mpidp
-from mpidp.cli import HelpFormatter
+from mpidp.cli import HelpFormatter, Parser, exit_once
 from mpidp.io import RolloutWriter, ShardedH5Dataset, load_checkpoint
 from mpidp.progress import Progress
 from mpidp.skill import Skill, SkillMeter, climatology, physical_band
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "--checkpoint", default="runs/train/checkpoint.pt", help="what examples/train.py wrote"
     )
@@ -73,7 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The arguments, checked before any work (every rank alike: a mistake is one message)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not Path(args.checkpoint).is_file():
+        parser.error(
+            f"--checkpoint {args.checkpoint}: no such file; train first (python "
+            f"examples/train.py writes runs/train/checkpoint.pt) or pass the file it wrote"
+        )
+    if args.data and not Path(args.data).exists():
+        parser.error(f"--data {args.data}: no such file; leave it out for the training data")
+    if args.steps < 1 or args.domain < 0:
+        parser.error(
+            f"--steps {args.steps} --domain {args.domain}: give --steps >= 1, --domain >= 0"
+        )
+    return args
 
 
 def layout_text(layout: dict[str, int]) -> str:
@@ -102,7 +116,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ds = ShardedH5Dataset(data, manager=manager, grid=grid, dtype=dtype)
     if list(ds.channels) != list(state["extra"]["channels"]):
         want = state["extra"]["channels"]
-        raise SystemExit(f"{data} has channels {ds.channels}; the model was trained on {want}")
+        exit_once(f"{data} has channels {ds.channels}; the model was trained on {want}")
+    if args.map not in ds.channels:
+        exit_once(
+            f"--map {args.map}: {data} has no such channel; draw one of "
+            f"{', '.join(ds.channels)} (nothing was run or written)"
+        )
     with h5py.File(data, "r") as f:
         units = f["time"].attrs.get("units") if "time" in f else None
     units = units.decode() if isinstance(units, bytes) else units
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     last = ds.n_times - 1 - args.steps
     first = last if args.start < 0 else args.start
     if not 0 <= first <= last:
-        raise SystemExit(f"--start {args.start}: a {args.steps}-step rollout needs 0..{last}")
+        exit_once(f"--start {args.start}: a {args.steps}-step rollout needs 0..{last}")
     starts = [first + r for r in range(manager.dp_world_size) if first + r <= last]
     out = Path(args.out)
     if manager.rank == 0:

@@ -45,7 +45,7 @@ from skill import training_times  # examples/skill.py
 from torch.utils.data import Subset
 
 import mpidp
-from mpidp.cli import HelpFormatter
+from mpidp.cli import HelpFormatter, Parser, exit_once
 from mpidp.io import (
     DataParallelSampler,
     ShardedH5Dataset,
@@ -139,7 +139,7 @@ class Config:
 
 def build_parser() -> argparse.ArgumentParser:
     """A flag per Config field (default None: unset, so a YAML file's value stands)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--config", metavar="YAML", help="a YAML file of the options below (flags win over it)"
     )
@@ -190,6 +190,27 @@ def parse_config(argv: list[str] | None = None) -> Config:
         )
     if cfg.model != "unet" and (cfg.mlp or cfg.tensor > 1):
         parser.error("--mlp / --tensor: tensor parallelism is declared in the U-Net only")
+    if cfg.domain != "auto" and not (str(cfg.domain).isdigit() and int(cfg.domain) >= 1):
+        parser.error(
+            f"--domain {cfg.domain!r}: give the ranks per domain group (1, 2, ...) or auto"
+        )
+    for name in ("steps", "batch", "tensor", "width", "val_samples", "val_every", "log_every"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(cfg, name)}: give 1 or more")
+    if cfg.data and not Path(cfg.data).exists():
+        parser.error(f"--data {cfg.data}: no such file or store; leave --data out for sample data")
+    world = mpidp.DistributedManager.world_from_launcher()
+    cut = domain_size(cfg, world) * cfg.tensor
+    if world % cut:
+        parser.error(
+            f"--domain {cfg.domain} x --tensor {cfg.tensor} = {cut} ranks per replica does not "
+            f"divide the {world} ranks of this launch; use a divisor of {world}"
+        )
+    if cfg.batch % (world // cut):
+        parser.error(
+            f"--batch {cfg.batch} must be a multiple of the {world // cut} data-parallel "
+            f"replicas ({world} ranks / {cut} per replica)"
+        )
     return cfg
 
 
@@ -329,7 +350,7 @@ def open_data(path: str, cfg: Config, manager: mpidp.DistributedManager, dtype: 
 def split(n: int, val: int) -> tuple[range, range]:
     """Training samples first, validation last, one sample apart so no time is shared."""
     if not 0 < val < n - 1:
-        raise SystemExit(f"--val-samples {val}: the data has {n} samples; use 1 to {n - 2}")
+        exit_once(f"--val-samples {val}: the data has {n} samples; use 1 to {n - 2}")
     return range(0, n - val - 1), range(n - val, n)
 
 
@@ -427,13 +448,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         meshes = build_device_mesh(layout)
     except mpidp.ConfigError as err:
-        raise SystemExit(f"mpidp train: {err}") from None
+        exit_once(f"mpidp train: {err}")
     manager = meshes.manager
     lead = manager.rank == 0
     dtype = torch.float64 if cfg.precision == "float64" else torch.float32
     dp = meshes.dp_size
-    if cfg.batch % dp:
-        raise SystemExit(f"--batch {cfg.batch} must be a multiple of the {dp} replicas")
     per_replica = cfg.batch // dp
     out = Path(cfg.out)
     if lead:
@@ -444,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sampler = DataParallelSampler(Subset(ds, train_idx), meshes, seed=cfg.seed, drop_last=True)
     per_epoch = len(sampler) // per_replica
     if per_epoch < 1:
-        raise SystemExit(f"--batch {cfg.batch} exceeds the {len(train_idx)} training samples")
+        exit_once(f"--batch {cfg.batch} exceeds the {len(train_idx)} training samples")
 
     channels = len(ds.channels)
     spec = model_spec(cfg, channels)
@@ -459,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         model = parallel_model(model, meshes, manager)
     except mpidp.ConfigError as err:
-        raise SystemExit(f"mpidp train: {err}") from None
+        exit_once(f"mpidp train: {err}")
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     # the reference forecast "climatology": the mean state of the training times
     clim = climatology(ds, training_times(ds.n_times, cfg.val_samples), manager)
@@ -469,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ckpt = out / "checkpoint.pt"
     if cfg.resume:
         if not ckpt.exists():
-            raise SystemExit(f"--resume: no checkpoint at {ckpt}; run without --resume first")
+            exit_once(f"--resume: no checkpoint at {ckpt}; run without --resume first")
         state = load_checkpoint(ckpt, model, optimizer, manager, map_location=manager.device)
         step, history = state["step"], state["extra"]["history"]
     extra = lambda: {  # noqa: E731

@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["HelpFormatter", "build_parser", "main"]
+__all__ = ["HelpFormatter", "Parser", "build_parser", "exit_once", "first_rank", "main"]
 
 _COLUMNS = (
     ("rank", "rank"),
@@ -118,9 +118,7 @@ examples/train.py writes it on first use.
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand (the --help test reads it)."""
-    parser = argparse.ArgumentParser(
-        prog="mpidp", description=__doc__, formatter_class=HelpFormatter
-    )
+    parser = Parser(prog="mpidp", description=__doc__, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, title="subcommands")
     info = sub.add_parser(
         "info",
@@ -130,11 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument(
         "-d",
-        "--domain-parallel-size",
+        "--domain",
+        dest="domain_parallel_size",
         type=int,
         default=1,
         metavar="N",
         help="ranks per domain group",
+    )
+    info.add_argument(  # the spelling of earlier releases, kept for one more (hidden)
+        "--domain-parallel-size",
+        dest="domain_parallel_size",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     info.add_argument(
         "--backend",
@@ -212,12 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--dim", type=int, default=-2, help="the dimension of the first input cut into bands"
     )
     explain.add_argument(
-        "-n",
-        "--ranks",
+        "-d",
+        "--domain",
+        dest="ranks",
         type=int,
         default=2,
         metavar="N",
         help="domain ranks; under a launcher, the job's ranks",
+    )
+    # the spellings of earlier releases, kept for one more (not shown by --help)
+    explain.add_argument(
+        "-n", "--ranks", dest="ranks", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     explain.add_argument(
         "--dtype",
@@ -261,15 +272,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "explain":
         return _explain(args, list(argv) if argv is not None else sys.argv[1:])
     if args.command == "sample-data":
-        return _sample_data(args) if _first_rank() else 0
+        return _sample_data(args) if first_rank() else 0
     if args.command == "plan":
-        return _plan(args) if _first_rank() else 0
+        return _plan(args) if first_rank() else 0
     return _info(args)
 
 
-def _first_rank() -> bool:
-    """Whether this process is rank 0 of its launch, or started alone: plan and sample-data
-    need no MPI, so under a launcher the other ranks do nothing (and print nothing)."""
+def first_rank() -> bool:
+    """Whether this process is rank 0 of its launch, or started alone (from the launcher's
+    variables: no MPI, no communication). plan and sample-data need no MPI, so under a
+    launcher the other ranks do nothing (and print nothing)."""
     import os
 
     from mpidp.bootstrap import detect_launch
@@ -279,6 +291,25 @@ def _first_rank() -> bool:
         return detect_launch(dict(os.environ)).rank == 0
     except MpidpError:  # an inconsistent environment: info says why; here, carry on
         return True
+
+
+def exit_once(message: str, code: int = 2) -> NoReturn:
+    """End a command-line program on a mistake every rank sees alike (an argument, a missing
+    file): ``message`` printed once, by the launch's first rank, and exit ``code`` on every
+    rank, with no traceback. Not for errors one rank may meet alone (those abort the job)."""
+    if first_rank():
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are printed once under a launcher (by its first
+    rank; every rank exits 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        if first_rank():
+            self.print_usage(sys.stderr)
+        exit_once(f"{self.prog}: error: {message}", 2)
 
 
 def _plan(args: argparse.Namespace) -> int:

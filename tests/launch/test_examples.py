@@ -265,3 +265,42 @@ def test_gpu_script_dry_run_on_cpu():
         raise timed_out(exc) from None
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("9 passed") == 2 and "test-gpu: passed on cpu" in res.stdout
+
+
+def _mistake(n: int, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(ROOT / script), *args]
+    return subprocess.run(
+        cmd, env=clean_env(), capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--domain", "x"], "--domain 'x': give the ranks per domain group"),
+        (["--domain", "2"], "does not divide the 3 ranks of this launch"),
+        (["--batch", "4", "--domain", "1"], "--batch 4 must be a multiple of the 3 data-parallel"),
+        (["--data", "nowhere.h5"], "--data nowhere.h5: no such file"),
+    ],
+)
+def test_a_training_mistake_is_one_sentence_once_exit_2(tmp_path, args, said):
+    res = _mistake(3, "examples/train.py", *args, "--out", str(tmp_path / "o"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-2000:]
+    assert out.count(said) == 1 and "Traceback" not in out, out[-2000:]
+    assert not (tmp_path / "o").exists()  # stopped before any work
+
+
+def test_inference_mistakes_stop_before_the_rollout(tmp_path):
+    launch(1, TRAIN, "--steps", "1", "--width", "4", "--no-plot", "--out", str(tmp_path / "t"))
+    ckpt = str(tmp_path / "t" / "checkpoint.pt")
+    res = _mistake(2, "examples/inference.py", "--checkpoint", ckpt, "--map", "foo",
+                   "--out", str(tmp_path / "p"))  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in out, out[-2000:]
+    assert out.count("--map foo: ") == 1 and "draw one of msl, t500, t850, t2m, z500, z850" in out
+    assert not (tmp_path / "p").exists()  # no rollout ran, nothing written
+    res = _mistake(2, "examples/inference.py", "--checkpoint", str(tmp_path / "none.pt"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in out, out[-2000:]
+    assert out.count("no such file; train first (python examples/train.py") == 1

@@ -125,9 +125,10 @@ def test_info_table_one_process_without_launcher():
 
 
 def test_explain_starts_its_ranks_and_prints_the_layouts_and_bytes():
-    """``mpidp explain -n 3`` from a shell (no launcher): it starts 3 ranks under this
-    environment's MPI; rank 0 prints the table once; a refusal exits 1."""
-    res = run([str(BIN / "mpidp"), "explain", "--model", "unet", "--shape", "1x3x29x16", "-n", "3"])
+    """``mpidp explain -d 3`` from a shell (no launcher): it starts 3 ranks under this
+    environment's MPI; rank 0 prints the table once; a refusal exits 1. ``-n``, the spelling of
+    the previous release, still works."""
+    res = run([str(BIN / "mpidp"), "explain", "--model", "unet", "--shape", "1x3x29x16", "-d", "3"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("mpidp explain: WeatherUNet on (1, 3, 29, 16), 3 ranks") == 1
     assert "inc.0 (Conv2d)" in res.stdout and "[10, 10, 9]" in res.stdout
