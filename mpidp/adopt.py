@@ -192,14 +192,13 @@ class AdoptedManager(DistributedManager):
         return self.domain_comm
 
     def _group_key(self, group: Any) -> str:
-        if group is None or group == "domain" or group is self.domain_group:
-            return "domain"
-        if group == "world" or group is dist.group.WORLD:
-            return "world"
-        raise ConfigError(
-            f"rank {self.rank}: group {group!r} on the manager adopted for the domain group "
-            f"{list(self.domain_ranks)}: it knows that group ('domain') and the world only"
-        )
+        key = DistributedManager._group_key(self, group)
+        if key == "dp":  # the data-parallel partners of an adopted group are not known
+            raise ConfigError(
+                f"rank {self.rank}: group {group!r} on the manager adopted for the domain group "
+                f"{list(self.domain_ranks)}: it knows that group ('domain') and the world only"
+            )
+        return key
 
     def transport(self, group: Any = None, device: str | torch.device | None = None) -> Transport:
         """The transport over the adopted group (or the world) for tensors on ``device``:

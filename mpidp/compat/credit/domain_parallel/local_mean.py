@@ -158,10 +158,9 @@ class LocalBand(torch.Tensor):
         bands = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, LocalBand)]
         if func is torch.Tensor.numel and torch.is_grad_enabled() and bands[0].requires_grad:
             raise _refuse(bands[0], func, "a count of the band's elements hides its rows")
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if not _needs_grad(out) or func is torch.Tensor.backward:
-            return _plain_tree(out)
+        out, followed = _call(func, args, kwargs)
+        if not followed:
+            return out
         first = bands[0]
         if func in _KEEP:
             return out
@@ -189,13 +188,22 @@ class LocalMean(torch.Tensor):
         means = [a for a in flat if isinstance(a, LocalMean)]
         if any(isinstance(a, LocalBand) for a in flat):
             raise _refuse(means[0], func, "a mean over rows meets the band again")
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if not _needs_grad(out) or func is torch.Tensor.backward:
-            return _plain_tree(out)
+        out, followed = _call(func, args, kwargs)
+        if not followed:
+            return out
         if _linear(func, args, means):
             return tree_map(lambda o: _as(o, LocalMean, means[0]._rank), out)
         raise _refuse(means[0], func, "it is not linear in a mean over the band's rows")
+
+
+def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """``func``'s result on the plain tensors, and whether its rows must be followed (a result
+    that needs no gradient, or a backward, is plain)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    if not _needs_grad(out) or func is torch.Tensor.backward:
+        return _plain_tree(out), False
+    return out, True
 
 
 def _linear(func: Any, args: Sequence[Any], means: list[LocalMean]) -> bool:
