@@ -53,6 +53,12 @@ def test_every_option_has_help_default_and_choices(name):
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
             continue
+        if action.help == argparse.SUPPRESS:  # an old spelling kept hidden for a release
+            assert any(
+                a is not action and a.dest == action.dest and a.help != argparse.SUPPRESS
+                for a in parser._actions
+            ), f"{name} {action.option_strings}: hidden, and no shown option sets {action.dest}"
+            continue
         flag = "/".join(action.option_strings) or action.dest
         if isinstance(action, argparse._SubParsersAction):
             for choice in action._choices_actions:
