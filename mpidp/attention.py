@@ -155,7 +155,8 @@ def attention_over_key_band(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
-) -> torch.Tensor:
+    weights: bool = False,
+) -> Any:
     """``softmax(q k^T * scale + mask) v`` for queries every rank holds whole (latents, a
     global token) against keys and values cut along the sequence: this rank holds key rows
     ``[key_start, key_start + S_r)`` of ``key_total``.
@@ -171,9 +172,10 @@ def attention_over_key_band(
     ``j <= i``. An empty block adds nothing. Collective over ``group``.
 
     The gradient of ``q`` is this rank's share (its block's part): a plain ``q`` is summed
-    by ``mpidp.sync_gradients``; enter a replicated ``q`` through ``copy_to``.
+    by ``mpidp.sync_gradients``; enter a replicated ``q`` through ``copy_to``. ``weights``:
+    also return this rank's columns of the attention probabilities, ``(..., L, S_r)``.
     """
-    from mpidp.collectives import reduce_from
+    from mpidp.collectives import copy_to, reduce_from
 
     t = resolve_transport(group, q.device)
     rows = k.size(-2)
@@ -194,10 +196,14 @@ def attention_over_key_band(
         )
         top = t.all_reduce(local, "max")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows all masked
-    weights = torch.exp(scores - top)
-    sums = torch.cat([weights @ v, weights.sum(-1, keepdim=True)], dim=-1)
-    total = reduce_from(sums, t)
-    return total[..., :-1] / total[..., -1:]
+    e = torch.exp(scores - top)
+    total = reduce_from(torch.cat([e @ v, e.sum(-1, keepdim=True)], dim=-1), t)
+    out = total[..., :-1] / total[..., -1:]
+    if not weights:
+        return out
+    # a band of probabilities: what its columns give the normaliser is a share per rank, summed
+    # (copy_to) before it reaches every rank's block through the sum
+    return out, e / copy_to(total[..., -1:], t)
 
 
 def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

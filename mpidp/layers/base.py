@@ -85,6 +85,14 @@ def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
 
 
+def not_a_band(x: torch.Tensor) -> bool:
+    """Inside a layer's call on ShardedTensors: whether ``x`` is a whole tensor beside the
+    bands (learned latent queries against a band of keys), which the layer's band form does not
+    take: it raises :class:`LayoutMismatch` and its torch form runs through dispatch."""
+    bands = _BANDS.get()
+    return bool(bands) and not any(band is x for band, _ in bands)
+
+
 def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
     """``ext`` with zero rows appended up to ``need`` rows along ``dim``.
 

@@ -18,7 +18,7 @@ from torch import nn
 from mpidp.attention import query_rows_masks
 from mpidp.collectives import all_gather_v
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, LayoutMismatch, learn_spec, not_a_band
 from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelMultiheadAttention"]
@@ -63,6 +63,8 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
                 query, key, value, key_padding_mask, need_weights, attn_mask,
                 average_attn_weights, is_causal,
             )  # fmt: skip
+        if not_a_band(query):  # whole queries against a band of keys: dispatch's rule
+            raise LayoutMismatch("the queries are not a band")
         t = self._transport(query)
         keys = self.keys if self.keys is not None else "sharded" if key is query else None
         if keys not in ("sharded", "whole"):

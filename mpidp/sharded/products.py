@@ -323,6 +323,8 @@ def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = dict(zip(_MHA_ARGS, args, strict=False))
     a.update(kwargs)
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    if not isinstance(q, ShardedTensor) and isinstance(k, ShardedTensor) and k.shard_dim == 0:
+        return _mha_whole_queries(func, args, kwargs, q, k, v, a)
     if not isinstance(q, ShardedTensor) or q.shard_dim != 0:
         raise refuse(func, args, kwargs, "queries not cut along the sequence", "cut the tokens")
     t = q.transport
@@ -340,3 +342,96 @@ def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = {n: _plain(z, t) for n, z in a.items()}
     out, weights = func(q.local, k2, v2, **a)
     return _wrap(q, out, 0), None if weights is None else _wrap(q, weights, weights.dim() - 2)
+
+
+def _mha_whole_queries(
+    func: Any, args: Any, kwargs: Any, q: Any, k: ShardedTensor, v: Any, a: dict[str, Any]
+) -> Any:
+    """``nn.MultiheadAttention`` with queries every rank holds whole (learned latents) and keys
+    and values cut along the sequence: torch's projections on each rank's keys, then
+    :func:`mpidp.attention.attention_over_key_band` per head (the keys never move), then the
+    output projection. The output is the same on every rank; the attention weights (when
+    asked for) are a band along the keys. Extra keys (``bias_k``, ``add_zero_attn``), static
+    keys and dropout are refused."""
+    if (
+        a.get("bias_k") is not None
+        or a.get("add_zero_attn")
+        or a.get("static_k") is not None
+        or (a.get("dropout_p") and a.get("training", True))
+    ):
+        raise refuse(
+            func, args, kwargs, "extra keys (bias_k, add_zero_attn), static keys or dropout with "
+            "whole queries over a band of keys", "leave them out (dropout: model.eval())",
+        )  # fmt: skip
+    t = k.transport
+    q = _plain(q, t)
+    batched = q.dim() == 3  # (L, N, E); unbatched (L, E)
+    heads, e = int(a["num_heads"]), q.size(-1)
+    hd = e // heads
+    if a.get("use_separate_proj_weight"):
+        wq, wk, wv = (_plain(a[n], t) for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight"))
+    else:
+        wq, wk, wv = _plain(a["in_proj_weight"], t).chunk(3)
+    bias = a.get("in_proj_bias")
+    bq, bk, bv = _plain(bias, t).chunk(3) if bias is not None else (None, None, None)
+    rows = k.spec.sizes[k.rank]
+    kl = k.local
+    vl = (
+        to_spec(v, k.spec).local
+        if isinstance(v, ShardedTensor)
+        else _plain(v, t).narrow(0, k.start, rows)
+    )
+    qp, kp, vp = F.linear(q, wq, bq), F.linear(kl, wk, bk), F.linear(vl, wv, bv)
+    if not batched:
+        qp, kp, vp = qp.unsqueeze(1), kp.unsqueeze(1), vp.unsqueeze(1)
+    n = qp.size(1)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # (len, N, E) -> (N, heads, len, hd)
+        return x.reshape(x.size(0), n, heads, hd).permute(1, 2, 0, 3)
+
+    bias_mask = _mha_bias(a, k, n, heads, qp.size(0), q)
+    out, probs = attention_over_key_band(
+        heads_first(qp), heads_first(kp), heads_first(vp), k.start, k.spec.total, t,
+        bias_mask, False, None, weights=True,
+    )  # fmt: skip
+    # the output projection acts on a value every rank holds: the Replicated rule gives its
+    # parameters their shares (rank 0's whole, mpidp's convention) or whole gradients
+    out = replicated(out.permute(2, 0, 1, 3).reshape(qp.size(0), n, e), t)
+    out = F.linear(out, a["out_proj_weight"], a.get("out_proj_bias"))
+    out = out if batched else out.squeeze(1)
+    if not a.get("need_weights", True):
+        return out, None
+    if a.get("average_attn_weights", True):
+        probs = probs.mean(dim=1)  # (N, L, S_r)
+    probs = probs if batched else probs.squeeze(0)
+    return out, ShardedTensor(probs, k.spec, probs.dim() - 1, k.manager)
+
+
+def _mha_bias(
+    a: dict[str, Any], k: ShardedTensor, n: int, heads: int, length: int, like: torch.Tensor
+) -> torch.Tensor | None:
+    """``key_padding_mask`` (N, S) and ``attn_mask`` ((L, S) or (N * heads, L, S)) of the global
+    key length as one additive bias broadcasting to (N, heads, L, S) (cut to each rank's keys
+    by the attention); True in a boolean mask is a key NOT attended (torch's MHA convention)."""
+    t = k.transport
+
+    def additive(m: Any) -> torch.Tensor | None:
+        if m is None:
+            return None
+        m = whole(m) if isinstance(m, ShardedTensor) else _plain(m, t)
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=like.dtype).masked_fill(m, -torch.inf)
+        return m.to(like.dtype)
+
+    kpm, mask = additive(a.get("key_padding_mask")), additive(a.get("attn_mask"))
+    out = None
+    if kpm is not None:
+        out = kpm.reshape(n, 1, 1, -1)
+    if mask is not None:
+        mask = (
+            mask.reshape(1, 1, length, -1)
+            if mask.dim() == 2
+            else mask.reshape(n, heads, length, -1)
+        )
+        out = mask if out is None else out + mask
+    return out

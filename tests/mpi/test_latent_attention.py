@@ -38,7 +38,12 @@ class LatentAggregator(nn.Module):
     the band); the attended latents, pooled, come back into the field as a bias."""
 
     def __init__(
-        self, masked: bool = False, loud: float = 1.0, stride: int = 1, manual: bool = False
+        self,
+        masked: bool = False,
+        loud: float = 1.0,
+        stride: int = 1,
+        manual: bool = False,
+        module: bool = False,
     ) -> None:
         super().__init__()
         self.latents = nn.Parameter(torch.randn(HEADS, LATENTS, C // HEADS) * loud)
@@ -46,6 +51,7 @@ class LatentAggregator(nn.Module):
         self.back = nn.Linear(C, C)
         self.conv = nn.Conv2d(C, C, 3, padding=1, stride=stride)
         self.masked, self.manual = masked, manual
+        self.mha = nn.MultiheadAttention(C, HEADS, batch_first=True) if module else None
 
     def forward(self, x):
         f = self.conv(x)
@@ -58,6 +64,12 @@ class LatentAggregator(nn.Module):
         if self.masked:  # every third token is padding
             keep = torch.arange(h * w) % 3 != 1
             mask = keep.view(1, 1, 1, h * w).expand(b, 1, LATENTS, h * w)
+        if self.mha is not None:  # torch's module: its own projections, weights returned
+            pad = (torch.arange(h * w) % 3 == 1).expand(b, h * w) if self.masked else None
+            q = self.latents.reshape(1, LATENTS, -1).expand(b, -1, -1)
+            att, weights = self.mha(q, tokens, tokens, key_padding_mask=pad)
+            pooled = att.mean(1) + weights.amax(-1).mean()
+            return x + self.back(pooled)[:, :, None, None]
         if self.manual:  # the written-out form, through the matmul and softmax rules
             att = torch.softmax(q @ k.transpose(-2, -1) / (c // HEADS) ** 0.5, dim=-1) @ v
         else:
@@ -71,6 +83,8 @@ CASES = {
     "key padding mask": {"masked": True},
     "logits past exp's range": {"loud": 4e3},
     "written out": {"manual": True},
+    "nn.MultiheadAttention": {"module": True},
+    "nn.MultiheadAttention, key padding mask": {"module": True, "masked": True},
 }
 
 
