@@ -29,7 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from mpidp.bootstrap import LaunchInfo
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
-from mpidp.manager import DEFAULT_TIMEOUT, DistributedManager, get_manager, is_initialized
+from mpidp.manager import (
+    DEFAULT_TIMEOUT,
+    MESH_MANAGERS,
+    DistributedManager,
+    get_manager,
+    is_initialized,
+)
 from mpidp.partition import Balanced
 
 __all__ = ["AdoptedManager", "GRADIENTS", "group_ranks", "manager_for", "release"]
@@ -90,9 +96,7 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
 
 
 def _own_managers() -> list[DistributedManager]:
-    from mpidp.parallel import _MANAGERS
-
-    found = [*_MANAGERS, *([get_manager()] if is_initialized() else [])]
+    found = [*MESH_MANAGERS, *([get_manager()] if is_initialized() else [])]
     return [m for m in found if not m._closed]
 
 

@@ -805,6 +805,11 @@ def _describe_args(args: tuple[Any, ...]) -> str:
     return ", ".join(f"{n}={v!r}" for n, v in zip(names, args, strict=False))
 
 
+#: managers made for meshes (mpidp.parallel.build_device_mesh) besides the default one, so
+#: that a mesh's domain group finds its manager (mpidp.adopt.manager_for)
+MESH_MANAGERS: list[DistributedManager] = []
+
+
 def get_manager() -> DistributedManager:
     """The default manager (the one :func:`init` created)."""
     if _default is None:

@@ -34,11 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from mpidp.adopt import manager_for
 from mpidp.collectives import copy_to, reduce_from
 from mpidp.comm import TorchTransport, Transport
 from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
 from mpidp.manager import (
+    MESH_MANAGERS,
     DistributedManager,
     _destroy_groups,
     get_manager,
@@ -226,7 +228,6 @@ class ParallelismConfig:
 # Communicators of the mesh dimensions, by the global ranks of this rank's group: the MPI
 # transport is used for CPU tensors when MPI runs the job (decision 2).
 _MPI_GROUPS: dict[tuple[int, ...], Any] = {}
-_MANAGERS: list[DistributedManager] = []
 
 
 def _group_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -355,9 +356,9 @@ def build_device_mesh(
     }
     submeshes = {name: mesh[name] for name in MESH_DIMS if present[name]}
     _register_mpi_groups(manager, mesh)
-    if manager not in _MANAGERS:
-        _MANAGERS.append(manager)
-        manager._on_shutdown.append(lambda: _MANAGERS.remove(manager))
+    if manager not in MESH_MANAGERS:
+        MESH_MANAGERS.append(manager)
+        manager._on_shutdown.append(lambda: MESH_MANAGERS.remove(manager))
     meshes = ParallelMesh(mesh, submeshes, conf, manager)
     manager._on_shutdown.append(meshes.close)
     return meshes
@@ -599,19 +600,13 @@ def _split_size(layer: nn.Module, style: str) -> int:
 # -- domain, DDP, FSDP2 -------------------------------------------------------------------------
 
 
-def _manager_for(domain: DeviceMesh | DistributedManager | None) -> DistributedManager:
-    from mpidp.adopt import manager_for
-
-    return manager_for(domain)
-
-
 def apply_domain_parallel(
     model: nn.Module, domain: DeviceMesh | DistributedManager | None = None, **convert: Any
 ) -> nn.Module:
     """:func:`mpidp.convert_to_domain_parallel` over ``domain``: the domain sub-mesh of
     :func:`build_device_mesh`, a :class:`~mpidp.DistributedManager`, or None (the default
     manager). Keyword arguments go to the conversion. Use the return value."""
-    return convert_to_domain_parallel(model, _manager_for(domain), **convert)
+    return convert_to_domain_parallel(model, manager_for(domain), **convert)
 
 
 def _block_paths(model: nn.Module, blocks: Any) -> list[nn.Module]:

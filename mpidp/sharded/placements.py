@@ -46,9 +46,7 @@ def manager_of(
     ``manager`` or the default one."""
     from mpidp.adopt import manager_for
 
-    if device_mesh is None:
-        return manager_for(manager, gradients=gradients)
-    return manager_for(device_mesh, gradients=gradients)
+    return manager_for(manager if device_mesh is None else device_mesh, gradients=gradients)
 
 
 def one_placement(placements: Sequence[Placement] | None, what: str, rank: int) -> Placement:

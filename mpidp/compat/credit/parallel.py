@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mpidp import parallel as _parallel
+from mpidp.adopt import manager_for
 from mpidp.compat.credit.domain_parallel.convert import MARK, convert_to_domain_parallel
 from mpidp.compat.credit.domain_parallel.local_mean import LocalBand, plain, track
 from mpidp.compat.credit.domain_parallel.manager import (
@@ -95,7 +96,7 @@ def apply_domain_parallel(model: nn.Module, domain_mesh: Any) -> nn.Module:
     """:func:`mpidp.compat.credit.domain_parallel.convert_to_domain_parallel` over the domain
     sub-mesh of :func:`build_device_mesh`; sets ``model._domain_parallel_manager`` as CREDIT's
     trainer does."""
-    m = _parallel._manager_for(domain_mesh)
+    m = manager_for(domain_mesh)
     manager = get_domain_parallel_manager()
     if manager is None or manager.manager is not m:
         manager = initialize_domain_parallel(m.world_size, m.domain_world_size)
