@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from mpidp.collectives import all_to_all_v, resolve_transport
 from mpidp.errors import ConfigError
 from mpidp.partition import ShardSpec
+from mpidp.rng import band_stream
 
 __all__ = [
     "attention_over_key_band",
@@ -156,6 +157,7 @@ def attention_over_key_band(
     is_causal: bool = False,
     scale: float | None = None,
     weights: bool = False,
+    dropout_p: float = 0.0,
 ) -> Any:
     """``softmax(q k^T * scale + mask) v`` for queries every rank holds whole (latents, a
     global token) against keys and values cut along the sequence: this rank holds key rows
@@ -174,6 +176,11 @@ def attention_over_key_band(
     The gradient of ``q`` is this rank's share (its block's part): a plain ``q`` is summed
     by ``mpidp.sync_gradients``; enter a replicated ``q`` through ``copy_to``. ``weights``:
     also return this rank's columns of the attention probabilities, ``(..., L, S_r)``.
+
+    ``dropout_p``: the probabilities are dropped (and the kept ones scaled by ``1 / (1 - p)``)
+    after the normaliser, as torch does; each rank draws the mask of its own columns from its
+    band stream (:mod:`mpidp.rng`: the default generators stay in step), and ``weights`` are
+    the dropped probabilities, as ``nn.MultiheadAttention`` returns them.
     """
     from mpidp.collectives import copy_to, reduce_from
 
@@ -197,13 +204,17 @@ def attention_over_key_band(
         top = t.all_reduce(local, "max")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows all masked
     e = torch.exp(scores - top)
-    total = reduce_from(torch.cat([e @ v, e.sum(-1, keepdim=True)], dim=-1), t)
+    kept = e
+    if dropout_p:
+        with band_stream(t.rank, q.device):
+            kept = F.dropout(e, dropout_p)
+    total = reduce_from(torch.cat([kept @ v, e.sum(-1, keepdim=True)], dim=-1), t)
     out = total[..., :-1] / total[..., -1:]
     if not weights:
         return out
     # a band of probabilities: what its columns give the normaliser is a share per rank, summed
     # (copy_to) before it reaches every rank's block through the sum
-    return out, e / copy_to(total[..., -1:], t)
+    return out, kept / copy_to(total[..., -1:], t)
 
 
 def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -289,10 +289,10 @@ def _whole_queries(
             func, args, kwargs, "the values are cut but neither the queries nor the keys' sequence",
             "cut the keys and values along the sequence (dim -2), or the queries too",
         )  # fmt: skip
-    if a.get("dropout_p", 0.0) or a.get("enable_gqa", False):
+    if a.get("enable_gqa", False):
         raise refuse(
-            func, args, kwargs, "dropout or grouped-query heads with whole queries over a band "
-            "of keys", "pass dropout_p=0 (model.eval()) and as many key heads as query heads",
+            func, args, kwargs, "grouped-query heads with whole queries over a band of keys",
+            "repeat the key and value heads to the queries' (repeat_interleave)",
         )  # fmt: skip
     t = k.transport
     if isinstance(v, ShardedTensor):
@@ -305,7 +305,7 @@ def _whole_queries(
     mask = whole(mask) if isinstance(mask, ShardedTensor) else _plain(mask, t)
     out = attention_over_key_band(
         _plain(q, t), k.local, v, k.start, k.spec.total, t, mask,
-        bool(a.get("is_causal", False)), a.get("scale"),
+        bool(a.get("is_causal", False)), a.get("scale"), dropout_p=float(a.get("dropout_p", 0.0)),
     )  # fmt: skip
     return replicated(out, t)
 
@@ -351,18 +351,16 @@ def _mha_whole_queries(
     and values cut along the sequence: torch's projections on each rank's keys, then
     :func:`mpidp.attention.attention_over_key_band` per head (the keys never move), then the
     output projection. The output is the same on every rank; the attention weights (when
-    asked for) are a band along the keys. Extra keys (``bias_k``, ``add_zero_attn``), static
-    keys and dropout are refused."""
-    if (
-        a.get("bias_k") is not None
-        or a.get("add_zero_attn")
-        or a.get("static_k") is not None
-        or (a.get("dropout_p") and a.get("training", True))
-    ):
+    asked for) are a band along the keys, after dropout as torch returns them (each rank's
+    columns dropped from its band stream). Extra keys (``bias_k``, ``add_zero_attn``) and
+    static keys are refused."""
+    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         raise refuse(
-            func, args, kwargs, "extra keys (bias_k, add_zero_attn), static keys or dropout with "
-            "whole queries over a band of keys", "leave them out (dropout: model.eval())",
+            func, args, kwargs, "extra keys (bias_k, add_zero_attn) or static keys with whole "
+            "queries over a band of keys", "leave them out, or cut the queries along the "
+            "sequence too",
         )  # fmt: skip
+    dropout = float(a.get("dropout_p") or 0.0) if a.get("training", True) else 0.0
     t = k.transport
     q = _plain(q, t)
     batched = q.dim() == 3  # (L, N, E); unbatched (L, E)
@@ -392,7 +390,7 @@ def _mha_whole_queries(
     bias_mask = _mha_bias(a, k, n, heads, qp.size(0), q)
     out, probs = attention_over_key_band(
         heads_first(qp), heads_first(kp), heads_first(vp), k.start, k.spec.total, t,
-        bias_mask, False, None, weights=True,
+        bias_mask, False, None, weights=True, dropout_p=dropout,
     )  # fmt: skip
     # the output projection acts on a value every rank holds: the Replicated rule gives its
     # parameters their shares (rank 0's whole, mpidp's convention) or whole gradients

@@ -137,7 +137,9 @@ def test_without_the_max_shift_the_large_logits_fail(m, monkeypatch):
     """Mutation: blocks merged with exp(s) instead of exp(s - M) overflow."""
     real = mpidp.attention.attention_over_key_band
 
-    def unshifted(q, k, v, start, total, group=None, attn_mask=None, is_causal=False, scale=None):
+    def unshifted(
+        q, k, v, start, total, group=None, attn_mask=None, is_causal=False, scale=None, **_
+    ):
         from mpidp.collectives import reduce_from
 
         scores = (q @ k.transpose(-2, -1)) * (scale or 1.0 / q.size(-1) ** 0.5)
@@ -150,3 +152,94 @@ def test_without_the_max_shift_the_large_logits_fail(m, monkeypatch):
     with pytest.raises(AssertionError):
         check_sharded(m, model, rand((2, C, 7, W), 1), dim=2, module=model)
     assert real is mpidp.attention.attention_over_key_band
+
+
+def _dropped_attention(m, p):
+    q, k, v = (
+        rand(s, i).requires_grad_()
+        for i, s in ((21, (2, 2, 3, 4)), (22, (2, 2, 9, 4)), (23, (2, 2, 9, 4)))
+    )
+    spec, t = m.spec(9), m.transport()
+    start, rows = spec.start(t.rank), spec.sizes[t.rank]
+    torch.manual_seed(5)  # the same on every rank: each rank's band stream derives from it
+    out, probs = mpidp.attention.attention_over_key_band(
+        q, k.narrow(2, start, rows), v.narrow(2, start, rows), start, 9, t, weights=True,
+        dropout_p=p,
+    )  # fmt: skip
+    return q, k, v, out, probs, spec, t
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_dropout_is_the_serial_attention_for_the_mask_drawn(m, p):
+    """With dropout the result is serial attention under the mask the ranks drew (read off
+    the dropped probabilities they return), the normaliser taken before the drop as torch
+    does: probabilities, output and the gradients of q, k and v at 1e-10; about p of the
+    probabilities dropped; the default generators still in step. A mutation that normalises
+    by the kept probabilities fails."""
+    q, k, v, out, probs, spec, t = _dropped_attention(m, p)
+    g = rand(tuple(out.shape), 24)
+    (out * g).sum().backward()
+    got = [t.all_reduce(z.grad, "sum") for z in (q, k, v)]  # shares and rows, summed
+    dropped = mpidp.all_gather_v_replicated(probs.detach(), spec.sizes, dim=-1, group=t)
+    qs, ks, vs = (z.detach().clone().requires_grad_() for z in (q, k, v))
+    keep = dropped != 0
+    want = torch.softmax(qs @ ks.transpose(-2, -1) / 2.0, dim=-1) * keep / (1 - p)
+    if p:
+        assert 0.25 < 1 - keep.double().mean() < 0.55, keep.double().mean()
+    else:
+        assert keep.all()
+    torch.testing.assert_close(dropped, want.detach(), rtol=1e-10, atol=1e-12)
+    ref = want @ vs
+    torch.testing.assert_close(out.detach(), ref.detach(), rtol=1e-10, atol=1e-12)
+    (ref * g).sum().backward()
+    for name, a, b in zip("qkv", got, (qs, ks, vs), strict=True):
+        torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+    prints = torch.tensor([float(mpidp.rng.fingerprint())], dtype=F64)
+    assert t.all_reduce(prints.clone(), "max") == t.all_reduce(prints.clone(), "min")
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: a converted layer is torch's module, its own draws
+@pytest.mark.parametrize("module", [False, True], ids=["sdpa", "nn.MultiheadAttention"])
+def test_dropout_in_training_is_the_same_draw_on_both_front_ends(m, module):
+    """A latent aggregator with attention dropout, in training mode: converted and on
+    ShardedTensors it draws the same masks from the same seed (one rule), so the outputs
+    agree to 1e-10; the drop changes the result; the generators stay in step."""
+    torch.manual_seed(11)
+    model = Dropped(module).to(F64).train()
+    x = rand((2, C, 7, W), 4)
+    torch.manual_seed(3)
+    y = model(shard(x, 2, m))
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(model), m)
+    torch.manual_seed(3)
+    spec = m.spec(7)
+    r = m.transport().rank
+    y2 = dist(x.narrow(2, spec.start(r), spec.sizes[r]))
+    torch.testing.assert_close(y2, y.local.detach(), rtol=1e-10, atol=1e-12)
+    quiet = model.eval()(shard(x, 2, m))
+    assert (quiet.local - y.local).abs().max() > 1e-6
+    prints = torch.tensor([float(mpidp.rng.fingerprint())], dtype=F64)
+    t = m.transport()
+    assert t.all_reduce(prints.clone(), "max") == t.all_reduce(prints.clone(), "min")
+
+
+class Dropped(LatentAggregator):
+    """The aggregator with attention dropout 0.3 (SDPA's dropout_p, or the module's)."""
+
+    def __init__(self, module: bool) -> None:
+        super().__init__(module=module)
+        if module:
+            self.mha = nn.MultiheadAttention(C, HEADS, dropout=0.3, batch_first=True)
+
+    def forward(self, x):
+        if self.mha is not None:
+            return super().forward(x)
+        f = self.conv(x)
+        b, c, h, w = f.shape
+        tokens = f.flatten(2).transpose(1, 2)
+        k, v = (
+            z.reshape(b, h * w, HEADS, c // HEADS).transpose(1, 2)
+            for z in self.kv(tokens).chunk(2, -1)
+        )
+        q = self.latents.expand(b, -1, -1, -1)
+        att = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3 if self.training else 0.0)
+        return x + self.back(att.transpose(1, 2).reshape(b, LATENTS, c).mean(1))[:, :, None, None]
