@@ -143,6 +143,22 @@ def _sharded_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def band_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator of every domain-parallel layer's ``forward`` (a class deriving from
+    :class:`DomainParallel` that defines ``forward`` must apply it; the class statement raises
+    otherwise). The decorated forward
+
+    * hands a call with a ShardedTensor argument to ShardedTensor dispatch's layer runner
+      (:data:`SHARDED_CALL`, which :mod:`mpidp.sharded.modules` fills): the layer's band form
+      then is the kernel of that call (:func:`_sharded_entry`);
+    * is opaque to ``torch.compile`` (:func:`_opaque`): a layer's MPI calls are not traceable.
+
+    Called with plain tensors (this rank's bands) it is the undecorated ``forward``."""
+    call = _sharded_entry(_opaque(forward))
+    call.__mpidp_band_forward__ = True  # type: ignore[attr-defined]
+    return call
+
+
 @contextlib.contextmanager
 def band_call(bands: tuple[tuple[torch.Tensor, int], ...]) -> Iterator[list[Any]]:
     """Inside this block a layer runs on ``bands`` (band, sharded dim) of ShardedTensors:
@@ -168,11 +184,16 @@ class DomainParallel:
     dp_manager: DistributedManager | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every layer's ``forward`` is opaque to ``torch.compile`` (:func:`_opaque`)."""
+        """A layer that defines ``forward`` decorates it with :func:`band_forward` (checked
+        here, nothing rewritten)."""
         super().__init_subclass__(**kwargs)
         forward = cls.__dict__.get("forward")
-        if forward is not None:
-            setattr(cls, "forward", _sharded_entry(_opaque(forward)))  # noqa: B010
+        if forward is not None and not getattr(forward, "__mpidp_band_forward__", False):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__}.forward: a DomainParallel layer's "
+                f"forward is decorated with @mpidp.layers.base.band_forward (it routes "
+                f"ShardedTensor calls and hides the layer's MPI calls from torch.compile)"
+            )
 
     def _dp_setup(self, manager: DistributedManager | None, shard_dim: int) -> None:
         if shard_dim >= 0:

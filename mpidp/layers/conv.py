@@ -23,7 +23,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 
 __all__ = [
@@ -81,6 +81,7 @@ class _Conv(DomainParallel):
 
     _n: int
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
@@ -141,6 +142,7 @@ class _ConvTranspose(DomainParallel):
 
     _n: int
 
+    @band_forward
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         conv: nn.modules.conv._ConvTransposeNd = self  # type: ignore[assignment]
         if output_size is not None:

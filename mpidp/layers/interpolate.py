@@ -21,7 +21,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.partition import ShardSpec
 
@@ -196,6 +196,7 @@ class DomainParallelInterpolate(DomainParallel, nn.Upsample):
     """:class:`torch.nn.Upsample` on bands (nearest, bilinear, bicubic; ``size`` is the global
     output size). Collective over the domain group."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)

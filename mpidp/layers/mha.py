@@ -18,7 +18,7 @@ from torch import nn
 from mpidp.attention import query_rows_masks
 from mpidp.collectives import all_gather_v
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, LayoutMismatch, learn_spec, not_a_band
+from mpidp.layers.base import DomainParallel, LayoutMismatch, band_forward, learn_spec, not_a_band
 from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelMultiheadAttention"]
@@ -47,6 +47,7 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
         dims: list[int | None] = [seq, 1 if batched else 0]
         return dims[:n]
 
+    @band_forward
     def forward(
         self,
         query: torch.Tensor,

@@ -24,7 +24,7 @@ from torch import nn
 from mpidp.collectives import all_gather_v
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
 
 __all__ = [
@@ -265,6 +265,7 @@ def _field_norm(
 class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` with statistics over the whole field. Collective."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -275,6 +276,7 @@ class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
 class _InstanceNorm(DomainParallel):
     """InstanceNorm2d/3d: per (sample, channel) statistics over the whole field."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
@@ -324,6 +326,7 @@ class _BatchNorm(DomainParallel):
     """BatchNorm2d/3d: per channel statistics over the batch and the whole field (the domain
     group; data-parallel replicas keep their own, as torch's BatchNorm under DDP)."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
@@ -353,6 +356,7 @@ class DomainParallelLayerNorm(DomainParallel, nn.LayerNorm):
     over the whole field; each rank applies its rows of the (replicated) weight and bias, so
     their gradients are partial until :func:`mpidp.sync_gradients` sums them. Collective."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)
         d = x.dim() + self.shard_dim

@@ -19,7 +19,7 @@ from torch import nn
 
 from mpidp.geometry import HaloSpec
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 
 # torch pad module base -> (F.pad mode, halo boundary)
@@ -60,6 +60,7 @@ def _mode(module: nn.Module) -> tuple[str, str]:
 class _Pad(DomainParallel):
     """The forward shared by every pad (``self`` is also the torch pad module)."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]

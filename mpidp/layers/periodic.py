@@ -16,7 +16,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.geometry import HaloSpec, conv_output_size
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
@@ -99,6 +99,7 @@ class PeriodicConv2d(nn.Conv2d):
 class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
     """:class:`PeriodicConv2d` on latitude bands. Collective over the domain group."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)

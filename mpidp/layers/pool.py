@@ -32,7 +32,7 @@ from torch import nn
 from mpidp.collectives import all_gather_v, all_reduce
 from mpidp.errors import ConfigError
 from mpidp.halo import halo_exchange
-from mpidp.layers.base import DomainParallel, learn_spec, note_replicated, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec, note_replicated, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.partition import ShardSpec
 
@@ -165,6 +165,7 @@ class _Pool(DomainParallel):
     _n: int
     _max: bool
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
@@ -253,6 +254,7 @@ class _Adaptive(DomainParallel):
     _n: int
     _max: bool
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]

@@ -17,7 +17,7 @@ from torch import nn
 
 from mpidp.collectives import repartition
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
 
 __all__ = ["DomainParallelPixelShuffle", "DomainParallelPixelUnshuffle", "shuffle", "unshuffle"]
@@ -47,6 +47,7 @@ class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
     """:class:`torch.nn.PixelShuffle` on bands of H (dim -2). Collective over the domain
     group."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -62,6 +63,7 @@ class DomainParallelPixelUnshuffle(DomainParallel, nn.PixelUnshuffle):
     """:class:`torch.nn.PixelUnshuffle` on bands of H (dim -2). Collective over the domain
     group."""
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)

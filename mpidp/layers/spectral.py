@@ -15,7 +15,7 @@ import torch
 
 from mpidp import fft as mfft
 from mpidp.collectives import repartition
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
 from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
 from mpidp.partition import ShardSpec
@@ -41,6 +41,7 @@ class SpectralBands(DomainParallel):
         first = self.fft_dims[0]
         return first if first < 0 else first - 4  # (B, h, w, C) tokens: rows are dim 1
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> Any:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
@@ -100,6 +101,7 @@ class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
     def input_band_dim(self) -> int:
         return -3
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
@@ -116,6 +118,7 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
     def input_band_dim(self) -> int:
         return -3
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mpidp.collectives import fetch_global_rows
-from mpidp.layers.base import DomainParallel, learn_spec
+from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
 from mpidp.models import WindowAttention, _window_cut
 from mpidp.partition import ShardSpec
@@ -80,6 +80,7 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
     def input_band_dim(self) -> int:
         return -3  # channels-last (B, [T,] H, W, C): H is the dim before W
 
+    @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)

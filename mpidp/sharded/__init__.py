@@ -1,7 +1,7 @@
 """ShardedTensor: a band that knows it is a band, so a model's own forward runs
 domain-parallel (docs/sharded_tensor.md)."""
 
-from mpidp.sharded import function as _function
+from mpidp.sharded import function as _function  # noqa: F401  (wraps Function.apply at the first ShardedTensor)
 from mpidp.sharded import join as _join  # noqa: F401
 from mpidp.sharded import layers as _layers  # noqa: F401
 from mpidp.sharded import modules as _modules
@@ -14,7 +14,6 @@ from mpidp.sharded import shapes as _shapes  # noqa: F401
 from mpidp.sharded.dispatch import UnsupportedOp, allow_fallback, handled, register
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated, shard
 
-_function.install()  # torch.autograd.Function.apply on ShardedTensors: exact, never silent
 _modules.install()  # converted layers are the kernels of their module types
 
 __all__ = [

@@ -3,10 +3,13 @@ ShardedTensor semantics.
 
 ``Function.apply`` does not go through ``__torch_function__``: left alone, torch would attach
 the Function's backward to the ShardedTensor wrapper, which carries no gradient (the band
-does), and every gradient before the Function would be lost without an error. mpidp therefore
-wraps ``torch.autograd.Function.apply`` (once, when :mod:`mpidp.sharded` is imported): a call
-with no ShardedTensor argument goes to torch's own ``apply`` unchanged; a call with one runs
-the Function inside a bridge Function on the bands:
+does), and every gradient before the Function would be lost without an error; torch offers
+no hook for it. mpidp therefore wraps ``torch.autograd.Function.apply``, once, when the first
+ShardedTensor of the process is made (:func:`mpidp.sharded.tensor.on_first`): importing mpidp
+changes nothing in torch, and a Function can only meet a ShardedTensor after one exists. Once
+wrapped, a call with no ShardedTensor argument goes to torch's own ``apply`` unchanged (one
+scan of its arguments); a call with one runs the Function inside a bridge Function on the
+bands:
 
 * the user's ``forward`` gets ShardedTensors (global shapes, every torch call dispatched) and
   a context with torch's ctx API (``save_for_backward``, ``saved_tensors``,
@@ -31,7 +34,7 @@ import torch
 from mpidp.errors import ConfigError
 from mpidp.sharded.dispatch import UnsupportedOp
 from mpidp.sharded.partial import summed
-from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+from mpidp.sharded.tensor import Replicated, ShardedTensor, on_first, replicated
 from mpidp.sharded.where import locate, running
 
 __all__ = ["install"]
@@ -203,6 +206,9 @@ def _apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def install() -> None:
-    """Wrap ``torch.autograd.Function.apply`` (once)."""
+    """Wrap ``torch.autograd.Function.apply`` (once; called with the first ShardedTensor)."""
     if torch.autograd.Function.__dict__["apply"] is _TORCH_APPLY:
         torch.autograd.Function.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+
+
+on_first(install)

@@ -42,7 +42,21 @@ __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 META_METHODS: set[Any] = set()
 META_GETTERS: set[str] = set()
 
-_TRACKING: list[bool] = []  # the module stack is tracked (mpidp.sharded.where)
+#: What the first ShardedTensor of a process turns on, once: the module-stack tracking that
+#: names the module of a refused op (:func:`mpidp.sharded.where.track`) and the bridge that runs
+#: a user's ``torch.autograd.Function`` on ShardedTensors (:mod:`mpidp.sharded.function`
+#: adds its ``install`` through :func:`on_first`). A program that imports mpidp and never
+#: shards runs torch as it is.
+_ON_FIRST: list[Any] = [track]
+_FIRST_DONE: list[bool] = []
+
+
+def on_first(turn_on: Any) -> None:
+    """Call ``turn_on()`` when the first ShardedTensor of the process is made (now, if one
+    already was)."""
+    _ON_FIRST.append(turn_on)
+    if _FIRST_DONE:
+        turn_on()
 
 
 class ShardedTensor(torch.Tensor):
@@ -75,9 +89,10 @@ class ShardedTensor(torch.Tensor):
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
         out._blocks = blocks
-        if not _TRACKING:
-            _TRACKING.append(True)
-            track()
+        if not _FIRST_DONE:
+            _FIRST_DONE.append(True)
+            for turn_on in _ON_FIRST:
+                turn_on()
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
