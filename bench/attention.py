@@ -35,8 +35,8 @@ def window_bench(m, world, repeats: int) -> dict:  # type: ignore[no-untyped-def
     from torch import nn
 
     import mpidp
-    from mpidp.layers.window import window_rows
-    from mpidp.models import WindowAttention, _window_cut
+    from mpidp.models.nets import WindowAttention, _window_cut
+    from mpidp.models.window import window_rows
 
     me, p = world.Get_rank(), world.Get_size()
     h, w, c, window = 93, 180, 96, (6, 12)
@@ -113,7 +113,7 @@ def ulysses_bench(m, world, repeats: int) -> dict:  # type: ignore[no-untyped-de
     from common import timed_round_robin
 
     import mpidp
-    from mpidp.attention import head_spec
+    from mpidp.ops.attention import head_spec
 
     me, p = world.Get_rank(), world.Get_size()
     heads, seq, ch = 8, 4096, 32

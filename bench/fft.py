@@ -1,10 +1,10 @@
-"""Distributed FFT benchmark: mpidp.fft beside torch.fft and raw mpi4py, and one AFNO block.
+"""Distributed FFT benchmark: mpidp.ops.fft beside torch.fft and raw mpi4py, and one AFNO block.
 
     python bench/fft.py --json docs/bench/fft.json        # launches P = 1, 2, 4 in turn
 
 Per P (``mpiexec -n P``, one thread per rank, float32, a (1, 64, 720, 1440) field):
 
-* ``rfft2+irfft2``: ``mpidp.fft.irfft2(mpidp.fft.rfft2(band))`` (partitions given: the two
+* ``rfft2+irfft2``: ``mpidp.ops.fft.irfft2(mpidp.ops.fft.rfft2(band))`` (partitions given: the two
   all-to-alls and the local transforms), against ``torch.fft`` of the whole field on one rank
   (the P = 1 row);
 * ``transpose``: the all-to-all of rfft2 alone (the (1, 64, rows, 721) complex64 half-spectrum
@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import mpidp
-    import mpidp.fft as mfft
+    import mpidp.ops.fft as mfft
     from mpidp.models import AFNOBlock
 
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def driver(args: argparse.Namespace) -> None:
     serial = runs[0]["ms"]
     torch_fft, block_1 = serial["rfft2+irfft2"]["torch"], serial["afno block"]["torch"]
     print(
-        f"mpidp.fft, field {FIELD} float32; AFNO block on {TOKENS} tokens x {DIM}; "
+        f"mpidp.ops.fft, field {FIELD} float32; AFNO block on {TOKENS} tokens x {DIM}; "
         f"1 thread per rank; median ms of the slowest rank"
     )
     print(f"{'P':>3}  {'op':<14}{'impl':<8}{'ms':>10}  ratio")

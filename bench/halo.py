@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.comm import TorchTransport
-from mpidp.partition import known_spec
+from mpidp.runtime.partition import known_spec
 
 SHAPE = (1, 64, 721, 1440)
 

@@ -16,8 +16,8 @@ For each model (a converted U-Net, AFNO and Swin-style model, and the serial U-N
   **temp**: its buffers that back no saved tensor when the forward ends, the peak of the step
   (the halo-extended bands a convolution saves live in such buffers: they are activations,
   not temporaries).
-- **plan**: ``mpidp.plan.plan_model``'s activation bytes for that rank (the outputs of every
-  spatial layer on its rows), from a dry run on meta tensors.
+- **plan**: ``mpidp.preflight.plan.plan_model``'s activation bytes for that rank (the outputs
+  of every spatial layer on its rows), from a dry run on meta tensors.
 
 Every figure is for the fullest rank; "of serial" divides by the same model's figure at
 P = 1 without mpidp. Bytes are deterministic: the machine's load does not change them.
@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     import mpidp
-    from mpidp.plan import plan_model
+    from mpidp.preflight.plan import plan_model
 
     torch.manual_seed(0)
     world = MPI.COMM_WORLD

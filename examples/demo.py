@@ -15,7 +15,7 @@ import torch
 
 import mpidp
 from mpidp.cli import HelpFormatter
-from mpidp.partition import balanced_sizes, offsets
+from mpidp.runtime.partition import balanced_sizes, offsets
 
 H, W = 181, 360
 

@@ -10,7 +10,7 @@ then roll out different start times, --start and the following ones). Each rank 
 its band of the initial state, the model steps forward autoregressively on bands, and each
 step is written, in physical units with the source data's CF units and long_name, by
 the sharded writer into one file per start time (forecast-<start>.nc, atomically; xarray
-opens it). Each step is scored against the data (mpidp.skill: latitude-weighted RMSE and
+opens it). Each step is scored against the data (mpidp.ops.skill: latitude-weighted RMSE and
 anomaly correlation of the forecast, of persistence and of the training times' climatology),
 written as skill-<start>.json. World rank 0 prints the table and saves a PNG of one
 variable's last step: truth, forecast and error side by side.
@@ -30,8 +30,8 @@ from train import build_model  # the model a checkpoint names (examples/train.py
 import mpidp
 from mpidp.cli import HelpFormatter, Parser, exit_once
 from mpidp.io import RolloutWriter, ShardedH5Dataset, load_checkpoint
-from mpidp.progress import Progress
-from mpidp.skill import Skill, SkillMeter, climatology, physical_band
+from mpidp.ops.skill import Skill, SkillMeter, climatology, physical_band
+from mpidp.runtime.progress import Progress
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,7 +1,7 @@
 """What the examples show of a forecast besides its numbers: truth, forecast and error side by
 side for one variable and lead step (a PNG), and which times the climatology averages.
 
-The scores themselves are :mod:`mpidp.skill` (RMSE and anomaly correlation against persistence
+The scores themselves are :mod:`mpidp.ops.skill` (RMSE and anomaly correlation against persistence
 and climatology, per lead step); ``examples/inference.py`` and ``examples/train.py`` print them.
 """
 
@@ -37,7 +37,7 @@ def save_comparison(
 ) -> Path:
     """Three maps of one variable, ``(lat, lon)`` each: truth, forecast (one colour scale,
     its bar labelled ``name (units)``) and forecast minus truth (a diverging scale centred on
-    zero, its own bar in the same units). ``rmse``, when given (from :mod:`mpidp.skill`: the
+    zero, its own bar in the same units). ``rmse``, when given (from :mod:`mpidp.ops.skill`: the
     latitude-weighted one), is shown above the error. Written atomically (a temporary file
     renamed). Local: call it on the rank that holds the whole fields."""
     import matplotlib

@@ -7,7 +7,7 @@
     mpiexec -n 4 python examples/train.py --config my.yaml --steps 200 --resume
     mpiexec -n 4 python examples/train.py --data-parallel fsdp2 --domain 2   # FSDP2 x domain
     mpiexec -n 4 python examples/train.py --mlp 16 --tensor 2 --domain 2     # TP x domain
-    mpiexec -n 4 python examples/train.py --model afno   # FourCastNet-style, through mpidp.fft
+    mpiexec -n 4 python examples/train.py --model afno   # FourCastNet-style, through mpidp.ops.fft
     mpiexec -n 4 python examples/train.py --model fno    # Fourier neural operator
     mpiexec -n 4 python examples/train.py --model swin   # Pangu-style shifted windows
     mpiexec -n 4 python examples/train.py --model graph  # GraphCast-style grid -> mesh -> grid
@@ -19,7 +19,7 @@ msl's); the loss is their latitude-weighted MSE over the whole global batch, com
 exactly (sums over every band and replica, then one division), so a 2 x 2 run follows the
 one-process run's loss curve to rounding. Validation reports the exact
 latitude-weighted RMSE of every variable in its physical units, and the forecast's skill
-against persistence and climatology (mpidp.skill); the last line says whether it beats
+against persistence and climatology (mpidp.ops.skill); the last line says whether it beats
 persistence.
 
 Writes, in --out (default runs/train): checkpoint.pt every --checkpoint-every steps and at the
@@ -55,6 +55,7 @@ from mpidp.io import (
     save_checkpoint,
 )
 from mpidp.models import AFNONet, FNO2d, GraphCastNet, SwinNet, WeatherUNet
+from mpidp.ops.skill import Skill, SkillMeter, climatology
 from mpidp.parallel import (
     ParallelMesh,
     apply_ddp,
@@ -63,8 +64,7 @@ from mpidp.parallel import (
     apply_tensor_parallel,
     build_device_mesh,
 )
-from mpidp.progress import Progress
-from mpidp.skill import Skill, SkillMeter, climatology
+from mpidp.runtime.progress import Progress
 
 HERE = Path(__file__).resolve().parent
 

@@ -26,8 +26,8 @@ import torch
 import mpidp
 from mpidp.cli import HelpFormatter
 from mpidp.models import WeatherUNet
-from mpidp.partition import Balanced, PartitionPolicy, Weighted
-from mpidp.plan import plan_model
+from mpidp.preflight.plan import plan_model
+from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
 
 
 def step_time(model: torch.nn.Module, x: torch.Tensor, repeat: int) -> tuple[float, torch.Tensor]:

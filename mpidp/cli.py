@@ -52,7 +52,7 @@ def _table(ranks: list[dict[str, Any]]) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from mpidp.manager import DistributedManager
+    from mpidp.runtime.manager import DistributedManager
 
     with DistributedManager(
         domain_parallel_size=args.domain_parallel_size,
@@ -284,8 +284,8 @@ def first_rank() -> bool:
     launcher the other ranks do nothing (and print nothing)."""
     import os
 
-    from mpidp.bootstrap import detect_launch
     from mpidp.errors import MpidpError
+    from mpidp.runtime.bootstrap import detect_launch
 
     try:
         return detect_launch(dict(os.environ)).rank == 0
@@ -316,8 +316,8 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from mpidp.errors import MpidpError
-    from mpidp.plan import build_model, parse_partition, plan_model, to_json
-    from mpidp.progress import Progress
+    from mpidp.preflight.plan import build_model, parse_partition, plan_model, to_json
+    from mpidp.runtime.progress import Progress
 
     try:
         grid = tuple(int(v) for v in args.grid.lower().split("x"))
@@ -365,7 +365,7 @@ def _explain(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     from mpidp.errors import MpidpError
-    from mpidp.manager import DistributedManager
+    from mpidp.runtime.manager import DistributedManager
 
     try:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape or ["1x6x91x180"]]
@@ -391,8 +391,8 @@ def _explain(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
         cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m", "mpidp", *argv]
         return subprocess.run(cmd, check=False).returncode
-    from mpidp.explain import explain
-    from mpidp.plan import build_model
+    from mpidp.preflight.explain import explain
+    from mpidp.preflight.plan import build_model
 
     dtype = getattr(torch, args.dtype)
     with DistributedManager(domain_parallel_size=world) as manager:

@@ -22,9 +22,9 @@ import torch
 from mpidp.comm import Transport
 from mpidp.comm.counting import CountingTransport, Traffic
 from mpidp.errors import ConfigError
-from mpidp.halo_plan import Boundary, Plan
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import offsets
+from mpidp.ops.halo_plan import Boundary, Plan
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import offsets
 
 _LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
 

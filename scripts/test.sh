@@ -83,6 +83,7 @@ report_times() {
 
 run_stage "ruff" 1 "$py" -m ruff check mpidp tests examples bench docs
 run_stage "mypy" 1 "$py" -m mypy
+run_stage "imports" 1 "$venv/bin/lint-imports" --no-cache
 run_stage "unit tests" 1 "$py" -m pytest -q tests/unit
 if [ "$quick" = 1 ]; then
   # gradcheck tests verify the Functions' math; the full suite runs them at 1-3 ranks

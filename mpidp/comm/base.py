@@ -73,7 +73,7 @@ class Transport(abc.ABC):
     #: (the MPI transport folds it into the call's fingerprint); otherwise it raises there
     reports_everywhere: bool = False
     #: every rank holds the whole gradient of a plain tensor used on this group's bands
-    #: (PhysicsNeMo's and DTensor's convention, mpidp.adopt); else this rank's share
+    #: (PhysicsNeMo's and DTensor's convention, mpidp.runtime.adopt); else this rank's share
     whole: bool = False
 
     def __init__(self, rank: int, size: int) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import resolve_transport
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "edge_split",
@@ -127,7 +128,6 @@ def sort_edges_1hop_sharding(
     the edge count of each rank; ``(edge_attr, edge_index, None)`` unchanged on one rank.
     ``mgroup``: the group whose size is the number of parts (None: the domain group). Local:
     no communication (every rank computes the same from the whole edge list)."""
-    from mpidp.collectives import resolve_transport
 
     parts = resolve_transport(mgroup, edge_index.device).size
     if parts == 1:

@@ -12,9 +12,9 @@ the same way.
 
 Two routes move the halo:
 
-- ``"halo"``: one :func:`~mpidp.collectives.indexed_all_to_all_v` of exactly the halo nodes;
+- ``"halo"``: one :func:`~mpidp.ops.collectives.indexed_all_to_all_v` of exactly the halo nodes;
   the backward sends their gradients back and adds them on the owners.
-- ``"gather"``: one :func:`~mpidp.collectives.all_gather_v` of every source node, for halos
+- ``"gather"``: one :func:`~mpidp.ops.collectives.all_gather_v` of every source node, for halos
   that reach most of the graph (coarse multi-mesh edges span tens of degrees, so at 4 ranks a
   rank reads nearly every node): it moves a little more and skips the index work.
 
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import all_gather_v, indexed_all_to_all_v, resolve_transport
 from mpidp.errors import ConfigError
 from mpidp.graph.edges import _check_index, edges_of
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import all_gather_v, indexed_all_to_all_v, resolve_transport
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "ROUTES",

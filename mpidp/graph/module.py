@@ -31,8 +31,8 @@ from mpidp.graph.edges import _check_index, sort_by_destination
 from mpidp.graph.halo import ROUTES, GraphHaloPlan, graph_halo_exchange, plan_graph_halo
 from mpidp.layers.base import DomainParallel
 from mpidp.layers.registry import register_layer
-from mpidp.manager import DistributedManager
-from mpidp.partition import ShardSpec
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "BandNodes",
@@ -271,7 +271,8 @@ class GraphExchange:
 
 class _DryGraph(Graph):
     """A :class:`Graph` as one rank of a cut sees it, on meta tensors: its edges and node
-    counts, and a halo of the right size that moves nothing (for :mod:`mpidp.validate`)."""
+    counts, and a halo of the right size that moves nothing (for
+    :mod:`mpidp.preflight.validate`)."""
 
     _dry: tuple[GraphHaloPlan, str, list[GraphExchange]]
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from mpidp.comm import Transport
 from mpidp.errors import DataError
-from mpidp.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 
 #: The attribute netCDF-4 puts on a dimension that has no coordinate variable.
 PURE_DIM = "This is a netCDF dimension but not a netCDF variable."

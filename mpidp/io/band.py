@@ -23,14 +23,14 @@ from torch.utils.data import Dataset
 
 from mpidp.comm import Transport
 from mpidp.errors import DataError
-from mpidp.geometry import HaloSpec
-from mpidp.halo import place_piece
-from mpidp.halo_plan import Boundary, Piece
-from mpidp.halo_plan import plan as plan_for
 from mpidp.io._common import check_everywhere, describe_error
 from mpidp.io.source import FieldSource, PartInfo, ReadFailure
-from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.partition import ShardSpec
+from mpidp.ops.geometry import HaloSpec
+from mpidp.ops.halo import place_piece
+from mpidp.ops.halo_plan import Boundary, Piece
+from mpidp.ops.halo_plan import plan as plan_for
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["BandDataset", "Variables"]
 

@@ -29,7 +29,6 @@ from mpidp.io._common import (
     shared_token,
     temporary_name,
 )
-from mpidp.manager import DistributedManager, get_manager, is_initialized
 from mpidp.parallel import (
     _unwrap,
     full_optimizer_state,
@@ -37,6 +36,7 @@ from mpidp.parallel import (
     load_full_state_dict,
     tensor_parallel_size,
 )
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

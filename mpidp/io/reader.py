@@ -27,7 +27,7 @@ from torch.utils.data import Sampler
 from mpidp.io import source
 from mpidp.io.band import BandDataset
 from mpidp.io.source import CF_ATTRIBUTES
-from mpidp.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 
 __all__ = ["CF_ATTRIBUTES", "DataParallelSampler", "ShardedH5Dataset"]
 

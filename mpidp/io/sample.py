@@ -24,7 +24,7 @@ import numpy as np
 
 from mpidp.io._common import attach_dims, declare_dims, install, temporary_name
 from mpidp.io.zarr_writer import consolidate, create_array
-from mpidp.progress import Progress
+from mpidp.runtime.progress import Progress
 
 __all__ = ["make_sample_data", "ensure_sample_data", "sample_fingerprint"]
 

@@ -51,8 +51,8 @@ from mpidp.io._common import (
     shared_token,
     temporary_name,
 )
-from mpidp.manager import DistributedManager
-from mpidp.partition import ShardSpec
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
 

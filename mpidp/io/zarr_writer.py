@@ -6,7 +6,7 @@ Zarr writes whole chunks: a rank writing part of a chunk reads it, changes its r
 it back, and two ranks doing that at once lose one's rows. So the rows are cut into chunks of
 ``chunk_rows`` (default: the tallest band, about one band per chunk), each chunk is owned by
 the rank whose band holds its first row, and the few rows of a chunk that another rank holds
-are moved to the owner first (:func:`~mpidp.collectives.repartition`, one all-to-all of the
+are moved to the owner first (:func:`~mpidp.ops.collectives.repartition`, one all-to-all of the
 boundary rows; none when the bands are a chunk each). Then every rank writes its chunks.
 
 The store is written under a temporary name beside the target and put in place when every
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mpidp.comm import Transport
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "FORMATS",
@@ -118,7 +118,7 @@ def to_owners(
     me = 0 if t is None else t.rank
     if t is None or list(new) == list(sizes):
         return x, sum(sizes[:me])
-    from mpidp.collectives import repartition
+    from mpidp.ops.collectives import repartition
 
     moved = repartition(torch.from_numpy(x), list(sizes), new, dim=dim, group=t)
     return np.ascontiguousarray(moved.numpy()), sum(new[:me])

@@ -5,10 +5,16 @@ keys are the serial ones (a checkpoint moves between P = 1 and P = 4 unchanged).
 dimension is a spatial dim (H: dim -2 of 4-D and 5-D inputs; the length of Conv1d). The output
 of a layer is partitioned by the manager's partition policy applied to the output length, so
 every activation of a network is cut by the same rule.
+
+The band forms of the example models' own modules (windowed attention, the AFNO filter) live
+beside those models, in :mod:`mpidp.models`; ``DomainParallelWindowAttention`` is found there
+on first use (nothing in the library imports the examples).
 """
 
+import importlib
+from typing import Any
+
 from mpidp.layers import pad as _pad  # noqa: F401  (registers the padding layers)
-from mpidp.layers import spectral as _spectral  # noqa: F401  (registers the spectral layers)
 from mpidp.layers.conv import (
     DomainParallelConv1d,
     DomainParallelConv2d,
@@ -45,7 +51,6 @@ from mpidp.layers.pool import (
 )
 from mpidp.layers.registry import layer_for, register_layer
 from mpidp.layers.shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
-from mpidp.layers.window import DomainParallelWindowAttention
 
 __all__ = [
     "DomainParallelPixelShuffle",
@@ -84,3 +89,9 @@ __all__ = [
     "DomainParallelConvTranspose2d",
     "DomainParallelConvTranspose3d",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DomainParallelWindowAttention":
+        return importlib.import_module("mpidp.models.window").DomainParallelWindowAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

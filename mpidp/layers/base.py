@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import ShardSpec, known_for, known_spec
+from mpidp.ops.bands import (
+    _NOTES,
+    _TORCH_PATH,
+    SHARDED_CALL,
+    SHARDED_TYPES,
+    LayoutMismatch,
+    band_call,
+    in_torch_path,
+    learn_spec,
+    not_a_band,
+    note_replicated,
+    torch_path,
+)
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import ShardSpec, known_spec
 
 __all__ = [
     "DomainParallel",
+    "band_call",
+    "band_forward",
+    "in_torch_path",
+    "not_a_band",
     "LayoutMismatch",
     "known_spec",
     "learn_spec",
@@ -25,72 +40,6 @@ __all__ = [
     "torch_path",
     "with_rows",
 ]
-
-_TORCH_PATH = contextvars.ContextVar("mpidp_torch_path", default=False)
-# What a layer called with ShardedTensors declares about its output while it runs: the
-# partition it computed (``_out_spec``) or that it is the same on every rank.
-_NOTES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
-    "mpidp_layer_notes", default=None
-)
-# The bands a ShardedTensor call handed to a layer, with their sharded dims
-_BANDS: contextvars.ContextVar[tuple[tuple[torch.Tensor, int], ...]] = contextvars.ContextVar(
-    "mpidp_layer_bands", default=()
-)
-#: Runs a layer on ShardedTensor arguments (set by :mod:`mpidp.sharded.modules`)
-SHARDED_CALL: list[Callable[..., Any]] = []
-#: Tensor types that route a layer call through :data:`SHARDED_CALL`
-SHARDED_TYPES: list[type] = []
-
-
-class LayoutMismatch(Exception):
-    """A layer asked for the partition of a ShardedTensor's band along a dim it is not cut
-    along: the layer does not apply to this layout (its torch form runs through dispatch)."""
-
-
-def note_replicated() -> None:
-    """Declare, inside a layer's forward, that its result is the same whole value on every
-    rank (an adaptive pool to fewer rows than ranks)."""
-    notes = _NOTES.get()
-    if notes is not None:
-        notes.append(("replicated",))
-
-
-@contextlib.contextmanager
-def torch_path() -> Iterator[None]:
-    """Inside this block every domain-parallel layer runs its torch module's forward (no
-    communication): for dry runs on meta tensors of the global shape."""
-    token = _TORCH_PATH.set(True)
-    try:
-        yield
-    finally:
-        _TORCH_PATH.reset(token)
-
-
-def in_torch_path() -> bool:
-    """Whether :func:`torch_path` is on (the layers run their torch forward)."""
-    return _TORCH_PATH.get()
-
-
-def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
-    """The partition of ``x`` along ``dim``: every rank's local extent, in one all-gather of
-    one integer. Nothing is cached on the local shape (two global sizes can give a rank the
-    same local size). Collective over the transport's group, except inside :func:`known_spec`
-    for its band."""
-    known = known_for(x, dim)
-    if known is not None:
-        return known
-    for band, d in _BANDS.get():
-        if band is x and d != dim % x.dim():
-            raise LayoutMismatch(f"cut along dim {d}, asked along {dim % x.dim()}")
-    return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
-
-
-def not_a_band(x: torch.Tensor) -> bool:
-    """Inside a layer's call on ShardedTensors: whether ``x`` is a whole tensor beside the
-    bands (learned latent queries against a band of keys), which the layer's band form does not
-    take: it raises :class:`LayoutMismatch` and its torch form runs through dispatch."""
-    bands = _BANDS.get()
-    return bool(bands) and not any(band is x for band, _ in bands)
 
 
 def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
@@ -159,20 +108,6 @@ def band_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-@contextlib.contextmanager
-def band_call(bands: tuple[tuple[torch.Tensor, int], ...]) -> Iterator[list[Any]]:
-    """Inside this block a layer runs on ``bands`` (band, sharded dim) of ShardedTensors:
-    asking one for its partition along another dim raises :class:`LayoutMismatch`; the block
-    yields the notes the layer makes about its output (``_out_spec``, :func:`note_replicated`)."""
-    notes: list[Any] = []
-    t1, t2 = _NOTES.set(notes), _BANDS.set(bands)
-    try:
-        yield notes
-    finally:
-        _BANDS.reset(t2)
-        _NOTES.reset(t1)
-
-
 class DomainParallel:
     """Mixin for layers sharded along one spatial dim over a manager's domain group.
 
@@ -182,6 +117,37 @@ class DomainParallel:
 
     shard_dim: int = -2
     dp_manager: DistributedManager | None = None
+
+    # -- what the pre-flight tools (mpidp.preflight: validate, plan) ask of a layer's class,
+    # for the serial module it replaces; torch's own layer types are read by validate itself
+    #: the dry run lists this layer (rows in and out per rank) though its torch type is not
+    #: one of torch's spatial layers (the example models' own modules)
+    dry_run: bool = False
+    #: the sharded dim of its input / output is one more from the end (channels-last tokens)
+    channels_last_in: bool = False
+    channels_last_out: bool = False
+
+    @classmethod
+    def modes_of(cls, module: Any, shape_in: Any, parts: int, partition: Any) -> tuple[int, ...]:
+        """A spectral layer: its W modes on each rank (its spectra's cut); else ``()``."""
+        return ()
+
+    @classmethod
+    def window_of(cls, module: Any, d: int) -> tuple[int, ...]:
+        """Windowed attention: (window rows, shift) along dim ``d``; else ``()``."""
+        return ()
+
+    @classmethod
+    def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
+        """Bytes ``rank`` sends in a training step in this layer's transposes beyond its halo
+        (a :class:`~mpidp.preflight.validate.LayerSharding` of the dry run)."""
+        return 0
+
+    @classmethod
+    def saved_shares(cls, layer: Any) -> list[float] | None:
+        """Each rank's share of what this layer saves for the backward inside it, where its
+        layout has no sharded dim to read it off (windows); None: read off the dims."""
+        return None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A layer that defines ``forward`` decorates it with :func:`band_forward` (checked

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
+from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
+from mpidp.ops.halo import halo_exchange
 
 __all__ = [
     "DomainParallelConv1d",

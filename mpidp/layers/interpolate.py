@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.geometry import HaloSpec
-from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
-from mpidp.partition import ShardSpec
+from mpidp.ops.geometry import HaloSpec
+from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["MODES", "DomainParallelInterpolate", "interpolate"]
 

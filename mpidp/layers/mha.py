@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpidp.attention import query_rows_masks
-from mpidp.collectives import all_gather_v
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_forward, learn_spec, not_a_band
 from mpidp.layers.registry import register_layer
+from mpidp.ops.attention import query_rows_masks
+from mpidp.ops.collectives import all_gather_v
 
 __all__ = ["DomainParallelMultiheadAttention"]
 

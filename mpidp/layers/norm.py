@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp.collectives import all_gather_v
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
+from mpidp.ops.collectives import all_gather_v
 
 __all__ = [
     "DomainParallelBatchNorm2d",

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpidp.geometry import HaloSpec
-from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
+from mpidp.ops.geometry import HaloSpec
+from mpidp.ops.halo import halo_exchange
 
 # torch pad module base -> (F.pad mode, halo boundary)
 _MODES: dict[type, tuple[str, str]] = {

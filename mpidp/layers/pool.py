@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpidp.collectives import all_gather_v, all_reduce
 from mpidp.errors import ConfigError
-from mpidp.halo import halo_exchange
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec, note_replicated, with_rows
 from mpidp.layers.registry import register_layer
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import all_gather_v, all_reduce
+from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "DomainParallelAdaptiveAvgPool1d",

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpidp.collectives import repartition
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
+from mpidp.ops.collectives import repartition
 
 __all__ = ["DomainParallelPixelShuffle", "DomainParallelPixelUnshuffle", "shuffle", "unshuffle"]
 

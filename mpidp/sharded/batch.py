@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mpidp.collectives import copy_to
 from mpidp.errors import MpidpError
-from mpidp.rng import band_stream
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime.rng import band_stream
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__ = ["READS", "NOT_LOCAL", "batch_local", "reads"]
@@ -280,7 +280,9 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     if local_args is None:
         return NOT_LOCAL
     draws = func is F.scaled_dot_product_attention and bool(_arg(args, kwargs, 4, "dropout_p", 0))
-    with band_stream(x.rank, x.local.device, draws):  # the generators stay in step (mpidp.rng)
+    with band_stream(
+        x.rank, x.local.device, draws
+    ):  # the generators stay in step (mpidp.runtime.rng)
         out = func(*local_args[0], **local_args[1])
     axis = d - sum(1 for r in drops if r < d)
     if rows == 0:  # ran on one zero row (torch refuses some empty inputs): keep none

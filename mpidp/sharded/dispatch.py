@@ -192,7 +192,7 @@ def refuse(func: Any, args: Any, kwargs: Any, why: str, fix: str) -> Unsupported
     )
 
 
-#: the watcher of outermost calls while one is installed (:func:`mpidp.explain.explain`):
+#: the watcher of outermost calls while one is installed (:func:`mpidp.preflight.explain.explain`):
 #: ``watcher.observe(what, args, kwargs, run)`` runs ``run()`` and records it
 WATCHERS: list[Any] = []
 
@@ -242,13 +242,14 @@ def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def whole_gradients(tree: Any) -> Any:
-    """Under the ``"whole"`` convention (:mod:`mpidp.adopt`: PhysicsNeMo's and DTensor's set-up),
+    """Under the ``"whole"`` convention (:mod:`mpidp.runtime.adopt`: PhysicsNeMo's and DTensor's
+    set-up),
     each plain tensor that needs a gradient and meets a band enters through
-    :func:`mpidp.collectives.copy_to`, so its gradient, this rank's share, is summed over the
+    :func:`mpidp.ops.collectives.copy_to`, so its gradient, this rank's share, is summed over the
     domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
     parameters do. Called at the outermost call only (a handler's own calls see those tensors
     already)."""
-    from mpidp.collectives import copy_to
+    from mpidp.ops.collectives import copy_to
 
     leaves, spec = tree_flatten(tree)
     t = next(a for a in leaves if isinstance(a, ShardedTensor)).transport

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import copy_to
+from mpidp.ops.collectives import copy_to
 from mpidp.sharded.dispatch import first_sharded, refuse, register
 from mpidp.sharded.rows import along, home, to_spec
 from mpidp.sharded.rows import fetch_rows as _fetch

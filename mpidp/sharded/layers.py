@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-import mpidp.fft as dfft
-from mpidp.collectives import copy_to
+import mpidp.ops.fft as dfft
 from mpidp.layers.base import DomainParallel, known_spec
 from mpidp.layers.interpolate import interpolate as band_interpolate
 from mpidp.layers.registry import layer_for
 from mpidp.layers.shuffle import shuffle, unshuffle
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import Handler, refuse
 from mpidp.sharded.dispatch import register as _register
 from mpidp.sharded.rows import move_to_dim, to_spec

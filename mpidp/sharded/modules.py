@@ -25,13 +25,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._pytree import tree_unflatten as _unflatten
 
-from mpidp import rng
-from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime import rng
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -224,7 +224,7 @@ def _fits(d: int, rule: tuple[str, int]) -> bool:
 
 
 def _check_rng(m: DistributedManager, args: Any, kwargs: Any) -> None:
-    """In training, the domain ranks' generators must be in step (mpidp.rng): one small
+    """In training, the domain ranks' generators must be in step (mpidp.runtime.rng): one small
     all-gather per call. Collective over the domain group."""
     leaves, _ = tree_flatten((args, kwargs))
     device = next((a.device for a in leaves if isinstance(a, torch.Tensor)), None)

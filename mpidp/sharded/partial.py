@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mpidp.collectives import copy_to, reduce_from
 from mpidp.comm import Transport
 from mpidp.errors import MpidpError
+from mpidp.ops.collectives import copy_to, reduce_from
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor, replicated
 
 __all__ = ["PartialSum", "partial_sum", "summed"]

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from mpidp.collectives import reduce_from, scatter_v
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import reduce_from, scatter_v
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["Partial", "Replicate", "Shard", "manager_of", "one_placement", "scatter_tensor"]
 
@@ -42,9 +42,9 @@ def manager_of(
     device_mesh: Any, manager: DistributedManager | None = None, gradients: str | None = None
 ) -> DistributedManager:
     """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh, or a process group)
-    is, adopted when mpidp did not build it (:func:`mpidp.adopt.manager_for`); None:
+    is, adopted when mpidp did not build it (:func:`mpidp.runtime.adopt.manager_for`); None:
     ``manager`` or the default one."""
-    from mpidp.adopt import manager_for
+    from mpidp.runtime.adopt import manager_for
 
     return manager_for(manager if device_mesh is None else device_mesh, gradients=gradients)
 

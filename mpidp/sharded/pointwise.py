@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mpidp.collectives import copy_to
 from mpidp.errors import ConfigError
-from mpidp.rng import band_stream
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime.rng import band_stream
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.rows import home
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
@@ -288,7 +288,7 @@ POINTWISE = _collect()
 POINTWISE |= {("__get__", "real"), ("__get__", "imag")}
 
 #: functions that draw random numbers: on a band, from this rank's own stream
-#: (mpidp.rng.band_stream), so the default generators stay in step across the domain group
+#: (mpidp.runtime.rng.band_stream), so the default generators stay in step across the domain group
 RANDOM = {
     f
     for name in (

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.attention import attention_over_key_band, query_rows_masks
-from mpidp.collectives import all_gather_v
-from mpidp.partition import ShardSpec
+from mpidp.ops.attention import attention_over_key_band, query_rows_masks
+from mpidp.ops.collectives import all_gather_v
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
 from mpidp.sharded.partial import partial_sum
 from mpidp.sharded.rows import move_to_dim, to_spec
@@ -282,7 +282,7 @@ def _whole_queries(
     func: Any, args: Any, kwargs: Any, q: Any, k: Any, v: Any, a: dict[str, Any]
 ) -> Any:
     """Queries every rank holds whole (learned latents, a pooled token) against keys and
-    values cut along the sequence: :func:`mpidp.attention.attention_over_key_band` (split
+    values cut along the sequence: :func:`mpidp.ops.attention.attention_over_key_band` (split
     softmax merged exactly; the keys never move). The result is the same on every rank."""
     if not isinstance(k, ShardedTensor) or k.shard_dim != k.dim() - 2:
         raise refuse(
@@ -349,7 +349,7 @@ def _mha_whole_queries(
 ) -> Any:
     """``nn.MultiheadAttention`` with queries every rank holds whole (learned latents) and keys
     and values cut along the sequence: torch's projections on each rank's keys, then
-    :func:`mpidp.attention.attention_over_key_band` per head (the keys never move), then the
+    :func:`mpidp.ops.attention.attention_over_key_band` per head (the keys never move), then the
     output projection. The output is the same on every rank; the attention weights (when
     asked for) are a band along the keys, after dropout as torch returns them (each rank's
     columns dropped from its band stream). Extra keys (``bias_k``, ``add_zero_attn``) and

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.collectives import reduce_from
+from mpidp.ops.collectives import reduce_from
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.partial import partial_sum
 from mpidp.sharded.pointwise import pointwise

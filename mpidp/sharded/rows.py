@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import all_to_all_v, fetch_global_rows
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import all_to_all_v, fetch_global_rows
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.tensor import ShardedTensor
 
 __all__ = ["fetch_rows", "to_spec", "move_to_dim", "Ranges"]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import all_reduce
+from mpidp.ops.collectives import all_reduce
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.shapes import _plain
 from mpidp.sharded.tensor import Replicated, ShardedTensor

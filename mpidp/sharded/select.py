@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.rows import remap, to_spec
 from mpidp.sharded.shapes import _plain, _wrap

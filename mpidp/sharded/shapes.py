@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import copy_to
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.rows import to_spec
 from mpidp.sharded.tensor import Replicated, ShardedTensor

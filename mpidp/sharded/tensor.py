@@ -28,11 +28,11 @@ from typing import Any, cast
 import torch
 from torch.utils._pytree import tree_map
 
-from mpidp.collectives import _call, _Shard, all_gather_v_replicated
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import PartitionPolicy, ShardSpec
+from mpidp.ops.collectives import _call, _Shard, all_gather_v_replicated
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded.where import track
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
@@ -422,7 +422,7 @@ class Replicated(torch.Tensor):
 
     def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
         """The value. Under PhysicsNeMo's and DTensor's gradient convention (``"whole"``,
-        :mod:`mpidp.adopt`) a plain tensor, as theirs; under mpidp's, this Replicated value
+        :mod:`mpidp.runtime.adopt`) a plain tensor, as theirs; under mpidp's, this Replicated value
         itself, so that what is computed from it keeps the shares rule."""
         del grad_placements  # a value every rank holds has a gradient every rank holds
         return self.as_subclass(torch.Tensor) if self._t.whole else self

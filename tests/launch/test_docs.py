@@ -70,22 +70,22 @@ def test_code_blocks_run(page, ranks, tmp_path):
 
 MODULES = [
     "mpidp",
-    "mpidp.fft",
+    "mpidp.ops.fft",
     "mpidp.sharded",
-    "mpidp.attention",
+    "mpidp.ops.attention",
     "mpidp.anemoi",
     "mpidp.graph",
     "mpidp.io",
     "mpidp.parallel",
-    "mpidp.plan",
+    "mpidp.preflight.plan",
     "mpidp.models",
     "mpidp.testing",
-    "mpidp.bootstrap",
-    "mpidp.partition",
-    "mpidp.geometry",
-    "mpidp.halo_plan",
-    "mpidp.validate",
-    "mpidp.probe",
+    "mpidp.runtime.bootstrap",
+    "mpidp.runtime.partition",
+    "mpidp.ops.geometry",
+    "mpidp.ops.halo_plan",
+    "mpidp.preflight.validate",
+    "mpidp.parallel.probe",
 ]
 
 

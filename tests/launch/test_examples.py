@@ -113,7 +113,7 @@ def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_pat
 @pytest.mark.parametrize("model", ["afno", "swin", "graph"])
 def test_token_models_four_ranks_match_one_process(tmp_path, model):
     """92 x 180 grid in patches of 4 (23 token rows, cut 12/11 over 2 domain ranks).
-    ``--model afno``: FourCastNet-style, its filters through mpidp.fft. ``--model swin``:
+    ``--model afno``: FourCastNet-style, its filters through mpidp.ops.fft. ``--model swin``:
     Pangu-style windows of 4 x 5 tokens (the rows padded to 24), unshifted then shifted,
     earth-specific bias. ``--model graph`` (91 x 180, no patches): GraphCast-style, grid ->
     512-node mesh -> grid through sharded graphs. The same run as one process."""

@@ -31,7 +31,7 @@ def _mpiexec() -> str:
     return found
 
 
-# The name mpidp.bootstrap gives the launcher of each MPI family (its marker variables).
+# The name mpidp.runtime.bootstrap gives the launcher of each MPI family (its marker variables).
 _LAUNCHER_OF_VENDOR = {
     "MPICH": "mpich",  # Hydra: PMI_RANK
     "Intel MPI": "mpich",  # Hydra
@@ -237,7 +237,7 @@ def test_a_job_that_reaches_another_jobs_rendezvous_refuses_to_join():
     """Two `srun --mpi=none` steps whose derived ports collide on one node (issue 19: job J
     step 7 and job J + 1 step 0 used to): a rank of the second job reaches the first job's
     store, sees its token and raises, and the first job completes as one job of its own."""
-    from mpidp.bootstrap import slurm_port
+    from mpidp.runtime.bootstrap import slurm_port
 
     seen: dict[int, str] = {}
     base = random.randint(100_000, 900_000)

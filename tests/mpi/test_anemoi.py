@@ -11,7 +11,9 @@ from helpers import rand
 from mpi4py import MPI
 
 import mpidp
-from mpidp import anemoi
+
+with pytest.warns(DeprecationWarning, match=r"mpidp\.anemoi has moved to mpidp\.compat\.anemoi"):
+    from mpidp import anemoi  # the old path, kept for one release
 
 pytestmark = pytest.mark.mpi
 

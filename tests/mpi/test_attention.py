@@ -1,4 +1,4 @@
-"""anemoi-style head/sequence exchange (mpidp.attention) against serial attention: uneven
+"""anemoi-style head/sequence exchange (mpidp.ops.attention) against serial attention: uneven
 sequence cuts and uneven head counts, batch > 1, masks, float64, both transports; forward and
 the q, k, v gradients of every rank's rows; the exchange's adjoint."""
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import mpidp
-from mpidp.attention import head_spec, shard_heads, shard_sequence
 from mpidp.layers.mha import DomainParallelMultiheadAttention
+from mpidp.ops.attention import head_spec, shard_heads, shard_sequence
 from mpidp.testing import assert_matches_serial
 from tests.mpi.helpers import adjoint_gap, check_sharded, rand
 
@@ -165,7 +165,7 @@ def test_sliding_window_attention_equals_serial(t, cut, window):
     """anemoi's window_size: each rank fetches only the keys within the window beyond its band
     (several ranks away on thin bands); forward and q, k, v gradients equal serial SDPA with
     the whole sequence's banded mask."""
-    from mpidp.attention import sliding_window_attention
+    from mpidp.ops.attention import sliding_window_attention
 
     b, heads, n, c = 2, 3, 3 * WORLD + 4, 4
     left, right = (window, window) if isinstance(window, int) else window

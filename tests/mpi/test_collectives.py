@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.comm import Transport
-from mpidp.partition import ShardSpec, offsets
+from mpidp.runtime.partition import ShardSpec, offsets
 
 pytestmark = pytest.mark.mpi
 

@@ -80,8 +80,8 @@ def test_borg_needs_no_communication(pnm, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("DistributedManager() communicated")
 
-    monkeypatch.setattr(mpidp.manager.DistributedManager, "__init__", refuse)
-    monkeypatch.setattr(mpidp.manager, "init", refuse)
+    monkeypatch.setattr(mpidp.runtime.manager.DistributedManager, "__init__", refuse)
+    monkeypatch.setattr(mpidp.runtime.manager, "init", refuse)
     monkeypatch.setattr(torch.distributed, "new_group", refuse)
     if ME == 0:  # one rank alone: a collective here would hang the others' next test
         again = DistributedManager()
@@ -299,7 +299,7 @@ def test_rfft2_cut_along_the_halved_dim(h, w, given_s):
     full = torch.randn(2, h, w, dtype=F64)
     x = part(full, cols, 2).clone().requires_grad_()
     X = DistributedRFFT2.apply(x, s, dims, "ortho")
-    rows = mpidp.fft.layout(X).modes
+    rows = mpidp.ops.fft.layout(X).modes
     serial_in = full.clone().requires_grad_()
     serial = torch.fft.rfft2(serial_in, s=s, dim=dims, norm="ortho")
     close(X.detach(), serial.detach()[:, rows])
@@ -314,11 +314,11 @@ def test_rfft2_cut_along_the_halved_dim(h, w, given_s):
     serial_z = Z.clone().requires_grad_()
     want = torch.fft.irfft2(serial_z, s=s, dim=dims, norm="ortho")
     spatial = transport_for(DistributedManager().group("spatial_parallel"), "cpu")
-    out_cols = mpidp.fft.mode_spec(want.shape[-1], group=spatial)
+    out_cols = mpidp.ops.fft.mode_spec(want.shape[-1], group=spatial)
     close(y.detach(), want.detach()[..., out_cols.slice(ME)])
     wy = torch.randn(want.shape, dtype=F64)
     (y * wy[..., out_cols.slice(ME)]).sum().backward()
     (want * wy).sum().backward()
     close(z.grad, serial_z.grad[:, rows])
     back = DistributedIRFFT2.apply(X.detach(), (h, w), dims, "ortho")
-    close(back, full[..., mpidp.fft.mode_spec(w, group=spatial).slice(ME)])
+    close(back, full[..., mpidp.ops.fft.mode_spec(w, group=spatial).slice(ME)])

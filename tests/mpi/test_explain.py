@@ -1,5 +1,5 @@
-"""``mpidp explain`` (mpidp/explain.py): the model run once on meta ShardedTensors says what a
-real run does. Checked against real runs: the bytes each rank sends in the forward pass equal
+"""``mpidp explain`` (mpidp/preflight/explain.py): the model run once on meta ShardedTensors says
+what a real run does. Checked against real runs: the bytes each rank sends in the forward pass equal
 what a real forward on the same shapes sends (counted on the wire), the result layouts equal
 the real ones, and a model with an op that has no band form is refused at that op, with the
 same message on every rank as the real run; a meta transport that gets a shape wrong fails."""
@@ -14,8 +14,8 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.explain import explain
-from mpidp.plan import build_model
+from mpidp.preflight.explain import explain
+from mpidp.preflight.plan import build_model
 from mpidp.sharded import UnsupportedOp, shard
 from mpidp.testing import count_traffic
 from tests.mpi.helpers import rand

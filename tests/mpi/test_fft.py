@@ -1,4 +1,4 @@
-"""mpidp.fft against torch.fft of the whole field, through both transports, float64.
+"""mpidp.ops.fft against torch.fft of the whole field, through both transports, float64.
 
 Each transform: the forward against torch's, the layout against the manager's policy, the
 input gradient against torch's gradient of the serial transform (irfft's Hermitian weighting
@@ -14,9 +14,9 @@ import torch
 from helpers import adjoint_gap, gradcheck_global, rand
 from mpi4py import MPI
 
-import mpidp.fft as dfft
+import mpidp.ops.fft as dfft
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 from mpidp.testing import count_traffic
 
 pytestmark = pytest.mark.mpi

@@ -25,7 +25,7 @@ from mpidp.graph import (
     sort_edges_1hop_sharding,
 )
 from mpidp.models import GraphCastNet, GraphTransformerLayer, InteractionNetwork
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 from mpidp.testing import assert_matches_serial
 
 pytestmark = pytest.mark.mpi
@@ -392,7 +392,7 @@ def test_graphcast_over_gloo():
 def test_plan_prices_the_graph_halos_that_move(manager, cut):
     """``mpidp plan``'s graph bytes equal what each rank sends in one forward and backward of
     the converted GraphCastNet (halo and gather routes)."""
-    from mpidp.plan import plan_model
+    from mpidp.preflight.plan import plan_model
     from mpidp.testing import count_traffic
 
     serial = GraphCastNet(2, 2, (13, 16), mesh_nodes=40, hidden=8, k_mesh=12).to(F64)

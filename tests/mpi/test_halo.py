@@ -19,8 +19,8 @@ import mpidp
 from mpidp.comm import Transport
 from mpidp.comm.counting import CountingTransport
 from mpidp.errors import CommError, ConfigError
-from mpidp.halo_plan import plan
-from mpidp.partition import ShardSpec
+from mpidp.ops.halo_plan import plan
+from mpidp.runtime.partition import ShardSpec
 from mpidp.testing import assert_matches_serial, halo_traffic, serial_halo
 
 pytestmark = pytest.mark.mpi
@@ -451,7 +451,7 @@ def test_conv_through_halo_spec(manager, kernel, stride, padding, dilation, mode
     )
     in_spec = manager.spec(h)
     halo = mpidp.HaloSpec.for_layer(in_spec, manager.partition, kernel, stride, padding, dilation)
-    lo_pad, hi_pad = mpidp.geometry.padding_pair(padding, kernel, stride, dilation)
+    lo_pad, hi_pad = mpidp.ops.geometry.padding_pair(padding, kernel, stride, dilation)
     dist_conv = torch.nn.Conv2d(2, 3, kernel, (stride, stride), 0, dilation, dtype=torch.float64)
     with torch.no_grad():  # the same weights on every rank
         serial.weight.copy_(rand(serial.weight.shape, 16))

@@ -29,7 +29,7 @@ from mpidp.io import (
     save_checkpoint,
     write_sharded,
 )
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 from mpidp.testing import counting_opener, serial_halo
 
 WORLD = MPI.COMM_WORLD

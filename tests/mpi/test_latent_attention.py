@@ -17,7 +17,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-import mpidp.attention
+import mpidp.ops.attention
 from mpidp.sharded import shard
 from mpidp.testing import assert_matches_serial, count_traffic
 from tests.mpi.helpers import check_sharded, rand
@@ -135,12 +135,12 @@ def test_the_keys_never_move(m):
 @pytest.mark.mpi(min_size=2)
 def test_without_the_max_shift_the_large_logits_fail(m, monkeypatch):
     """Mutation: blocks merged with exp(s) instead of exp(s - M) overflow."""
-    real = mpidp.attention.attention_over_key_band
+    real = mpidp.ops.attention.attention_over_key_band
 
     def unshifted(
         q, k, v, start, total, group=None, attn_mask=None, is_causal=False, scale=None, **_
     ):
-        from mpidp.collectives import reduce_from
+        from mpidp.ops.collectives import reduce_from
 
         scores = (q @ k.transpose(-2, -1)) * (scale or 1.0 / q.size(-1) ** 0.5)
         weights = torch.exp(scores)
@@ -151,7 +151,7 @@ def test_without_the_max_shift_the_large_logits_fail(m, monkeypatch):
     model = build("logits past exp's range")
     with pytest.raises(AssertionError):
         check_sharded(m, model, rand((2, C, 7, W), 1), dim=2, module=model)
-    assert real is mpidp.attention.attention_over_key_band
+    assert real is mpidp.ops.attention.attention_over_key_band
 
 
 def _dropped_attention(m, p):
@@ -162,7 +162,7 @@ def _dropped_attention(m, p):
     spec, t = m.spec(9), m.transport()
     start, rows = spec.start(t.rank), spec.sizes[t.rank]
     torch.manual_seed(5)  # the same on every rank: each rank's band stream derives from it
-    out, probs = mpidp.attention.attention_over_key_band(
+    out, probs = mpidp.ops.attention.attention_over_key_band(
         q, k.narrow(2, start, rows), v.narrow(2, start, rows), start, 9, t, weights=True,
         dropout_p=p,
     )  # fmt: skip
@@ -194,7 +194,7 @@ def test_dropout_is_the_serial_attention_for_the_mask_drawn(m, p):
     (ref * g).sum().backward()
     for name, a, b in zip("qkv", got, (qs, ks, vs), strict=True):
         torch.testing.assert_close(a, b.grad, rtol=1e-10, atol=1e-12, msg=name)
-    prints = torch.tensor([float(mpidp.rng.fingerprint())], dtype=F64)
+    prints = torch.tensor([float(mpidp.runtime.rng.fingerprint())], dtype=F64)
     assert t.all_reduce(prints.clone(), "max") == t.all_reduce(prints.clone(), "min")
 
 
@@ -217,7 +217,7 @@ def test_dropout_in_training_is_the_same_draw_on_both_front_ends(m, module):
     torch.testing.assert_close(y2, y.local.detach(), rtol=1e-10, atol=1e-12)
     quiet = model.eval()(shard(x, 2, m))
     assert (quiet.local - y.local).abs().max() > 1e-6
-    prints = torch.tensor([float(mpidp.rng.fingerprint())], dtype=F64)
+    prints = torch.tensor([float(mpidp.runtime.rng.fingerprint())], dtype=F64)
     t = m.transport()
     assert t.all_reduce(prints.clone(), "max") == t.all_reduce(prints.clone(), "min")
 

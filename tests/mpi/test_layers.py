@@ -12,7 +12,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.halo_plan import plan
+from mpidp.ops.halo_plan import plan
 from mpidp.testing import assert_matches_serial, count_traffic, halo_traffic
 
 pytestmark = pytest.mark.mpi

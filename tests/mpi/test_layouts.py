@@ -70,7 +70,7 @@ CALLS = {
 def test_a_convolution_that_maps_rows_to_themselves_runs_on_two_rows_at_any_p(m, name):
     """Kernel 1, stride 1, no padding along the band: each row is its own; 2 rows at 3-4
     ranks (empty bands) need no partition of the output (CrossFormer's 1x1 projections)."""
-    from mpidp.partition import ShardSpec
+    from mpidp.runtime.partition import ShardSpec
 
     call = CALLS[name]
     full = rand((2, 3, 2, 6), 1)
@@ -381,7 +381,7 @@ def test_bands_cut_along_different_dims_meet_through_the_transpose(m):
 def test_a_sharded_dim_of_one_row_reshapes(m):
     """The deepest level of a multi-scale model: one row left (on one rank), reshaped as the
     windows of the upper levels were (CrossFormer's last stage)."""
-    from mpidp.partition import ShardSpec
+    from mpidp.runtime.partition import ShardSpec
 
     full = rand((2, 6, 1, 2), 3)
     sizes = (1,) + (0,) * (WORLD - 1)
@@ -413,7 +413,7 @@ def test_a_pixel_shuffle_of_bands_along_w_equals_serial(m, name, shape):
 def test_a_pixel_shuffle_of_an_empty_band_keeps_its_gradient_shape(m, call):
     """torch's own backward of an empty pixel shuffle returns the gradient unchanged (the
     wrong shape): an empty band would fail its backward while the other ranks wait."""
-    from mpidp.partition import ShardSpec
+    from mpidp.runtime.partition import ShardSpec
 
     full = rand((1, 8, 2, 4), 1)
     sizes = (2,) if WORLD == 1 else (2, 0) + (0,) * (WORLD - 2)

@@ -201,7 +201,7 @@ def test_plan_predicts_the_bytes_saved_for_backward(manager, name, h, within):
     modes) to 10%, the Swin-style model (whole windows inside the attention; 11 token rows, so
     windows straddle the bands) to 5%. At one rank, exactly the serial model's."""
     from mpidp.models import AFNONet, SwinNet
-    from mpidp.plan import plan_model
+    from mpidp.preflight.plan import plan_model
 
     torch.manual_seed(0)
     grid = (h, 24)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.partition import Balanced
+from mpidp.runtime.partition import Balanced
 from mpidp.sharded import Replicated, ShardedTensor, UnsupportedOp, replicated, shard
 from mpidp.testing import assert_matches_serial
 from tests.mpi.helpers import check_sharded, rand

@@ -1,4 +1,4 @@
-"""Forecast skill on bands (mpidp.skill) equals the serial numpy computation of the same
+"""Forecast skill on bands (mpidp.ops.skill) equals the serial numpy computation of the same
 numbers on uneven bands, pooled over one replica or over every replica; the climatology equals
 the serial time mean of the file; a rollout written from a dataset carries the source data's CF
 attributes (checked with xarray)."""
@@ -19,7 +19,7 @@ from mpi4py import MPI
 import mpidp
 from mpidp.errors import DataError
 from mpidp.io import RolloutWriter, ShardedH5Dataset, make_sample_data
-from mpidp.skill import SCORES, SkillMeter, climatology, physical_band
+from mpidp.ops.skill import SCORES, SkillMeter, climatology, physical_band
 
 pytestmark = pytest.mark.mpi
 

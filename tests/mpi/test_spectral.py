@@ -13,13 +13,13 @@ from helpers import rand
 from mpi4py import MPI
 
 import mpidp
-from mpidp.layers.spectral import (
+from mpidp.models import AFNOFilter, AFNONet, FNO2d, SpectralConv2d
+from mpidp.models.spectral import (
     DomainParallelAFNOFilter,
     DomainParallelPatchRecovery,
     DomainParallelPositionEmbedding,
     DomainParallelSpectralConv2d,
 )
-from mpidp.models import AFNOFilter, AFNONet, FNO2d, SpectralConv2d
 from mpidp.testing import assert_matches_serial
 
 pytestmark = pytest.mark.mpi
@@ -134,7 +134,7 @@ def test_fno(manager, policy):
 def test_plan_prices_the_transposes_that_run(manager, policy):
     """``mpidp plan``'s bytes for the spectral filters' all-to-alls and the head's row move equal
     what each rank's all-to-alls send in one forward and backward of the converted AFNONet."""
-    from mpidp.plan import plan_model
+    from mpidp.preflight.plan import plan_model
     from mpidp.testing import count_traffic
 
     grid, shape = (36, 20), (2, 3, 36, 20)

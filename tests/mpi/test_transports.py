@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import mpidp
 from mpidp.errors import CommError
-from mpidp.partition import balanced_sizes, offsets
+from mpidp.runtime.partition import balanced_sizes, offsets
 
 pytestmark = pytest.mark.mpi
 

@@ -15,8 +15,8 @@ from mpi4py import MPI
 from zoo_models import SwinBlock as ReferenceSwin
 
 import mpidp
-from mpidp.layers.window import DomainParallelWindowAttention, window_rows
 from mpidp.models import SwinBlock, SwinNet, WindowAttention
+from mpidp.models.window import DomainParallelWindowAttention, window_rows
 from mpidp.testing import assert_matches_serial
 
 pytestmark = pytest.mark.mpi
@@ -145,7 +145,7 @@ def test_serial_blocks_on_sharded_tensors(manager):
 def test_plan_prices_the_window_rows_that_move(manager, cut):
     """``mpidp plan``'s bytes for the windows' row fetches (and the head's row move) equal what
     each rank's all-to-alls send in one forward and backward of the converted SwinNet."""
-    from mpidp.plan import plan_model
+    from mpidp.preflight.plan import plan_model
     from mpidp.testing import count_traffic
 
     grid, shape = (52, 16), (2, 3, 52, 16)  # 13 token rows in windows of 4, padded to 16

@@ -25,7 +25,7 @@ import mpidp
 import mpidp.io.zarr_writer as zw
 from mpidp.errors import DataError
 from mpidp.io import RolloutWriter, ShardedZarrDataset, write_sharded
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 
 WORLD = MPI.COMM_WORLD
 P, ME = WORLD.Get_size(), WORLD.Get_rank()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpidp.bootstrap import LaunchInfo, detect_launch, expand_nodelist, slurm_port
 from mpidp.errors import LaunchError
+from mpidp.runtime.bootstrap import LaunchInfo, detect_launch, expand_nodelist, slurm_port
 
 HOST = "node7"
 

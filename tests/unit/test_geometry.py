@@ -40,7 +40,7 @@ def test_conv_ranges_reproduce_the_serial_conv(n, parts):
     for k, s, pad, d in CONV:
         if pad == "same" and s != 1:
             continue
-        lo_pad, hi_pad = mpidp.geometry.padding_pair(pad, k, s, d)
+        lo_pad, hi_pad = mpidp.ops.geometry.padding_pair(pad, k, s, d)
         if mpidp.conv_output_size(n, k, s, pad, d) < parts:
             continue
         w = rand(3, 2, k, seed=1)

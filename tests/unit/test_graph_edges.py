@@ -18,7 +18,7 @@ from mpidp.graph import (
     sort_edges_1hop_chunks,
 )
 from mpidp.graph.graphcast import fibonacci_mesh, grid_points, knn_edges
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 
 
 def random_graph(n=17, e=60, seed=0):

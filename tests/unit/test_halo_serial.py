@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import mpidp
 from mpidp.errors import ConfigError
-from mpidp.halo_plan import plan as _plan
+from mpidp.ops.halo_plan import plan as _plan
 from mpidp.testing import serial_halo
 
 FPAD = {"zeros": "constant", "replicate": "replicate", "reflect": "reflect", "circular": "circular"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from mpidp.errors import ConfigError
-from mpidp.partition import Balanced, ShardSpec, Weighted, balanced_sizes, offsets
+from mpidp.runtime.partition import Balanced, ShardSpec, Weighted, balanced_sizes, offsets
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_policies_scale_with_the_length():
 
 def test_aligned_policy_cuts_on_multiples():
     from mpidp.errors import ConfigError
-    from mpidp.partition import Aligned
+    from mpidp.runtime.partition import Aligned
 
     assert Aligned(2).spec(26, 4).sizes == (8, 6, 6, 6)  # 13 blocks of 2: 4, 3, 3, 3
     assert Aligned(4).spec(90, 4).sizes == (24, 24, 20, 22)  # 22 blocks + 2 rows left over

@@ -15,8 +15,8 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.models import WeatherUNet
-from mpidp.partition import Balanced, ShardSpec, Weighted
-from mpidp.plan import build_model, parse_partition, plan_model
+from mpidp.preflight.plan import build_model, parse_partition, plan_model
+from mpidp.runtime.partition import Balanced, ShardSpec, Weighted
 
 
 def depends_on(layer: nn.Module, shape: tuple[int, ...], out_rows: range) -> tuple[int, int]:

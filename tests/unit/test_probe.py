@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import mpidp
-from mpidp.convert import explain_conversion
-from mpidp.probe import probe_band_locality
+from mpidp.parallel.convert import explain_conversion
+from mpidp.parallel.probe import probe_band_locality
 
 
 class Roll(nn.Module):

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from mpidp.progress import Progress
+from mpidp.runtime.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""mpidp.skill at one process: the table (one row per lead step), JSON round trip, verdicts,
+"""mpidp.ops.skill at one process: the table (one row per lead step), JSON round trip, verdicts,
 bad shapes; the truth/forecast/error figure of examples/skill.py labels its colour bars with
 the variable's units."""
 
@@ -15,7 +15,7 @@ import torch
 
 import mpidp
 from mpidp.errors import ConfigError
-from mpidp.skill import LeadScores, Skill, SkillMeter
+from mpidp.ops.skill import LeadScores, Skill, SkillMeter
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import resolve_transport
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
+from mpidp.ops.collectives import resolve_transport
 
 
 def transport(mgroup: Any, tensor: torch.Tensor) -> Transport | None:
     """The transport over ``mgroup`` for ``tensor``; None for ``mgroup`` None, anemoi's "not
     distributed" (the identity, forward and backward, reading no shapes). ``mgroup``: a torch
-    ProcessGroup, or anything :func:`mpidp.collectives.resolve_transport` accepts."""
+    ProcessGroup, or anything :func:`mpidp.ops.collectives.resolve_transport` accepts."""
     return None if mgroup is None else resolve_transport(mgroup, tensor.device)
 
 

@@ -35,17 +35,17 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import (
+from mpidp.compat.anemoi._groups import extents, transport
+from mpidp.errors import ConfigError
+from mpidp.ops.collectives import (
     all_gather_v,
     all_gather_v_replicated,
     all_to_all_v,
     reduce_from,
     reduce_scatter_v,
 )
-from mpidp.compat.anemoi._groups import extents, transport
-from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
-from mpidp.sharding import shard_tensor as _shard_tensor
+from mpidp.ops.sharding import shard_tensor as _shard_tensor
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "all_to_all_transpose",

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mpidp.collectives import resolve_transport
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
+from mpidp.ops.collectives import resolve_transport
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["change_channels_in_shape", "get_shape_shards"]
 

@@ -2,7 +2,7 @@
 
 :func:`shard_heads` takes q, k or v ``(batch, ..., heads, seq_r, ch)`` from a cut of the
 sequence to a cut of the heads ``(batch, ..., heads_r, seq, ch)``; :func:`shard_sequence`
-takes the attention's result back. Each is :mod:`mpidp.attention`'s exchange (one
+takes the attention's result back. Each is :mod:`mpidp.ops.attention`'s exchange (one
 differentiable ``all_to_all_v``, the reverse exchange as backward).
 
 ``shapes``: every rank's shard shape of the sequence-cut tensor anemoi passes (its first
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from mpidp import attention
 from mpidp.comm import Transport
 from mpidp.compat.anemoi._groups import extents, transport
 from mpidp.errors import ConfigError
+from mpidp.ops import attention
 
 __all__ = ["shard_heads", "shard_sequence"]
 

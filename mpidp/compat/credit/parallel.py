@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from mpidp import parallel as _parallel
-from mpidp.adopt import manager_for
 from mpidp.compat.credit.domain_parallel.convert import MARK, convert_to_domain_parallel
 from mpidp.compat.credit.domain_parallel.local_mean import LocalBand, plain, track
 from mpidp.compat.credit.domain_parallel.manager import (
@@ -21,8 +20,9 @@ from mpidp.compat.credit.domain_parallel.manager import (
 )
 from mpidp.compat.credit.domain_parallel.sharding import shard_tensor
 from mpidp.errors import ConfigError
+from mpidp.ops.training import sum_in_buckets
+from mpidp.runtime.adopt import manager_for
 from mpidp.sharded import ShardedTensor
-from mpidp.training import sum_in_buckets
 
 __all__ = [
     "apply_ddp",

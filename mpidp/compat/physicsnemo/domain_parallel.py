@@ -6,7 +6,7 @@ mpidp's :class:`~mpidp.ShardedTensor`, which speaks the same DTensor vocabulary 
 * the mesh: any 1-D DeviceMesh or named axis (PhysicsNeMo's ``initialize_mesh``, torch's
   ``init_device_mesh``); none given: the current one (``with mesh:``), else the one mesh
   PhysicsNeMo's manager holds, else mpidp's domain mesh; a band is never taken as the whole;
-* gradients as PhysicsNeMo gives them (:mod:`mpidp.adopt`, ``"whole"``): every rank holds
+* gradients as PhysicsNeMo gives them (:mod:`mpidp.runtime.adopt`, ``"whole"``): every rank holds
   the whole gradient of every parameter or plain tensor it used, with no gradient sync
   (PhysicsNeMo's reduction of weight gradients over the mesh, and ``full_tensor()``'s plain
   result);
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager
+from mpidp.runtime.manager import DistributedManager
 from mpidp.sharded import ShardedTensor
 from mpidp.sharded.dispatch import public_forms, register
 from mpidp.sharded.placements import Replicate, manager_of
@@ -34,7 +34,7 @@ from mpidp.sharded.tensor import chunk_spec
 
 __all__ = ["ShardTensor", "scatter_tensor"]
 
-#: PhysicsNeMo's gradient convention (mpidp.adopt)
+#: PhysicsNeMo's gradient convention (mpidp.runtime.adopt)
 WHOLE = "whole"
 
 

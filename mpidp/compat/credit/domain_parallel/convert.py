@@ -10,8 +10,8 @@ from torch.utils._pytree import tree_map
 
 from mpidp.compat.credit.domain_parallel.local_mean import plain, track
 from mpidp.compat.credit.domain_parallel.manager import DomainParallelManager, resolve
-from mpidp.convert import convert_to_domain_parallel as _convert
 from mpidp.errors import ConfigError
+from mpidp.parallel.convert import convert_to_domain_parallel as _convert
 
 __all__ = ["convert_to_domain_parallel", "validate_sharding_constraints"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpidp.halo import HaloExchange as _Core
+from mpidp.ops.halo import HaloExchange as _Core
 
 __all__ = ["HaloExchange"]
 

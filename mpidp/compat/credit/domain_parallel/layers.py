@@ -13,9 +13,9 @@ from torch import nn
 
 from mpidp.compat.credit.domain_parallel.halo_exchange import HaloExchange
 from mpidp.compat.credit.domain_parallel.manager import resolve
-from mpidp.convert import convert_to_domain_parallel as _convert
 from mpidp.layers import DomainParallelGroupNorm as _GroupNorm
 from mpidp.layers import DomainParallelInterpolate as _Interpolate
+from mpidp.parallel.convert import convert_to_domain_parallel as _convert
 
 __all__ = [
     "DomainParallelConv2d",

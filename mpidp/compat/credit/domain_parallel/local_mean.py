@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager
+from mpidp.ops.bands import learn_spec
+from mpidp.ops.training import _MeanShare
+from mpidp.runtime.manager import DistributedManager
 from mpidp.sharded.pointwise import POINTWISE
-from mpidp.training import _MeanShare
 
 __all__ = ["LocalBand", "LocalMean", "plain", "track"]
 
@@ -369,7 +370,6 @@ def track(band: torch.Tensor, dim: int, manager: DistributedManager) -> torch.Te
     ranks' row counts) when gradients are on. Collective over the domain group."""
     if not (torch.is_grad_enabled() and band.requires_grad) or manager.domain_world_size == 1:
         return band
-    from mpidp.layers.base import learn_spec
 
     row = dim if dim < 0 else dim - band.dim()
     spec = learn_spec(band, row % band.dim(), manager.transport(None, band.device))

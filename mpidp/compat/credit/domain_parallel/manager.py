@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
+from mpidp.runtime.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 
 __all__ = ["DomainParallelManager", "get_domain_parallel_manager", "initialize_domain_parallel"]
 

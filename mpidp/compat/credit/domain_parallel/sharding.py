@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from mpidp.compat.credit.domain_parallel.manager import DomainParallelManager, resolve
-from mpidp.sharding import gather_tensor as _gather
-from mpidp.sharding import shard_batch as _shard_batch
-from mpidp.sharding import shard_tensor as _shard
+from mpidp.ops.sharding import gather_tensor as _gather
+from mpidp.ops.sharding import shard_batch as _shard_batch
+from mpidp.ops.sharding import shard_tensor as _shard
 
 __all__ = ["gather_tensor", "shard_batch", "shard_tensor"]
 

@@ -1,4 +1,4 @@
-"""PhysicsNeMo's ``physicsnemo.distributed.autograd`` over :mod:`mpidp.collectives`.
+"""PhysicsNeMo's ``physicsnemo.distributed.autograd`` over :mod:`mpidp.ops.collectives`.
 
 Each function is mpidp's differentiable collective with PhysicsNeMo's argument names and order,
 ``group=None`` meaning the world; each ``*Autograd`` class offers PhysicsNeMo's

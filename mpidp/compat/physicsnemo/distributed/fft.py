@@ -1,13 +1,14 @@
-"""PhysicsNeMo's ``physicsnemo.distributed.fft`` over :mod:`mpidp.fft`, in PhysicsNeMo's layout.
+"""PhysicsNeMo's ``physicsnemo.distributed.fft`` over :mod:`mpidp.ops.fft`, in PhysicsNeMo's layout.
 
 ``DistributedRFFT2.apply(x, s, dim, norm)``: the real field is cut along ``dim[1]`` (the dim
 ``rfft2`` halves) over the ``"spatial_parallel"`` group; the spectrum comes out cut along
 ``dim[0]`` with the ``s[1] // 2 + 1`` modes whole. ``DistributedIRFFT2`` is the way back. Both
-are mpidp's :func:`~mpidp.fft.rfft2_halved_cut` / :func:`~mpidp.fft.irfft2_halved_cut`: exact
+are mpidp's :func:`~mpidp.ops.fft.rfft2_halved_cut` /
+:func:`~mpidp.ops.fft.irfft2_halved_cut`: exact
 ``torch.fft.rfft2`` / ``irfft2`` of the global field with torch's gradients (PhysicsNeMo's
 inverse backward is not the exact adjoint), any extent over any rank count (the output is cut
-by mpidp's balanced policy; :func:`mpidp.fft.layout` of the output says how), ``s`` optional.
-(mpidp's own :class:`mpidp.fft.DistributedRFFT2` keeps mpidp's layout instead.)
+by mpidp's balanced policy; :func:`mpidp.ops.fft.layout` of the output says how), ``s`` optional.
+(mpidp's own :class:`mpidp.ops.fft.DistributedRFFT2` keeps mpidp's layout instead.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from mpidp import fft as core
 from mpidp.compat.physicsnemo.distributed.manager import DistributedManager, transport_for
+from mpidp.ops import fft as core
 
 __all__ = ["DistributedIRFFT2", "DistributedRFFT2"]
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import mpidp
-from mpidp.collectives import resolve_transport
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
+from mpidp.ops.collectives import resolve_transport
 
 __all__ = [
     "DistributedManager",
@@ -73,8 +73,8 @@ def _launch_transport() -> str:
     """``"torch"`` where the launcher started several tasks that MPI does not join (``srun
     --mpi=none``: every task an MPI singleton), which PhysicsNeMo initialises from SLURM's
     variables alone; else mpidp's choice (``"auto"``). Local: the same answer on every task."""
-    from mpidp.bootstrap import detect_launch
-    from mpidp.manager import _mpi_world
+    from mpidp.runtime.bootstrap import detect_launch
+    from mpidp.runtime.manager import _mpi_world
 
     comm = _mpi_world()
     launched = detect_launch(dict(os.environ)).world_size

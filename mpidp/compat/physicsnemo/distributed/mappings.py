@@ -1,4 +1,4 @@
-"""PhysicsNeMo's ``physicsnemo.distributed.mappings`` over :mod:`mpidp.collectives`.
+"""PhysicsNeMo's ``physicsnemo.distributed.mappings`` over :mod:`mpidp.ops.collectives`.
 
 ``group`` is the *name* of a group of the compat :class:`DistributedManager` (None: the
 world), as in PhysicsNeMo. Megatron's pairs: copy (identity, all-reduce backward) and reduce
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from mpidp import collectives as core
 from mpidp.compat.physicsnemo.distributed.manager import DistributedManager, transport_for
 from mpidp.compat.physicsnemo.distributed.utils import _sizes, split_to_group
+from mpidp.ops import collectives as core
 
 __all__ = [
     "copy_to_parallel_region",

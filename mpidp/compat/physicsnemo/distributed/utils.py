@@ -1,4 +1,4 @@
-"""PhysicsNeMo's ``physicsnemo.distributed.utils`` over :mod:`mpidp.collectives`.
+"""PhysicsNeMo's ``physicsnemo.distributed.utils`` over :mod:`mpidp.ops.collectives`.
 
 Every ``*_wrapper`` takes PhysicsNeMo's arguments, with ``group=None`` meaning the world, and
 calls mpidp's one collective (uneven ``sizes`` work on every device). They are mpidp's
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp import collectives as core
 from mpidp.compat.physicsnemo.distributed.manager import DistributedManager, transport_for
 from mpidp.errors import ConfigError
 from mpidp.layers.base import learn_spec
-from mpidp.sharding import shard_tensor
+from mpidp.ops import collectives as core
+from mpidp.ops.sharding import shard_tensor
 
 __all__ = [
     "all_gather_v_bwd_wrapper",
@@ -93,7 +93,7 @@ def all_gather_v_wrapper(
     dim: int = 0,
     group: Any = None,
 ) -> torch.Tensor:
-    """:func:`mpidp.collectives.all_gather_v` over ``group`` (None: the world). Collective."""
+    """:func:`mpidp.ops.collectives.all_gather_v` over ``group`` (None: the world). Collective."""
     t = transport_for(group, tensor.device)
     return core.all_gather_v(tensor, _sizes(tensor, sizes, dim, t), dim, group=t)
 
@@ -105,7 +105,7 @@ def all_gather_v_bwd_wrapper(
     use_fp32: bool = True,
     group: Any = None,
 ) -> torch.Tensor:
-    """:func:`mpidp.collectives.reduce_scatter_v` (sum) over ``group`` (None: the world): the
+    """:func:`mpidp.ops.collectives.reduce_scatter_v` (sum) over ``group`` (None: the world): the
     adjoint of :func:`all_gather_v_wrapper`. Collective."""
     t = transport_for(group, tensor.device)
     return core.reduce_scatter_v(tensor, _sizes(tensor, sizes, dim, t), dim, group=t, op="sum")
@@ -118,7 +118,7 @@ def gather_v_wrapper(
     dst: int = 0,
     group: Any = None,
 ) -> torch.Tensor:
-    """:func:`mpidp.collectives.gather_v` over ``group`` (None: the world); ranks other than
+    """:func:`mpidp.ops.collectives.gather_v` over ``group`` (None: the world); ranks other than
     ``dst`` get an empty tensor. Collective."""
     t = transport_for(group, tensor.device)
     return core.gather_v(tensor, _sizes(tensor, sizes, dim, t), dim, dst, group=t)
@@ -131,7 +131,7 @@ def scatter_v_wrapper(
     src: int = 0,
     group: Any = None,
 ) -> torch.Tensor:
-    """:func:`mpidp.collectives.scatter_v` over ``group`` (None: the world); only ``src``'s
+    """:func:`mpidp.ops.collectives.scatter_v` over ``group`` (None: the world); only ``src``'s
     tensor is read. Collective."""
     t = transport_for(group, tensor.device if tensor is not None else None)
     return core.scatter_v(tensor, [int(s) for s in sizes], dim, src, group=t)
@@ -144,7 +144,7 @@ def indexed_all_to_all_v_wrapper(
     dim: int = 0,
     group: Any = None,
 ) -> torch.Tensor:
-    """:func:`mpidp.collectives.indexed_all_to_all_v` over ``group`` (None: the world): the
+    """:func:`mpidp.ops.collectives.indexed_all_to_all_v` over ``group`` (None: the world): the
     entries ``indices[j]`` along ``dim`` go to rank j. Collective."""
     t = transport_for(group, tensor.device)
     return core.indexed_all_to_all_v(tensor, indices, sizes, dim, group=t)

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp import rng
-from mpidp.collectives import reduce_from
 from mpidp.comm.base import fingerprint
 from mpidp.errors import CommError, ConfigError
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import ShardSpec
+from mpidp.ops.bands import learn_spec
+from mpidp.ops.collectives import reduce_from
+from mpidp.runtime import rng
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "broadcast_parameters",
@@ -219,7 +220,7 @@ def _agree_on_gradients(
     otherwise the buckets would pair one rank's gradient with another's (a silent mix when
     the lengths happen to agree). One all-gather of a fingerprint; on a mismatch every rank
     raises the same error naming the parameters and the ranks. A model that ``draws`` random
-    numbers also checks its domain ranks' generators are in step (mpidp.rng), in the same
+    numbers also checks its domain ranks' generators are in step (mpidp.runtime.rng), in the same
     message. Collective over the world."""
     facts = tuple(
         (n, p.grad is not None, None if p.grad is None else (p.grad.shape, p.grad.dtype))
@@ -327,7 +328,6 @@ def mean_share(
     """
     if not (torch.is_grad_enabled() and band.requires_grad):
         return band
-    from mpidp.layers.base import learn_spec
 
     m = manager or get_manager()
     if m.domain_world_size == 1:

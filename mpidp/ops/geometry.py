@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from mpidp.errors import ConfigError
-from mpidp.partition import Balanced, PartitionPolicy, ShardSpec
+from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
 
 __all__ = ["HaloSpec", "conv_output_size", "input_ranges", "padding_pair"]
 

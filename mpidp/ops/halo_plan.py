@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["BOUNDARY_KINDS", "Boundary", "Layout", "Piece", "Plan", "layout", "plan"]
 

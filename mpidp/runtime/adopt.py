@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mpidp.bootstrap import LaunchInfo
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
-from mpidp.manager import (
+from mpidp.runtime.bootstrap import LaunchInfo
+from mpidp.runtime.manager import (
     DEFAULT_TIMEOUT,
     MESH_MANAGERS,
     DistributedManager,
     get_manager,
     is_initialized,
 )
-from mpidp.partition import Balanced
+from mpidp.runtime.partition import Balanced
 
 __all__ = ["AdoptedManager", "GRADIENTS", "group_ranks", "manager_for", "release"]
 

@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mpidp.adopt import manager_for
-from mpidp.collectives import copy_to, reduce_from
 from mpidp.comm import TorchTransport, Transport
-from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
-from mpidp.manager import (
+from mpidp.ops.collectives import copy_to, reduce_from
+from mpidp.parallel.convert import convert_to_domain_parallel
+from mpidp.runtime.adopt import manager_for
+from mpidp.runtime.manager import (
     MESH_MANAGERS,
     DistributedManager,
     _destroy_groups,
@@ -47,7 +47,7 @@ from mpidp.manager import (
     init,
     is_initialized,
 )
-from mpidp.partition import Balanced, PartitionPolicy, ShardSpec
+from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
 
 __all__ = [
     "DATA_MODES",
@@ -306,7 +306,7 @@ class ParallelMesh:
         ``data="none"`` and dp > 1, :func:`mpidp.sync_gradients` (domain sum and dp average in
         one all-reduce). Collective."""
         if self.config.data == "none" and self.dp_size > 1:
-            from mpidp.training import sync_gradients
+            from mpidp.ops.training import sync_gradients
 
             sync_gradients(model, self.manager)
         else:
@@ -706,7 +706,7 @@ def sync_domain_gradients(
     gradient). Works on FSDP2's sharded gradients (the ranks of a domain group hold the same
     shard) and tensor-parallel shards (they share a tp coordinate). One all-reduce per bucket
     of about 32 MB. Collective over the domain group."""
-    from mpidp.training import sum_in_buckets
+    from mpidp.ops.training import sum_in_buckets
 
     m = manager.manager if isinstance(manager, ParallelMesh) else manager or get_manager()
     if m.domain_world_size == 1:

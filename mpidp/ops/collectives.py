@@ -37,8 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mpidp.comm import Transport
 from mpidp.errors import CommError, ConfigError
-from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.partition import ShardSpec, as_sizes
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.partition import ShardSpec, as_sizes
 
 __all__ = [
     "all_gather_v",
@@ -71,7 +71,7 @@ def resolve_transport(group: Any = None, device: torch.device | str | None = Non
     if isinstance(group, DistributedManager):
         return group.transport(None, device)
     if isinstance(group, (dist.ProcessGroup, DeviceMesh)) and not _knows(group):
-        from mpidp.adopt import manager_for  # a group mpidp did not build
+        from mpidp.runtime.adopt import manager_for  # a group mpidp did not build
 
         return manager_for(group).transport(None, device)
     return get_manager().transport(group, device)

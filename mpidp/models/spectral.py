@@ -1,5 +1,5 @@
 """Domain-parallel forms of the spectral models' modules (mpidp.models): the serial forward code
-runs unchanged, with its FFT hooks answered by mpidp.fft, position embeddings sliced to the band
+runs unchanged, with its FFT hooks answered by mpidp.ops.fft, position embeddings sliced to the band
 and a patch head whose rows move to the manager's partition.
 
 A spectral filter learns the partition of its input once per call (one all-gather of one
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from mpidp import fft as mfft
-from mpidp.collectives import repartition
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
-from mpidp.models import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
-from mpidp.partition import ShardSpec
+from mpidp.models.nets import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
+from mpidp.ops import fft as mfft
+from mpidp.ops.collectives import repartition
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "DomainParallelAFNOFilter",
@@ -32,10 +32,30 @@ __all__ = [
 class SpectralBands(DomainParallel):
     """Mixin for a module written with the ``_rfft2`` / ``_irfft2`` / ``_modes`` hooks of
     :class:`mpidp.models.AFNOFilter` (``fft_dims``: the sharded H first, then W): the hooks
-    go through mpidp.fft on the domain group. Collective over the domain group."""
+    go through mpidp.ops.fft on the domain group. Collective over the domain group."""
 
     fft_dims: tuple[int, int]
     _rows: ShardSpec | None = None
+    dry_run = True
+
+    @classmethod
+    def modes_of(cls, module: Any, shape_in: Any, parts: int, partition: Any) -> tuple[int, ...]:
+        """The W modes on each rank: the policy's cut of ``W // 2 + 1``, or a balanced cut
+        with empty parts when there are fewer modes than ranks."""
+        k_modes = shape_in[module.fft_dims[1]] // 2 + 1
+        cut = ShardSpec.balanced(k_modes, parts, allow_empty=True)
+        return tuple((cut if k_modes < parts else partition.spec(k_modes, parts)).sizes)
+
+    @classmethod
+    def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
+        """rfft2's all-to-all (this rank's rows of the others' modes) and irfft2's (the
+        others' rows of its modes), complex values; the backward sends the same again."""
+        d = len(layer.shape_in) + layer.dim_in
+        h, rows, k, mine = sum(layer.rows_in), layer.rows_in[rank], sum(layer.modes), 0
+        mine = layer.modes[rank]
+        other = layer.row_elements("in") // layer.shape_in[d + 1]  # W follows H in both layouts
+        once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
+        return 2 * once
 
     def input_band_dim(self) -> int:
         first = self.fft_dims[0]
@@ -85,6 +105,8 @@ class SpectralBands(DomainParallel):
 
 
 class DomainParallelAFNOFilter(SpectralBands, AFNOFilter):
+    channels_last_in = channels_last_out = True
+
     """:class:`mpidp.models.AFNOFilter` on bands of its channels-last (B, h, w, C) tokens: the
     block MLP and the mode mask act on this rank's W modes, by global mode number."""
 
@@ -95,6 +117,8 @@ class DomainParallelSpectralConv2d(SpectralBands, SpectralConv2d):
 
 
 class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
+    dry_run = channels_last_in = channels_last_out = True
+
     """The band's rows of the learned embedding (channels-last (B, h, w, C): rows are dim 1).
     The gradient of the other rows is zero here; the domain sum of gradients completes it."""
 
@@ -111,6 +135,25 @@ class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
 
 
 class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
+    dry_run = channels_last_in = True
+
+    @classmethod
+    def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
+        """The pixel rows this rank's tokens give that the policy's cut puts on other ranks
+        (forward) and those it gets back (backward)."""
+        patch = sum(layer.rows_out) // max(sum(layer.rows_in), 1)
+        pixels = ShardSpec.from_sizes([patch * n for n in layer.rows_in])
+        out = ShardSpec.from_sizes(layer.rows_out)
+        lost = sum(
+            hi - lo
+            for r, lo, hi in out.overlaps(pixels.start(rank), pixels.stop(rank))
+            if r != rank
+        )
+        gained = sum(
+            hi - lo for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank)) if r != rank
+        )
+        return (lost + gained) * layer.row_elements("out") * itemsize
+
     """The linear un-patching head on a band of token rows: each token row becomes ``patch``
     pixel rows here, then the rows move to the manager's partition of the output height (only
     the boundary rows travel)."""

@@ -7,7 +7,7 @@ widths trim. Rows outside ``[0, H)`` are filled by the boundary rule of the seri
 (:class:`Boundary`). Widths are one int for every rank, or one entry per rank.
 
 Data moves point to point only: every rank computes the same plan from global facts (sizes,
-widths, boundary; :mod:`mpidp.halo_plan`), so each message has a sender and a receiver that
+widths, boundary; :mod:`mpidp.ops.halo_plan`), so each message has a sender and a receiver that
 agree on it without any negotiation. The backward is the exact adjoint, *halo accumulate*:
 every halo row's gradient goes back to the rank that owns the row and is added there (through
 the boundary's mirror and roll, and summed over replicated rows). Fetch and accumulate are
@@ -26,15 +26,15 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import _call, resolve_transport
 from mpidp.comm import PendingExchange, Transport
 from mpidp.errors import CommError, ConfigError
-from mpidp.geometry import HaloSpec
-from mpidp.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
-from mpidp.halo_plan import layout as layout_for
-from mpidp.halo_plan import plan as plan_for
-from mpidp.manager import DistributedManager
-from mpidp.partition import ShardSpec, known_for
+from mpidp.ops.collectives import _call, resolve_transport
+from mpidp.ops.geometry import HaloSpec
+from mpidp.ops.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
+from mpidp.ops.halo_plan import layout as layout_for
+from mpidp.ops.halo_plan import plan as plan_for
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec, known_for
 
 __all__ = [
     "BOUNDARY_KINDS",

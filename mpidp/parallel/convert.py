@@ -3,8 +3,8 @@
 Every module that reads neighbouring rows or statistics over the field is replaced by its
 domain-parallel wrapper, which subclasses it and shares its parameters and buffers (state_dict
 keys unchanged). Pointwise and channel-wise modules are left as they are. A module mpidp does
-not know is probed (:mod:`mpidp.probe`): left as it is when it is exact on any band, refused
-when it mixes rows. Modules that would silently compute something else on a band (attention
+not know is probed (:mod:`mpidp.parallel.probe`): left as it is when it is exact on any band,
+refused when it mixes rows. Modules that would silently compute something else on a band (attention
 over the full H, flattening, FFT blocks) are refused with their paths, unless the user
 registers a converter for their type or vouches for them with ``safe=``.
 """
@@ -26,8 +26,8 @@ from mpidp.layers.interpolate import MODES as INTERPOLATION_MODES
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.layers.pool import ONE_D_POOLS
 from mpidp.layers.registry import layer_for
-from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.probe import probe_band_locality
+from mpidp.parallel.probe import probe_band_locality
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.sharded.modules import enter_module, leave_module
 
 __all__ = ["SAFE_MODULES", "Verdict", "convert_to_domain_parallel", "explain_conversion"]
@@ -351,8 +351,8 @@ def convert_to_domain_parallel(
         model's first domain-parallel layer takes (-2, H of (B, C, H, W), for a convolution;
         -3, H of channels-last (B, H, W, C), for window attention and AFNO filters).
 
-    A module mpidp does not know is probed (:func:`mpidp.probe.probe_band_locality`): left as
-    it is when every band of its output equals its output on that band, refused otherwise.
+    A module mpidp does not know is probed (:func:`mpidp.parallel.probe.probe_band_locality`):
+    left as it is when every band of its output equals its output on that band, refused otherwise.
     Raises ConfigError listing every refused module (path, type, why), before anything is
     changed. :func:`explain_conversion` lists every verdict. Local: no communication.
     """

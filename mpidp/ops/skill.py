@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.training import global_acc, global_rmse
+from mpidp.ops.training import global_acc, global_rmse
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 
 __all__ = ["LeadScores", "Skill", "SkillMeter", "climatology", "physical_band"]
 

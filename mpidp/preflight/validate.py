@@ -12,31 +12,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mpidp.audit import OpRecorder, where_error
-from mpidp.convert import convert_to_domain_parallel
 from mpidp.errors import ConfigError
-from mpidp.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.graph.module import Graph, GraphExchange, dry_graphs
 from mpidp.layers import base
 from mpidp.layers.interpolate import _ONE_DIM, MODES, _per_dim, _taps, read_halo
 from mpidp.layers.pad import PAD_TYPES, _mode
 from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.layers.pool import _window_ranges
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.models import (
-    AFNOFilter,
-    PatchRecovery,
-    PositionEmbedding,
-    SpectralConv2d,
-    WindowAttention,
-)
-from mpidp.partition import PartitionPolicy, ShardSpec
+from mpidp.layers.registry import layer_for
+from mpidp.ops.geometry import HaloSpec, input_ranges, padding_pair
+from mpidp.parallel.convert import convert_to_domain_parallel
+from mpidp.preflight.audit import OpRecorder, where_error
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
 
@@ -53,15 +48,26 @@ _SPATIAL: tuple[type[nn.Module], ...] = (
     *PAD_TYPES,
     nn.PixelShuffle,
     nn.PixelUnshuffle,
-    AFNOFilter,
-    SpectralConv2d,
-    PositionEmbedding,
-    PatchRecovery,
-    WindowAttention,
 )
 
-#: channels-last modules: the sharded H is dim -3 of their (B, h, w, C) or (B, z, h, w, C) input
-_CHANNELS_LAST_IN = (AFNOFilter, PositionEmbedding, PatchRecovery, WindowAttention)
+
+def _form(module: nn.Module) -> Any:
+    """The band form registered for ``module``'s type when it asks to be listed by the dry run
+    (the example models' own modules say so, and what they are: layers/base.DomainParallel)."""
+    found = layer_for(type(module))
+    return found[1] if found is not None and found[1].dry_run else None
+
+
+def _dims(module: nn.Module, shard_dim: int) -> tuple[int, int]:
+    """The sharded dim of ``module``'s input and output (one more from the end for
+    channels-last tokens, as its band form says)."""
+    form = _form(module)
+    if form is None:
+        return shard_dim, shard_dim
+    return (
+        shard_dim - 1 if form.channels_last_in else shard_dim,
+        shard_dim - 1 if form.channels_last_out else shard_dim,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +88,19 @@ class LayerSharding:
     #: the sharded dim of the input and of the output (counted from the end)
     dim_in: int = -2
     dim_out: int = -2
-    #: a spectral layer (rfft2 and irfft2 through mpidp.fft): its W modes per rank
+    #: a spectral layer (rfft2 and irfft2 through mpidp.ops.fft): its W modes per rank
     modes: tuple[int, ...] = ()
     #: windowed attention: (window rows, shift) along the sharded dim
     window: tuple[int, ...] = ()
+    #: the band form of the layer's module type when it prices its own transposes
+    #: (layers/base.DomainParallel.transpose_bytes), None for torch's layers
+    form: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def row_elements(self, which: str = "in") -> int:
+        """Elements of one row along the sharded dim of the input (``"in"``) or output."""
+        shape = self.shape_in if which == "in" else self.shape_out
+        d = len(shape) + (self.dim_in if which == "in" else self.dim_out)
+        return math.prod(n for i, n in enumerate(shape) if i != d)
 
     @property
     def halo_rows(self) -> int:
@@ -227,7 +242,7 @@ def _meta_inputs(
 
 def _banded(module: nn.Module) -> bool:
     """A layer the band run replaces by its band arithmetic."""
-    return isinstance(module, (*_SPATIAL, base.DomainParallel))
+    return isinstance(module, (*_SPATIAL, base.DomainParallel)) or _form(module) is not None
 
 
 def _leaf(module: nn.Module) -> bool:
@@ -268,8 +283,7 @@ def _band_layer(
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         g_in, g_out, dtype = queue.pop(0)
-        dim_in = shard_dim - 1 if isinstance(module, _CHANNELS_LAST_IN) else shard_dim
-        dim_out = shard_dim if isinstance(module, PatchRecovery) else dim_in
+        dim_in, dim_out = _dims(module, shard_dim)
         d, e = len(g_in) + dim_in, len(g_out) + dim_out
         # fewer rows than ranks: a replicated input (after a global pool), whole on every rank
         replicated = g_in[d] < parts
@@ -432,7 +446,7 @@ def validate_sharding_constraints(
             def record(mod: nn.Module, args: tuple, out: Any, path: str = path) -> None:
                 if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                     calls.setdefault(mod, []).append((args[0].shape, out.shape, out.dtype))
-                    if isinstance(mod, _SPATIAL):
+                    if isinstance(mod, _SPATIAL) or _form(mod) is not None:
                         seen.append((path, mod, args[0].shape, out.shape))
 
             hooks.append(module.register_forward_hook(record))
@@ -470,8 +484,8 @@ def validate_sharding_constraints(
         )
     layers = []
     for path, module, shape_in, shape_out in seen:
-        dim_in = shard_dim - 1 if isinstance(module, _CHANNELS_LAST_IN) else shard_dim
-        dim_out = shard_dim if isinstance(module, PatchRecovery) else dim_in
+        dim_in, dim_out = _dims(module, shard_dim)
+        form = _form(module)
         d = len(shape_in) + dim_in
         h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
         kind = type(module).__name__
@@ -515,14 +529,8 @@ def validate_sharding_constraints(
         n_spatial = len(shape_in) - 2
         halo = _window_halo(module, spec_in, spec_out, k, h_in, n_spatial) if k >= 0 else None
         before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
-        modes: tuple[int, ...] = ()
-        if isinstance(module, AFNOFilter | SpectralConv2d):
-            k_modes = shape_in[module.fft_dims[1]] // 2 + 1
-            cut = ShardSpec.balanced(k_modes, parts, allow_empty=True)
-            modes = (cut if k_modes < parts else partition.spec(k_modes, parts)).sizes
-        window: tuple[int, ...] = ()
-        if isinstance(module, WindowAttention):
-            window = (module.window[d - 1], module.shift[d - 1])
+        modes = form.modes_of(module, shape_in, parts, partition) if form is not None else ()
+        window = form.window_of(module, d) if form is not None else ()
         layers.append(
             LayerSharding(
                 path,
@@ -538,6 +546,7 @@ def validate_sharding_constraints(
                 dim_out,
                 modes,
                 window,
+                form,
             )
         )
     return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges))

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mpidp.bootstrap import LaunchInfo, detect_launch
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import BackendError, ConfigError, LaunchError, OversubscribedWarning
-from mpidp.partition import Balanced, PartitionPolicy, ShardSpec
+from mpidp.runtime.bootstrap import LaunchInfo, detect_launch
+from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
 
@@ -87,12 +87,13 @@ class DistributedManager:
         The launcher environment; default ``os.environ``. Read, never written.
     partition:
         The partition policy that cuts every length over the domain group
-        (default :class:`~mpidp.partition.Balanced`); see :meth:`spec`.
+        (default :class:`~mpidp.runtime.partition.Balanced`); see :meth:`spec`.
 
     Collective over the world: every rank must construct it with the same arguments.
     """
 
-    #: the gradient convention of plain tensors used on bands (mpidp.adopt): this rank's share
+    #: the gradient convention of plain tensors used on bands (mpidp.runtime.adopt): this rank's
+    #: share
     gradients = "shares"
 
     def __init__(
@@ -806,7 +807,7 @@ def _describe_args(args: tuple[Any, ...]) -> str:
 
 
 #: managers made for meshes (mpidp.parallel.build_device_mesh) besides the default one, so
-#: that a mesh's domain group finds its manager (mpidp.adopt.manager_for)
+#: that a mesh's domain group finds its manager (mpidp.runtime.adopt.manager_for)
 MESH_MANAGERS: list[DistributedManager] = []
 
 

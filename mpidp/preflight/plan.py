@@ -5,7 +5,7 @@ arithmetic on a meta tensor: no memory, no communication) and prices it: per ran
 owns, the halo rows every layer fetches, the bytes its halo exchanges move in one training
 step and the activation memory its bands hold. ``mpidp plan`` prints it.
 
-Bytes come from the halo exchange's own plan (:func:`mpidp.halo_plan.plan`), so they count
+Bytes come from the halo exchange's own plan (:func:`mpidp.ops.halo_plan.plan`), so they count
 exactly the rows that come from other ranks (rows filled by a zero boundary cost nothing; rows
 across a pole or a periodic edge count when another rank owns them). A training step moves
 them twice: the forward fetch and its adjoint in the backward pass. Spectral layers (an AFNO
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import importlib
 import inspect
 import json
@@ -39,15 +38,15 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.graph.module import GraphExchange
-from mpidp.halo_plan import Boundary, plan
 from mpidp.layers import base
-from mpidp.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
-from mpidp.validate import (
+from mpidp.ops.halo_plan import Boundary, plan
+from mpidp.preflight.validate import (
     LayerSharding,
     ShardingReport,
     _meta_inputs,
     validate_sharding_constraints,
 )
+from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
 
 __all__ = [
     "EXAMPLE_MODELS",
@@ -59,59 +58,21 @@ __all__ = [
 ]
 
 
-def _unet(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import WeatherUNet
+def _example(name: str) -> Callable[[int, tuple[int, int]], nn.Module]:
+    """The factory of example model ``name``, found in :mod:`mpidp.models` when it is called
+    (the library does not import the examples)."""
 
-    return WeatherUNet(channels, channels, grid)
+    def build(channels: int, grid: tuple[int, int]) -> nn.Module:
+        examples = importlib.import_module("mpidp.models.examples").EXAMPLES
+        return examples[name](channels, grid)
 
-
-def _resblock(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import PeriodicResBlock
-
-    return PeriodicResBlock(max(channels, 2) + max(channels, 2) % 2)
-
-
-def _afno(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import AFNONet
-
-    patch = 8 if grid[0] % 8 == 0 and grid[1] % 8 == 0 else 4
-    return AFNONet(channels, channels, grid, patch=patch, embed_dim=256, depth=4, num_blocks=8)
+    return build
 
 
-def _fno(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import FNO2d
-
-    return FNO2d(channels, channels, modes1=32, modes2=32, width=32, depth=4)
-
-
-def _swin(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import SwinNet
-
-    patch = 8 if grid[0] % 8 == 0 and grid[1] % 8 == 0 else 4
-    return SwinNet(channels, channels, grid, patch=patch, embed_dim=192, heads=6, window=(6, 12))
-
-
-def _graph(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import GraphCastNet
-
-    return GraphCastNet(channels, channels, grid, mesh_nodes=2562, hidden=128, layers=4)
-
-
-def _patch(channels: int, grid: tuple[int, int]) -> nn.Module:
-    from mpidp.models import PatchEmbedRecover
-
-    return PatchEmbedRecover(channels, 32, grid)
-
-
-#: Model names ``mpidp plan --model`` knows: factories of ``(channels, grid)``.
+#: Model names ``mpidp plan --model`` knows: factories of ``(channels, grid)`` (each builds the
+#: example network of :mod:`mpidp.models` its name says).
 EXAMPLE_MODELS: dict[str, Callable[[int, tuple[int, int]], nn.Module]] = {
-    "unet": _unet,
-    "resblock": _resblock,
-    "patch": _patch,
-    "afno": _afno,
-    "fno": _fno,
-    "swin": _swin,
-    "graph": _graph,
+    name: _example(name) for name in ("unet", "resblock", "patch", "afno", "fno", "swin", "graph")
 }
 
 
@@ -260,64 +221,7 @@ def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
     """Bytes one rank sends (= receives, summed over a step) in a layer's transposes: a
     spectral layer's rfft2 and irfft2 all-to-alls (complex values; forward and backward), and
     a patch head's move of its pixel rows to the policy's cut."""
-    if layer.modes:
-        d = len(layer.shape_in) + layer.dim_in
-        h, rows, k, mine = sum(layer.rows_in), layer.rows_in[rank], sum(layer.modes), 0
-        mine = layer.modes[rank]
-        w_dim = d + 1  # W follows H in both layouts (B, C, H, W) and (B, h, w, C)
-        other = _spatial_elements(layer.shape_in, d) // layer.shape_in[w_dim]
-        # sent in rfft2 (my rows of others' modes) and irfft2 (others' rows of my modes);
-        # the backward sends what the forward received, the same count
-        once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
-        return 2 * once
-    if layer.window:  # the rows of the windows that straddle band boundaries, both ways
-        from mpidp.layers.window import window_rows
-
-        spec = ShardSpec.from_sizes(layer.rows_in)
-        wanted = window_rows(spec.sizes, *layer.window, rank)[1]
-        a, b = spec.start(rank), spec.stop(rank)
-        fetched = sum(
-            hi - lo for s, e in wanted[rank] for r, lo, hi in spec.overlaps(s, e) if r != rank
-        )
-        given = sum(
-            max(0, min(e, b) - max(s, a))
-            for q in range(spec.parts)
-            if q != rank
-            for s, e in wanted[q]
-        )
-        row = _spatial_elements(layer.shape_in, len(layer.shape_in) + layer.dim_in)
-        return (fetched + given) * row * itemsize  # forward fetches, backward gives back
-    if layer.kind == "PatchRecovery":
-        patch = sum(layer.rows_out) // max(sum(layer.rows_in), 1)
-        pixels = ShardSpec.from_sizes([patch * n for n in layer.rows_in])
-        out = ShardSpec.from_sizes(layer.rows_out)
-        lost = sum(
-            hi - lo
-            for r, lo, hi in out.overlaps(pixels.start(rank), pixels.stop(rank))
-            if r != rank
-        )
-        gained = sum(
-            hi - lo for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank)) if r != rank
-        )
-        row = _spatial_elements(layer.shape_out, len(layer.shape_out) + layer.dim_out)
-        return (lost + gained) * row * itemsize  # forward sends lost, backward gained
-    return 0
-
-
-@functools.lru_cache(maxsize=64)
-def _window_share(rows: tuple[int, ...], window: int, shift: int) -> list[float]:
-    """Each rank's share of what windowed attention saves inside the layer (bands of ``rows``
-    token rows, windows of ``window`` rows rolled by ``shift``): it computes whole windows, so
-    it holds the rows of every window its band touches, of the field padded to whole windows
-    (the windowed layouts have no H dim to read this off)."""
-    from mpidp.layers.window import window_rows
-    from mpidp.models import _window_cut
-
-    lo, hi = _window_cut(sum(rows), window)
-    padded = sum(rows) + lo + hi
-    return [
-        sum(n for _, n in window_rows(rows, window, shift, r)[2]) / padded for r in range(len(rows))
-    ]
+    return 0 if layer.form is None else layer.form.transpose_bytes(layer, rank, itemsize)
 
 
 def _saved_bytes(
@@ -378,8 +282,9 @@ def _saved_bytes(
             ends = zip(lay.halo_before, lay.halo_after, strict=True)
             pad = [max(0, b) + max(0, a) for b, a in ends]
             return [(n + e) / h_in for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
-        if inside and parts > 1 and lay.window:
-            return _window_share(lay.rows_in, *lay.window), False
+        shares = lay.form.saved_shares(lay) if inside and parts > 1 and lay.form else None
+        if shares is not None:
+            return shares, False
         h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
         rows_out = lay.rows_out if parts > 1 else (h_out,)
         return [min(n, h_out) / h_out for n in rows_out], False

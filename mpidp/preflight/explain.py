@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mpidp.errors import MpidpError
-from mpidp.manager import DistributedManager, get_manager
+from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.sharded.dispatch import WATCHERS, name_of
 from mpidp.sharded.partial import PartialSum
 from mpidp.sharded.tensor import Replicated, ShardedTensor, shard

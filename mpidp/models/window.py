@@ -15,15 +15,16 @@ added on their owners).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
 
-from mpidp.collectives import fetch_global_rows
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
-from mpidp.models import WindowAttention, _window_cut
-from mpidp.partition import ShardSpec
+from mpidp.models.nets import WindowAttention, _window_cut
+from mpidp.ops.collectives import fetch_global_rows
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["DomainParallelWindowAttention", "window_rows"]
 
@@ -39,7 +40,7 @@ def window_rows(
     ``sizes``, padded as :class:`~mpidp.models.WindowAttention` pads and rolled by ``-shift``:
     ``(first, wanted, runs, keep)``. ``first`` is the global number of its first window (-1:
     the last window, wrapped around); ``wanted`` every rank's data rows (for
-    :func:`~mpidp.collectives.fetch_global_rows`); ``runs`` its extended band, window after
+    :func:`~mpidp.ops.collectives.fetch_global_rows`); ``runs`` its extended band, window after
     window, as runs of data rows and zero rows; ``keep`` where its own rows start in it."""
     spec = ShardSpec(sizes)
     lo, hi = _window_cut(spec.total, window)
@@ -72,6 +73,36 @@ def window_rows(
 
 
 class DomainParallelWindowAttention(DomainParallel, WindowAttention):
+    dry_run = channels_last_in = channels_last_out = True
+
+    @classmethod
+    def window_of(cls, module: Any, d: int) -> tuple[int, ...]:
+        return (module.window[d - 1], module.shift[d - 1])
+
+    @classmethod
+    def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
+        """The rows of the windows that straddle band boundaries: fetched in the forward,
+        given back in the backward."""
+        spec = ShardSpec.from_sizes(layer.rows_in)
+        wanted = window_rows(spec.sizes, *layer.window, rank)[1]
+        a, b = spec.start(rank), spec.stop(rank)
+        fetched = sum(
+            hi - lo for s, e in wanted[rank] for r, lo, hi in spec.overlaps(s, e) if r != rank
+        )
+        given = sum(
+            max(0, min(e, b) - max(s, a))
+            for q in range(spec.parts)
+            if q != rank
+            for s, e in wanted[q]
+        )
+        return (fetched + given) * layer.row_elements("in") * itemsize
+
+    @classmethod
+    def saved_shares(cls, layer: Any) -> list[float] | None:
+        """It computes whole windows, so it holds the rows of every window its band touches,
+        of the field padded to whole windows."""
+        return _window_shares(tuple(layer.rows_in), *layer.window)
+
     """:class:`mpidp.models.WindowAttention` on bands of its channels-last tokens (H, the dim
     before W, is cut): exact for every partition, thin and empty shards included, shifted or
     not, padded or not. Collective over the domain group (one all-gather of one integer to
@@ -120,3 +151,12 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
 
 
 register_layer(WindowAttention, DomainParallelWindowAttention)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_shares(rows: tuple[int, ...], window: int, shift: int) -> list[float]:
+    lo, hi = _window_cut(sum(rows), window)
+    padded = sum(rows) + lo + hi
+    return [
+        sum(n for _, n in window_rows(rows, window, shift, r)[2]) / padded for r in range(len(rows))
+    ]

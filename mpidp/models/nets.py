@@ -1,4 +1,4 @@
-"""Small serial example models (plain torch): what the tests, the examples and ``mpidp plan``
+"""Small serial example networks (plain torch): what the tests, the examples and ``mpidp plan``
 convert to domain parallel. Sizes along the grid are fixed at construction, as in weather models
 on a fixed grid, so no layer needs the (local) input shape to know the global one.
 """
@@ -7,26 +7,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from mpidp.geometry import conv_output_size
 from mpidp.layers.periodic import PeriodicConv2d
-
-if TYPE_CHECKING:  # imported on first use (module __getattr__ below)
-    from mpidp.graph.graphcast import GraphCastNet
-    from mpidp.graph.layers import GraphTransformerLayer, InteractionNetwork
+from mpidp.ops.geometry import conv_output_size
 
 __all__ = [
     "AFNOBlock",
     "AFNOFilter",
     "AFNONet",
     "FNO2d",
-    "GraphCastNet",
-    "GraphTransformerLayer",
-    "InteractionNetwork",
     "PatchEmbedRecover",
     "PatchRecovery",
     "PeriodicResBlock",
@@ -37,21 +29,6 @@ __all__ = [
     "WeatherUNet",
     "WindowAttention",
 ]
-
-#: the graph models live in mpidp.graph (which imports the layers, which import this module)
-_GRAPH_MODELS = {
-    "GraphCastNet": "mpidp.graph.graphcast",
-    "GraphTransformerLayer": "mpidp.graph.layers",
-    "InteractionNetwork": "mpidp.graph.layers",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _GRAPH_MODELS:
-        import importlib
-
-        return getattr(importlib.import_module(_GRAPH_MODELS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _block(c_in: int, c_out: int, groups: int) -> nn.Sequential:
@@ -161,8 +138,8 @@ class PatchEmbedRecover(nn.Module):
 # -- spectral models ----------------------------------------------------------------------------
 #
 # Written as serial torch code with three hooks, ``_rfft2``, ``_irfft2`` and ``_modes``: the
-# serial forms call torch.fft; the domain-parallel forms (mpidp.layers.spectral) override only
-# the hooks with mpidp.fft. The forward code reads global sizes from the spectrum (all H there)
+# serial forms call torch.fft; the domain-parallel forms (mpidp.models.spectral) override only
+# the hooks with mpidp.ops.fft. The forward code reads global sizes from the spectrum (all H there)
 # and W from the band (W is never cut), so the same code is right on a band.
 
 
@@ -449,7 +426,7 @@ class FNO2d(nn.Module):
 # Written around one hook, ``_windows(x, first, grid)``: attention inside every window of a
 # padded, rolled block of tokens whose first window along each dim has global window number
 # ``first`` on a padded grid ``grid``. The serial form pads and rolls the whole field; the
-# domain-parallel form (mpidp.layers.window) builds the windows that hold its rows and keeps
+# domain-parallel form (mpidp.models.window) builds the windows that hold its rows and keeps
 # them. Masks and earth-specific biases follow the global window number, so both are exact.
 
 

@@ -256,7 +256,7 @@ class Finding:
             f"{self.shape} band) in the model's own forward code; on a band it runs and "
             f"computes something else. Do it in a module mpidp converts (nn.Conv2d, "
             f"nn.Upsample, nn.AdaptiveAvgPool2d, ...), through mpidp's own functions "
-            f"(mpidp.fft, mpidp.global_mean), or in a module with a converter of its own"
+            f"(mpidp.ops.fft, mpidp.global_mean), or in a module with a converter of its own"
         )
 
 

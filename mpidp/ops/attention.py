@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.collectives import all_to_all_v, resolve_transport
 from mpidp.errors import ConfigError
-from mpidp.partition import ShardSpec
-from mpidp.rng import band_stream
+from mpidp.ops.collectives import all_to_all_v, copy_to, reduce_from, resolve_transport
+from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.rng import band_stream
 
 __all__ = [
     "attention_over_key_band",
@@ -129,7 +130,6 @@ def sliding_window_attention(
     and its rows of the banded mask: the serial banded attention's rows, exact, with memory
     ``seq_r x (seq_r + left + right)`` instead of a whole-sequence mask. Collective over
     ``group`` (default: the domain group)."""
-    from mpidp.halo import halo_exchange
 
     left, right = (window_size, window_size) if isinstance(window_size, int) else window_size
     if min(left, right) < 0:
@@ -179,11 +179,9 @@ def attention_over_key_band(
 
     ``dropout_p``: the probabilities are dropped (and the kept ones scaled by ``1 / (1 - p)``)
     after the normaliser, as torch does; each rank draws the mask of its own columns from its
-    band stream (:mod:`mpidp.rng`: the default generators stay in step), and ``weights`` are
+    band stream (:mod:`mpidp.runtime.rng`: the default generators stay in step), and ``weights`` are
     the dropped probabilities, as ``nn.MultiheadAttention`` returns them.
     """
-    from mpidp.collectives import copy_to, reduce_from
-
     t = resolve_transport(group, q.device)
     rows = k.size(-2)
     scale = 1.0 / float(q.size(-1)) ** 0.5 if scale is None else scale

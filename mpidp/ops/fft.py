@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import all_to_all_v
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.layers.base import learn_spec
-from mpidp.manager import DistributedManager, get_manager
-from mpidp.partition import ShardSpec, as_sizes
+from mpidp.ops.bands import learn_spec
+from mpidp.ops.collectives import all_to_all_v
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import ShardSpec, as_sizes
 
 __all__ = [
     "DistributedIRFFT2",
@@ -113,7 +113,7 @@ def _given(spec: Spec, t: Transport, x: torch.Tensor, d: int, what: str) -> Shar
 
 def _input_spec(x: torch.Tensor, d: int, t: Transport, spec: Spec) -> ShardSpec:
     """The partition of ``x`` along ``d``: ``spec`` when given, else the layout recorded by an
-    mpidp.fft transform, else every rank's extent (one all-gather of one integer)."""
+    mpidp.ops.fft transform, else every rank's extent (one all-gather of one integer)."""
     given = _given(spec, t, x, d, "spec")
     if given is not None:
         return given
@@ -219,14 +219,14 @@ def _mark(x: torch.Tensor, spec: ShardSpec, d: int, t: Transport) -> torch.Tenso
 
 
 def layout(x: torch.Tensor) -> SpectralLayout:
-    """The spectral layout an mpidp.fft transform recorded on its output ``x``. Arithmetic on
+    """The spectral layout an mpidp.ops.fft transform recorded on its output ``x``. Arithmetic on
     ``x`` gives a tensor without it: query the transform's own output, or use :func:`modes` with
     the global mode count."""
     found = getattr(x, _ATTR, None)
     if not isinstance(found, SpectralLayout):
         raise ConfigError(
-            "this tensor carries no spectral layout (only the direct output of mpidp.fft."
-            "rfft2/fft2/rfft/fft does); call mpidp.fft.modes(n_modes, manager=...) instead"
+            "this tensor carries no spectral layout (only the direct output of mpidp.ops.fft."
+            "rfft2/fft2/rfft/fft does); call mpidp.ops.fft.modes(n_modes, manager=...) instead"
         )
     return found
 
@@ -275,7 +275,7 @@ def _forward2(
         return op(x, s=s, dim=(a, b), norm=norm)
     if real and sd == b:
         raise ConfigError(
-            f"rfft2 over dim=({a}, {b}) halves dim {b}, the sharded one: mpidp.fft halves the "
+            f"rfft2 over dim=({a}, {b}) halves dim {b}, the sharded one: mpidp.ops.fft halves the "
             f"local dim; pass dim=({b}, {a}) (the sharded dim first, W last), or call "
             f"rfft2_halved_cut for a field cut along the halved dim"
         )
@@ -313,7 +313,7 @@ def _inverse2(
     if real and sd == b:
         raise ConfigError(
             f"irfft2 over dim=({a}, {b}) would restore the sharded dim {b} from half its "
-            f"modes: mpidp.fft halves the local dim; pass dim=({b}, {a})"
+            f"modes: mpidp.ops.fft halves the local dim; pass dim=({b}, {a})"
         )
     local, local_n = (b, _s(s, 1)) if sd == a else (a, _s(s, 0))
     shard_n = _s(s, 0) if sd == a else _s(s, 1)

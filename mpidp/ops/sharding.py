@@ -1,7 +1,7 @@
 """CREDIT-style conveniences over the domain group: cut a replicated tensor into this rank's
 band, put the bands back together, shard a whole batch.
 
-Built on the differentiable primitives of :mod:`mpidp.collectives`, so gradients flow.
+Built on the differentiable primitives of :mod:`mpidp.ops.collectives`, so gradients flow.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from mpidp.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.manager import DistributedManager, get_manager, is_initialized
-from mpidp.partition import Balanced, PartitionPolicy, as_sizes
+from mpidp.ops.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.partition import Balanced, PartitionPolicy, as_sizes
 
 __all__ = ["gather_tensor", "shard_batch", "shard_tensor"]
 
@@ -63,7 +63,7 @@ def shard_tensor(
     ``spec`` (a ShardSpec or sizes) defaults to the manager's partition policy for
     ``x.size(dim)``. The backward all-gathers the band gradients, so a replicated ``x`` gets
     its full gradient on every rank. ``group`` (default: the domain group) may be any group
-    :func:`mpidp.collectives.resolve_transport` accepts.
+    :func:`mpidp.ops.collectives.resolve_transport` accepts.
     """
     policy, t = _domain(manager, x.device, group)
     d = dim % max(x.dim(), 1)

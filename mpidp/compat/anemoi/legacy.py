@@ -5,7 +5,7 @@ module goes after one release; change ``mpidp.anemoi`` to ``mpidp.compat.anemoi`
 Until then its names keep their pre-move forms, each a call of the compat layer:
 ``(input_, dim, sizes, mgroup=None, ...)`` with ``mgroup`` None the domain group,
 ``sync_tensor(..., gather_in_fwd=False)`` (identity forward, gradients summed: anemoi's later
-releases), and ``shard_heads`` / ``shard_sequence`` are :mod:`mpidp.attention`'s
+releases), and ``shard_heads`` / ``shard_sequence`` are :mod:`mpidp.ops.attention`'s
 (``shard_sequence(x, shapes, num_heads, group)``).
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from mpidp.attention import shard_heads, shard_sequence
-from mpidp.collectives import copy_to, resolve_transport
 from mpidp.comm import Transport
 from mpidp.compat.anemoi import graph as _graph
+from mpidp.ops.attention import shard_heads, shard_sequence
+from mpidp.ops.collectives import copy_to, resolve_transport
 
 __all__ = [
     "all_to_all_transpose",

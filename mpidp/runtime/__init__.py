@@ -1,0 +1,3 @@
+"""The runtime every rank starts from: the launch it was started by (bootstrap), the manager
+of its process groups and their transports (manager, adopt), how a length is cut over ranks
+(partition), random streams that stay in step (rng), progress lines (progress)."""
