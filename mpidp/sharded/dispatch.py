@@ -242,11 +242,10 @@ def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def whole_gradients(tree: Any) -> Any:
-    """Under the ``"whole"`` convention (:mod:`mpidp.runtime.adopt`: PhysicsNeMo's and DTensor's
-    set-up),
-    each plain tensor that needs a gradient and meets a band enters through
-    :func:`mpidp.ops.collectives.copy_to`, so its gradient, this rank's share, is summed over the
-    domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
+    """Under the ``"whole"`` convention (:mod:`mpidp.runtime.adopt`: PhysicsNeMo's and
+    DTensor's set-up), each plain tensor that needs a gradient and meets a band enters through
+    :func:`mpidp.ops.collectives.copy_to`, so its gradient, this rank's share, is summed over
+    the domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
     parameters do. Called at the outermost call only (a handler's own calls see those tensors
     already)."""
     from mpidp.ops.collectives import copy_to

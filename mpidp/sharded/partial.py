@@ -119,8 +119,24 @@ def partial_sum(summand: torch.Tensor, t: Transport) -> Replicated:
 
 
 def summed(tree: Any) -> Any:
-    """``tree`` with every partial value replaced by its value (a Replicated)."""
+    """``tree`` with every partial value replaced by its value (a Replicated). A tree that
+    holds none (most calls) comes back as it is, after one walk of its containers."""
+    if not holds(tree, PartialSum):
+        return tree
     return tree_map(lambda a: a.value() if isinstance(a, PartialSum) else a, tree)
+
+
+def holds(tree: Any, kind: type) -> bool:
+    """Whether ``tree`` (tensors and the containers torch functions take: tuples, named
+    tuples, lists, dicts) holds a ``kind``. A walk without pytree's bookkeeping: it runs for
+    every dispatched call."""
+    if isinstance(tree, kind):
+        return True
+    if isinstance(tree, (tuple, list)):
+        return any(holds(a, kind) for a in tree)
+    if isinstance(tree, dict):
+        return any(holds(a, kind) for a in tree.values())
+    return False
 
 
 _SUMMAND_GETTERS = {"requires_grad", "grad_fn", "is_leaf", "_version"}
@@ -133,8 +149,7 @@ def _getter(func: Any) -> str:
 
 
 def _has(args: Any, kwargs: Any, kind: type) -> bool:
-    leaves, _ = tree_flatten((args, kwargs))
-    return any(isinstance(a, kind) for a in leaves)
+    return holds(args, kind) or holds(kwargs, kind)
 
 
 def _partials(leaves: list[Any]) -> list[PartialSum]:

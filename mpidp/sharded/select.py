@@ -326,8 +326,10 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
     m = value.manager
     spec = m.partition.derived(x.shape[d], m.domain_world_size)
     band = x.narrow(d, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).clone()
+    shape = x.shape
     x.__class__ = ShardedTensor
     x._local, x._spec, x._dim, x._manager, x._blocks = band, spec, d, m, 1
+    x._shape = shape
     return x
 
 

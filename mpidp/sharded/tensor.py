@@ -72,6 +72,7 @@ class ShardedTensor(torch.Tensor):
     _dim: int
     _manager: DistributedManager
     _blocks: int
+    _shape: torch.Size
 
     @staticmethod
     def __new__(
@@ -88,6 +89,7 @@ class ShardedTensor(torch.Tensor):
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
+        out._shape = torch.Size(shape)
         out._blocks = blocks
         if not _FIRST_DONE:
             _FIRST_DONE.append(True)
@@ -99,6 +101,26 @@ class ShardedTensor(torch.Tensor):
         super().__init__()
 
     # -- what it is -------------------------------------------------------------------------
+
+    def dim(self) -> int:
+        """The number of dims (the band's: the same as the global tensor's). Answered here, not
+        through ``__torch_function__``: the rules ask it several times per call."""
+        return self._local.dim()
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        """See :meth:`dim`."""
+        return self._local.dim()
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        """The global shape (answered here, as :meth:`dim`)."""
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        """The band's dtype, the wrapper's (answered here, as :meth:`dim`)."""
+        return self._local.dtype
 
     @property
     def local(self) -> torch.Tensor:
