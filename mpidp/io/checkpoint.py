@@ -29,7 +29,7 @@ from mpidp.io._common import (
     shared_token,
     temporary_name,
 )
-from mpidp.parallel import (
+from mpidp.parallel.state import (
     _unwrap,
     full_optimizer_state,
     full_state_dict,

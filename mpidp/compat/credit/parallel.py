@@ -21,6 +21,7 @@ from mpidp.compat.credit.domain_parallel.manager import (
 from mpidp.compat.credit.domain_parallel.sharding import shard_tensor
 from mpidp.errors import ConfigError
 from mpidp.ops.training import sum_in_buckets
+from mpidp.parallel.mesh import local_tensor
 from mpidp.runtime.adopt import manager_for
 from mpidp.sharded import ShardedTensor
 
@@ -187,6 +188,6 @@ def sync_domain_gradients(model: nn.Module, manager: DomainParallelManager | Non
             f"domain_parallel.convert_to_domain_parallel (it weights each rank's rows); convert "
             f"with it, or sum with mpidp.parallel.sync_domain_gradients for mpidp's own rules"
         )
-    grads = [_parallel._local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     m = manager.manager
     sum_in_buckets(grads, m, "domain", divide=m.domain_world_size)
