@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+from mpidp.sharded.walk import holds, leaves
 from mpidp.sharded.where import relocated
 
 __all__ = [
@@ -144,13 +145,11 @@ def allow_fallback(on: bool = True) -> None:
 
 
 def has_sharded(args: Any, kwargs: Any) -> bool:
-    leaves, _ = tree_flatten((args, kwargs))
-    return any(isinstance(a, ShardedTensor) for a in leaves)
+    return holds(args, ShardedTensor) or holds(kwargs, ShardedTensor)
 
 
 def first_sharded(args: Any, kwargs: Any = None) -> ShardedTensor:
-    leaves, _ = tree_flatten((args, kwargs or {}))
-    return next(a for a in leaves if isinstance(a, ShardedTensor))
+    return next(a for a in leaves((args, kwargs or {})) if isinstance(a, ShardedTensor))
 
 
 def name_of(func: Any) -> str:
@@ -235,9 +234,7 @@ def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     attribute read on the common path: a ShardedTensor among the positional arguments)."""
     ref = next((a for a in args if isinstance(a, ShardedTensor)), None)
     if ref is None:
-        ref = next(
-            (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedTensor)), None
-        )
+        ref = next((a for a in leaves((args, kwargs)) if isinstance(a, ShardedTensor)), None)
     return ref is not None and ref.manager.gradients == "whole" and torch.is_grad_enabled()
 
 
@@ -304,12 +301,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _has_blocks(args: Any, kwargs: Any) -> bool:
-    leaves = (
-        args
-        if not kwargs and not any(isinstance(a, list | tuple) for a in args)
-        else (tree_flatten((args, kwargs))[0])
-    )
-    return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves)
+    return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves((args, kwargs)))
 
 
 def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

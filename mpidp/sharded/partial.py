@@ -28,6 +28,7 @@ from mpidp.comm import Transport
 from mpidp.errors import MpidpError
 from mpidp.ops.collectives import copy_to, reduce_from
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor, replicated
+from mpidp.sharded.walk import holds
 
 __all__ = ["PartialSum", "partial_sum", "summed"]
 
@@ -124,19 +125,6 @@ def summed(tree: Any) -> Any:
     if not holds(tree, PartialSum):
         return tree
     return tree_map(lambda a: a.value() if isinstance(a, PartialSum) else a, tree)
-
-
-def holds(tree: Any, kind: type) -> bool:
-    """Whether ``tree`` (tensors and the containers torch functions take: tuples, named
-    tuples, lists, dicts) holds a ``kind``. A walk without pytree's bookkeeping: it runs for
-    every dispatched call."""
-    if isinstance(tree, kind):
-        return True
-    if isinstance(tree, (tuple, list)):
-        return any(holds(a, kind) for a in tree)
-    if isinstance(tree, dict):
-        return any(holds(a, kind) for a in tree.values())
-    return False
 
 
 _SUMMAND_GETTERS = {"requires_grad", "grad_fn", "is_leaf", "_version"}
