@@ -123,9 +123,26 @@ class DomainParallel:
     #: the dry run lists this layer (rows in and out per rank) though its torch type is not
     #: one of torch's spatial layers (the example models' own modules)
     dry_run: bool = False
+    #: an output of fewer rows than ranks is the whole result on every rank (adaptive pools)
+    whole_when_short: bool = False
     #: the sharded dim of its input / output is one more from the end (channels-last tokens)
     channels_last_in: bool = False
     channels_last_out: bool = False
+
+    @classmethod
+    def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+        """(kernel, stride, (padding before, after), dilation) of a window along spatial axis
+        ``k``; None when the layer reads no window."""
+        return None
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        """(rows before, rows after per rank, what fills rows beyond the field) that the
+        layer's band form fetches along spatial axis ``k`` of ``n``, cutting ``n_in`` input
+        rows by ``spec_in`` and its output by ``spec_out``; None when it fetches none."""
+        return None
 
     @classmethod
     def modes_of(cls, module: Any, shape_in: Any, parts: int, partition: Any) -> tuple[int, ...]:

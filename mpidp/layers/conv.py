@@ -15,6 +15,7 @@ dim and cuts its own output rows out of the result (rows nothing reaches hold th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_row
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "DomainParallelConv1d",
@@ -77,6 +79,30 @@ def _pads(padding: str | Sequence[int], kernel: Sequence[int], dilation: Sequenc
 
 
 class _Conv(DomainParallel):
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+        ks, dil = module.kernel_size[k], module.dilation[k]
+        pad = module.padding
+        pair = padding_pair(pad, ks, 1, dil) if isinstance(pad, str) else (pad[k], pad[k])
+        return ks, module.stride[k], pair, dil
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        geo = cls.geometry(module, k)
+        assert geo is not None
+        halo = HaloSpec.for_layer(spec_in, spec_out, *geo)
+        return halo.before, halo.after, cls.boundary_of(module)
+
+    @classmethod
+    def boundary_of(cls, module: Any) -> str:
+        """What fills the rows beyond the field: the padding mode."""
+        mode = getattr(module, "padding_mode", "zeros")
+        return mode if mode in ("zeros", "reflect", "replicate", "circular") else "zeros"
+
     """The forward shared by Conv1d/2d/3d (``self`` is also the torch conv)."""
 
     _n: int
@@ -138,6 +164,25 @@ class DomainParallelConv3d(_Conv, nn.Conv3d):
 
 
 class _ConvTranspose(DomainParallel):
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        ranges = input_ranges(
+            spec_in,
+            spec_out,
+            module.kernel_size[k],
+            module.stride[k],
+            module.padding[k],
+            module.dilation[k],
+            transposed=True,
+            output_padding=module.output_padding[k],
+        )
+        halo = HaloSpec.from_ranges(spec_in, ranges)
+        return halo.before, halo.after, "none"
+
     """The forward shared by ConvTranspose1d/2d/3d (``self`` is also the torch layer)."""
 
     _n: int

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +196,21 @@ def interpolate(
 class DomainParallelInterpolate(DomainParallel, nn.Upsample):
     """:class:`torch.nn.Upsample` on bands (nearest, bilinear, bicubic; ``size`` is the global
     output size). Collective over the domain group."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        if module.mode not in MODES:
+            return None
+        size = _per_dim(module.size, n, "size")[k]
+        scale = _per_dim(module.scale_factor, n, "scale_factor")[k]
+        mode = _ONE_DIM[module.mode]
+        index, weight = _taps(n_in, size, scale, mode, module.align_corners, torch.float64)
+        _, halo = read_halo(index, weight, spec_in, spec_out)
+        return halo.before, halo.after, "none"
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

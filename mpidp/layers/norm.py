@@ -265,6 +265,8 @@ def _field_norm(
 class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` with statistics over the whole field. Collective."""
 
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
@@ -275,6 +277,8 @@ class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
 
 class _InstanceNorm(DomainParallel):
     """InstanceNorm2d/3d: per (sample, channel) statistics over the whole field."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,6 +329,8 @@ def _update(
 class _BatchNorm(DomainParallel):
     """BatchNorm2d/3d: per channel statistics over the batch and the whole field (the domain
     group; data-parallel replicas keep their own, as torch's BatchNorm under DDP)."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

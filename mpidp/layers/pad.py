@@ -21,6 +21,7 @@ from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_row
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
 
 # torch pad module base -> (F.pad mode, halo boundary)
 _MODES: dict[type, tuple[str, str]] = {
@@ -59,6 +60,21 @@ def _mode(module: nn.Module) -> tuple[str, str]:
 
 class _Pad(DomainParallel):
     """The forward shared by every pad (``self`` is also the torch pad module)."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+        pads: tuple[int, ...] = tuple(module.padding)
+        at_k = 2 * (len(pads) // 2 - 1 - k)  # F.pad order: last dim first
+        return 1, 1, (pads[at_k], pads[at_k + 1]), 1
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        halo = HaloSpec.for_layer(spec_in, spec_out, *cls.geometry(module, k))  # type: ignore[misc]
+        return halo.before, halo.after, _mode(module)[1]
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

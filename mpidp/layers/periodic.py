@@ -9,6 +9,8 @@ boundary, the longitude padding is local.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_row
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size
 from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -98,6 +101,22 @@ class PeriodicConv2d(nn.Conv2d):
 
 class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
     """:class:`PeriodicConv2d` on latitude bands. Collective over the domain group."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+        p = module.periodic_padding[0]
+        return module.kernel_size[0], module.stride[0], (p, p), module.dilation[0]
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        geo = cls.geometry(module, k)
+        assert geo is not None
+        halo = HaloSpec.for_layer(spec_in, spec_out, *geo)
+        return halo.before, halo.after, module.pole
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

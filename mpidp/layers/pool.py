@@ -33,6 +33,7 @@ from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec, note_replicated, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.collectives import all_gather_v, all_reduce
+from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo import halo_exchange
 from mpidp.runtime.partition import ShardSpec
 
@@ -162,6 +163,29 @@ def _checked_dim(layer: Any, x: torch.Tensor) -> int:
 class _Pool(DomainParallel):
     """Max/AvgPool 1-3-D (``self`` is also the torch pool); ``_n`` spatial dims."""
 
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
+    @classmethod
+    def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
+        def at(v: Any) -> int:
+            return v if isinstance(v, int) else v[k]
+
+        dil = at(getattr(module, "dilation", 1))
+        p = at(module.padding)
+        return at(module.kernel_size), at(module.stride or module.kernel_size), (p, p), dil
+
+    @classmethod
+    def halo_of(
+        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+        """Windows past the end (ceil_mode) included; rows beyond the field are the pool's own."""
+        kernel, stride, pad, dil = cls.geometry(module, k)  # type: ignore[misc]
+        ranges = _window_ranges(spec_in, spec_out, kernel, stride, pad[0], dil)
+        h = spec_in.total
+        inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
+        halo = HaloSpec.from_ranges(spec_in, inside)
+        return halo.before, halo.after, "none"
+
     _n: int
     _max: bool
 
@@ -250,6 +274,9 @@ def _pool_wrapper(torch_type: type[nn.Module], n: int, is_max: bool) -> type[nn.
 
 class _Adaptive(DomainParallel):
     """AdaptiveAvg/MaxPool 1-3-D to a global output size (``self`` is also the torch pool)."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    whole_when_short = True
 
     _n: int
     _max: bool

@@ -47,6 +47,8 @@ class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
     """:class:`torch.nn.PixelShuffle` on bands of H (dim -2). Collective over the domain
     group."""
 
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
@@ -62,6 +64,8 @@ class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
 class DomainParallelPixelUnshuffle(DomainParallel, nn.PixelUnshuffle):
     """:class:`torch.nn.PixelUnshuffle` on bands of H (dim -2). Collective over the domain
     group."""
+
+    dry_run = True  # listed by validate_sharding_constraints and mpidp plan
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,7 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.graph.module import Graph, GraphExchange, dry_graphs
 from mpidp.layers import base
-from mpidp.layers.interpolate import _ONE_DIM, MODES, _per_dim, _taps, read_halo
-from mpidp.layers.pad import PAD_TYPES, _mode
-from mpidp.layers.periodic import PeriodicConv2d
-from mpidp.layers.pool import _window_ranges
 from mpidp.layers.registry import layer_for
-from mpidp.ops.geometry import HaloSpec, input_ranges, padding_pair
 from mpidp.parallel.convert import convert_to_domain_parallel
 from mpidp.preflight.audit import OpRecorder, where_error
 from mpidp.runtime.manager import DistributedManager, get_manager
@@ -35,27 +30,18 @@ from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
 
-_SPATIAL: tuple[type[nn.Module], ...] = (
-    nn.modules.conv._ConvNd,
-    nn.GroupNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.modules.batchnorm._BatchNorm,
-    nn.Upsample,
-    nn.modules.pooling._MaxPoolNd,
-    nn.modules.pooling._AvgPoolNd,
-    nn.modules.pooling._AdaptiveAvgPoolNd,
-    nn.modules.pooling._AdaptiveMaxPoolNd,
-    *PAD_TYPES,
-    nn.PixelShuffle,
-    nn.PixelUnshuffle,
-)
-
 
 def _form(module: nn.Module) -> Any:
-    """The band form registered for ``module``'s type when it asks to be listed by the dry run
-    (the example models' own modules say so, and what they are: layers/base.DomainParallel)."""
+    """The band form registered for ``module``'s type when it is a spatial layer the dry run
+    lists (its ``dry_run``; it also says what it reads: layers/base.DomainParallel)."""
     found = layer_for(type(module))
     return found[1] if found is not None and found[1].dry_run else None
+
+
+def _whole_when_short(module: nn.Module) -> bool:
+    """Whether an output of fewer rows than ranks is the whole result on every rank."""
+    form = _form(module)
+    return form is not None and form.whole_when_short
 
 
 def _dims(module: nn.Module, shard_dim: int) -> tuple[int, int]:
@@ -142,32 +128,17 @@ def _rows(sizes: Sequence[int]) -> str:
     return ",".join(map(str, sizes))
 
 
+def _layer(module: nn.Module) -> Any:
+    """The band form registered for ``module``'s type (it answers the dry run's questions:
+    mpidp.layers.base.DomainParallel), or None."""
+    found = layer_for(type(module))
+    return found[1] if found is not None else None
+
+
 def _geometry(module: nn.Module, k: int) -> tuple[int, int, tuple[int, int], int] | None:
     """(kernel, stride, padding pair, dilation) along spatial axis ``k``, for window layers."""
-    if isinstance(module, PeriodicConv2d):
-        p = module.periodic_padding[0]
-        return module.kernel_size[0], module.stride[0], (p, p), module.dilation[0]
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
-        ks, dil = module.kernel_size[k], module.dilation[k]
-        pad = module.padding
-        pair = padding_pair(pad, ks, 1, dil) if isinstance(pad, str) else (pad[k], pad[k])
-        return ks, module.stride[k], pair, dil
-    if isinstance(module, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
-
-        def at(v: object) -> int:
-            return v if isinstance(v, int) else v[k]  # type: ignore[index]
-
-        dil = at(getattr(module, "dilation", 1))
-        p = at(module.padding)
-        return at(module.kernel_size), at(module.stride or module.kernel_size), (p, p), dil
-    if isinstance(module, PAD_TYPES):
-        pads: tuple[int, ...] = tuple(module.padding)  # type: ignore[arg-type]
-        at_k = 2 * (len(pads) // 2 - 1 - k)  # F.pad order: last dim first
-        return 1, 1, (pads[at_k], pads[at_k + 1]), 1
-    return None
-
-
-_MODES = {"zeros": "zeros", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+    form = _layer(module)
+    return form.geometry(module, k) if form is not None else None
 
 
 def _window_halo(
@@ -175,47 +146,10 @@ def _window_halo(
 ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
     """(before, after, boundary) of the rows a layer fetches along spatial axis ``k``, for the
     layers whose domain-parallel forward fetches rows; None for the others."""
-    if isinstance(module, nn.modules.conv._ConvNd) and module.transposed:
-        pad = module.padding[k]
-        assert isinstance(pad, int)
-        ranges = input_ranges(
-            spec_in,
-            spec_out,
-            module.kernel_size[k],
-            module.stride[k],
-            pad,
-            module.dilation[k],
-            transposed=True,
-            output_padding=module.output_padding[k],
-        )
-        halo = HaloSpec.from_ranges(spec_in, ranges)
-        return halo.before, halo.after, "none"
-    if isinstance(module, nn.Upsample) and module.mode in MODES:
-        n = n_spatial
-        size = _per_dim(module.size, n, "size")[k]
-        scale = _per_dim(module.scale_factor, n, "scale_factor")[k]
-        mode = _ONE_DIM[module.mode]
-        index, weight = _taps(n_in, size, scale, mode, module.align_corners, torch.float64)
-        _, halo = read_halo(index, weight, spec_in, spec_out)
-        return halo.before, halo.after, "none"
-    geo = _geometry(module, k)
-    if geo is None:
+    form = _layer(module)
+    if form is None:
         return None
-    if isinstance(module, nn.modules.pooling._MaxPoolNd | nn.modules.pooling._AvgPoolNd):
-        # windows past the end (ceil_mode) included; rows beyond the field are the pool's own
-        ranges = _window_ranges(spec_in, spec_out, geo[0], geo[1], geo[2][0], geo[3])
-        h = spec_in.total
-        inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
-        halo = HaloSpec.from_ranges(spec_in, inside)
-        return halo.before, halo.after, "none"
-    halo = HaloSpec.for_layer(spec_in, spec_out, geo[0], geo[1], geo[2], geo[3])
-    if isinstance(module, PeriodicConv2d):
-        kind = module.pole
-    elif isinstance(module, PAD_TYPES):
-        kind = _mode(module)[1]
-    else:
-        kind = _MODES.get(getattr(module, "padding_mode", "zeros"), "zeros")
-    return halo.before, halo.after, kind
+    return form.halo_of(module, spec_in, spec_out, k, n_in, n_spatial)
 
 
 def _meta_inputs(
@@ -242,7 +176,7 @@ def _meta_inputs(
 
 def _banded(module: nn.Module) -> bool:
     """A layer the band run replaces by its band arithmetic."""
-    return isinstance(module, (*_SPATIAL, base.DomainParallel)) or _form(module) is not None
+    return isinstance(module, base.DomainParallel) or _form(module) is not None
 
 
 def _leaf(module: nn.Module) -> bool:
@@ -279,7 +213,6 @@ def _band_layer(
 ) -> Any:
     """A converted layer's forward in the band run: checks that it gets ``rank``'s rows of
     its global input and returns the rows of its global output that the layer gives it."""
-    adaptive = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
         g_in, g_out, dtype = queue.pop(0)
@@ -295,7 +228,7 @@ def _band_layer(
                 f"input of {g_in[d]} rows puts {want} on that rank"
             )
         rows = g_out[e]
-        if not replicated and not (isinstance(module, adaptive) and rows < parts):
+        if not replicated and not (_whole_when_short(module) and rows < parts):
             rows = partition.derived(rows, parts).sizes[rank]
         shape = list(g_out)
         shape[e] = rows
@@ -446,7 +379,7 @@ def validate_sharding_constraints(
             def record(mod: nn.Module, args: tuple, out: Any, path: str = path) -> None:
                 if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                     calls.setdefault(mod, []).append((args[0].shape, out.shape, out.dtype))
-                    if isinstance(mod, _SPATIAL) or _form(mod) is not None:
+                    if _form(mod) is not None:
                         seen.append((path, mod, args[0].shape, out.shape))
 
             hooks.append(module.register_forward_hook(record))
@@ -489,12 +422,11 @@ def validate_sharding_constraints(
         d = len(shape_in) + dim_in
         h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
         kind = type(module).__name__
-        adaptive = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd)
         geo = _geometry(module, d - 2) if d >= 2 else None
         pointwise = geo is not None and geo[:3] == (1, 1, (0, 0)) and h_out == h_in
         try:
             spec_in = partition.spec(h_in, parts) if h_in >= parts else None
-            if (isinstance(module, adaptive) and h_out < parts) or (h_in < parts and pointwise):
+            if (_whole_when_short(module) and h_out < parts) or (h_in < parts and pointwise):
                 # fewer output rows than ranks: the whole result, replicated on every rank
                 layers.append(
                     LayerSharding(
