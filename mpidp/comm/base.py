@@ -79,6 +79,8 @@ class Transport(abc.ABC):
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
+        #: halo fetches started over this transport (mpidp.ops.halo numbers its exchanges by it)
+        self.fetches = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
@@ -311,10 +313,14 @@ class Transport(abc.ABC):
         self,
         sends: Sequence[tuple[int, torch.Tensor]],
         recvs: Sequence[tuple[int, torch.Tensor]],
+        number: int = 0,
     ) -> PendingExchange:
         """:meth:`exchange` without the wait: the messages are posted, the caller computes,
         then calls ``wait()`` on the result. Until then the send tensors must not change and
-        the receive buffers must not be read."""
+        the receive buffers must not be read. ``number`` (positive, the same on both sides of
+        each message; 0: none) names the exchange in its messages' tags, so that a rank that
+        skipped an exchange its peer makes never feeds the peer another exchange's rows, and
+        the two waits are told apart (:mod:`mpidp.comm.alarm`)."""
         for peer, _ in list(sends) + list(recvs):
             self._root(peer, "peer")
         own_sends = [t for peer, t in sends if peer == self.rank]
@@ -330,7 +336,7 @@ class Transport(abc.ABC):
         inn = [(p, t) for p, t in recvs if p != self.rank]
         if not (out or inn):
             return PendingExchange(None)
-        return PendingExchange(self._start_exchange(_tagged(out), _tagged(inn)))
+        return PendingExchange(self._start_exchange(_tagged(out, number), _tagged(inn, number)))
 
     # -- objects and synchronisation ---------------------------------------------------------
 
@@ -375,7 +381,16 @@ class Transport(abc.ABC):
             return [row[:k] for row in table], []
         everyone = self.all_gather_object((list(problems), facts))
         first = everyone[0][1]
-        lines = [f"rank {r}: {msg}" for r, (probs, _) in enumerate(everyone) for msg in probs]
+        # one line per problem, naming every rank that found it (ranks that read one damaged
+        # file all find the same)
+        found: dict[str, list[int]] = {}
+        for r, (probs, _) in enumerate(everyone):
+            for msg in probs:
+                found.setdefault(msg, []).append(r)
+        lines = [
+            f"rank {ranks[0]}: {msg}" if len(ranks) == 1 else f"ranks {ranks}: {msg}"
+            for msg, ranks in found.items()
+        ]
         for r, (_, mine) in enumerate(everyone):
             lines += [
                 f"rank {r}: {name}={value!r} but rank 0 passed {first.get(name)!r}"
@@ -498,12 +513,28 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _tagged(pairs: list[tuple[int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
-    """Number the messages to each peer 0, 1, ... so the k-th send meets the k-th receive."""
+#: Tags of one exchange: (its number (``start_exchange(number=)``) modulo
+#: :data:`EXCHANGE_NUMBERS`, plus 1) times this, plus the index of the message to that peer;
+#: an unnumbered exchange's tags are the indices alone. Every tag stays within the 32767 that
+#: MPI guarantees.
+TAGS_PER_EXCHANGE = 64
+EXCHANGE_NUMBERS = 510
+
+
+def _tagged(
+    pairs: list[tuple[int, torch.Tensor]], number: int = 0
+) -> list[tuple[int, int, torch.Tensor]]:
+    """Number the messages to each peer 0, 1, ... so the k-th send meets the k-th receive;
+    offset by the exchange's ``number`` (when every peer gets fewer than
+    :data:`TAGS_PER_EXCHANGE` messages), so that messages of two different exchanges never
+    meet."""
     count: dict[int, int] = {}
     out = []
     for peer, tensor in pairs:
         tag = count.get(peer, 0)
         count[peer] = tag + 1
         out.append((peer, tag, tensor))
+    if number > 0 and max(count.values(), default=0) <= TAGS_PER_EXCHANGE:
+        base = (number % EXCHANGE_NUMBERS + 1) * TAGS_PER_EXCHANGE
+        out = [(peer, base + tag, tensor) for peer, tag, tensor in out]
     return out

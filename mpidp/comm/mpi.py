@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidp.comm.base import Transport, disagreement, fingerprint, pair_weight
+from mpidp.comm import alarm
+from mpidp.comm.base import TAGS_PER_EXCHANGE, Transport, disagreement, fingerprint, pair_weight
 from mpidp.comm.buffers import BufferCache
 from mpidp.errors import CommError
 
@@ -58,7 +59,10 @@ class _Watchdog:
     A call costs two attribute writes; the thread looks twice a second."""
 
     def __init__(self) -> None:
-        self.waits: dict[int, tuple[float, float, str, MPITransport]] = {}
+        #: thread -> (began, deadline, what, transport, kind, number, needs): the kind of call
+        #: (``collective``, ``exchange``: ``number`` is its tags' number; ``other``) and the
+        #: ranks of the group it waits for (None: all), for :mod:`mpidp.comm.alarm`
+        self.waits: dict[int, tuple[float, float, str, MPITransport, str, int, Any]] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -72,20 +76,29 @@ class _Watchdog:
         while True:
             time.sleep(0.5)
             now = time.monotonic()
-            for began, limit, what, t in list(self.waits.values()):
+            waits = list(self.waits.values())
+            for began, limit, what, t, _, _, _ in waits:
                 if now - began > limit:
-                    self._fire(now - began, limit, what, t)
+                    self._fire(
+                        f"mpidp CommTimeout: {t._where()} (MPI group of {t.size}): {what} did not "
+                        f"complete after {now - began:.1f} s (deadline {limit:g} s): another "
+                        f"rank of the group has not entered the same call (it skipped it, is "
+                        f"stuck, or died). Aborting the job. Raise the limit with MPIDP_TIMEOUT "
+                        f"or the manager's timeout if such a wait is expected"
+                    )
+            listener = alarm.installed()
+            if listener is not None:
+                calls = [(w[0], w[1], _call_of(*w[2:])) for w in waits]
+                verdict = listener.poll(calls)
+                if verdict is not None:
+                    t = next(w[3] for w in waits)
+                    self._fire(
+                        f"mpidp CommDeadlock: {t._where()} (MPI group of {t.size}): {verdict}"
+                    )
 
     @staticmethod
-    def _fire(waited: float, limit: float, what: str, t: MPITransport) -> None:
-        print(
-            f"mpidp CommTimeout: {t._where()} (MPI group of {t.size}): {what} did not complete "
-            f"after {waited:.1f} s (deadline {limit:g} s): another rank of the group has not "
-            f"entered the same call (it skipped it, is stuck, or died). Aborting the job. Raise "
-            f"the limit with MPIDP_TIMEOUT or the manager's timeout if such a wait is expected",
-            file=sys.stderr,
-            flush=True,
-        )
+    def _fire(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
         time.sleep(1.0)  # let the launcher forward the message before it kills the job
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             MPI.COMM_WORLD.Abort(75)
@@ -95,17 +108,30 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+def start_watchdog() -> None:
+    """Start the deadline's thread now (it also listens for :mod:`.alarm`'s messages)."""
+    _WATCHDOG.start()
+
+
+def _call_of(what: str, t: MPITransport, kind: str, number: int, needs: Any) -> alarm.Call:
+    """A wait as a peer's report carries it (made only for the watchdog, never per call)."""
+    ranks = t.world_ranks if needs is None else tuple(t.world_ranks[r] for r in needs)
+    return alarm.Call(t.world_ranks, kind, number, what, ranks)
+
+
 class deadline:
     """``with deadline(t, what):`` runs a blocking MPI wait under ``t``'s deadline (see
     :class:`_Watchdog`). A class, not a generator: it is entered on every call."""
 
     __slots__ = ("key",)
 
-    def __init__(self, t: MPITransport, what: str) -> None:
+    def __init__(
+        self, t: MPITransport, what: str, kind: str = "other", number: int = 0, needs: Any = None
+    ) -> None:
         if _WATCHDOG.thread is None:
             _WATCHDOG.start()
         self.key = threading.get_ident()
-        _WATCHDOG.waits[self.key] = (time.monotonic(), t.timeout, what, t)
+        _WATCHDOG.waits[self.key] = (time.monotonic(), t.timeout, what, t, kind, number, needs)
 
     def __enter__(self) -> None:
         return None
@@ -149,6 +175,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 _SIZES = {torch.float64: 8, torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
+def _world_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(int(r) for r in mine.Translate_ranks(list(range(comm.Get_size())), world))
+    finally:
+        mine.Free()
+        world.Free()
+
+
 class MPITransport(Transport):
     """Collectives over ``comm`` (any intra-communicator: a domain or data-parallel split)."""
 
@@ -164,6 +199,8 @@ class MPITransport(Transport):
         #: seconds any one call waits for the other ranks before the watchdog aborts the job
         self.timeout = deadline_seconds() if timeout is None else float(timeout)
         self._checks = True  # off only in bench/checks.py, to price them
+        #: the world ranks of this communicator's ranks: how a peer's report names it
+        self.world_ranks = _world_ranks(comm)
         # the fingerprint (fp, -fp) and the all-to-all count balance, reused by every call
         self._check = (np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64))
         # all_gather_v calls seen before, by (sizes, shape, dtype): what the call needs
@@ -203,7 +240,7 @@ class MPITransport(Transport):
         its algorithm from the agreed facts: blocking below 64 KiB per rank, where it is
         faster (1 KB: 6.2 against 8.0 us), nonblocking above (1 MB: 532 against 795 us)."""
         failure: MPI.Exception | None = None
-        with deadline(self, what):
+        with deadline(self, what, "collective"):
             if self._checks:  # off only in bench/checks.py, to price them
                 fp = fingerprint(facts)
                 if problem is not None:  # this rank's own check failed: no other rank matches
@@ -464,7 +501,10 @@ class MPITransport(Transport):
                 f"peer skipped it (a forward or a backward that ran on some ranks only?)"
             )
             failure = None
-            with deadline(self, what):
+            # the exchange's number (halo.py numbers its exchanges; 0: unnumbered) rides in
+            # the tags: a peer's report of another number is another exchange
+            number = recvs[0][1] // TAGS_PER_EXCHANGE if recvs else 0
+            with deadline(self, what, "exchange", number, peers):
                 try:
                     MPI.Request.Waitall(reqs[: len(recvs)], statuses)
                 except MPI.Exception as exc:

@@ -234,7 +234,11 @@ class FieldSource(ABC):
             except FileNotFoundError:
                 problems.append(f"{label}: no such {self.part_word}")
             except self.errors as err:
-                problems.append(f"{label}: not a readable {self.kind} ({describe_error(err)})")
+                problems.append(
+                    f"{label}: not a readable {self.kind} ({describe_error(err)}): its header "
+                    f"or metadata is damaged, or it is of another format; restore it "
+                    f"from a copy or write it again"
+                )
         return infos
 
     def handle(self, key: Any, part: int, time: int, make: Callable[[], Any]) -> Any:

@@ -52,7 +52,7 @@ from mpidp.io._common import (
     temporary_name,
 )
 from mpidp.runtime.manager import DistributedManager
-from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.partition import ShardSpec, balanced_sizes
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
 
@@ -414,6 +414,20 @@ def _consolidated(t: Transport | None, tmp: Path, error: BaseException | None) -
     return error
 
 
+def _whose_band(sizes: Sequence[int], rows: int) -> str:
+    """Which ranks' bands differ from a balanced split of ``rows`` (the usual partition), as a
+    parenthesis; nothing when that split does not exist or every band differs."""
+    if rows < len(sizes):
+        return ""
+    want = balanced_sizes(rows, len(sizes))
+    off = [
+        f"rank {r} holds {n} rows where a balanced split of {rows} gives it {k}"
+        for r, (n, k) in enumerate(zip(sizes, want, strict=True))
+        if n != k
+    ]
+    return f" ({'; '.join(off)})" if 0 < len(off) < len(sizes) else ""
+
+
 class RolloutWriter:
     """A forecast written step by step: one variable per channel, shaped ``(time, latitude,
     longitude)``, grown by one time step per :meth:`write`; the file appears at ``path`` when
@@ -546,8 +560,9 @@ class RolloutWriter:
             raise DataError(
                 f"rank {me}: RolloutWriter({str(self.path)!r}).write, step {step}: the ranks' "
                 f"bands have {sizes} rows ({h} in all) of {w} longitudes, but the coordinates "
-                f"give a {grid[0]} x {grid[1]} grid; pass each rank's own band of that grid "
-                f"(a band of another height on one rank?)"
+                f"give a {grid[0]} x {grid[1]} grid{_whose_band(sizes, grid[0])}; fix: pass "
+                f"each rank its own band of that grid (manager.spec({grid[0]}).sizes gives "
+                f"each rank's rows), or the coordinates of the grid the bands come from"
             )
         lo = sum(sizes[:me])
         if self.zarr:

@@ -519,21 +519,29 @@ def scatter_v(
         _check_agreement(t, "scatter_v", {"sizes": sz, "src": src}, problems)
     if not 0 <= src < t.size:
         raise CommError(f"{t._where()}: src {src} is not a rank of this group; use 0..{t.size - 1}")
-    meta = None
+    # The source's own checks travel in the broadcast every rank takes part in (a string in
+    # place of the facts), so a bad tensor on the source raises on every rank at once instead
+    # of leaving the others waiting in the scatter.
+    meta: Any = f"{t._where()}: scatter_v src {src} passed None; the src rank must pass the tensor"
     if src_tensor is not None:
         d = _ndim_dim(src_tensor, dim)
         if d is None:
-            raise CommError(
+            meta = (
                 f"{t._where()}: dim {dim} is out of range for the src tensor of shape "
-                f"{tuple(src_tensor.shape)}"
+                f"{tuple(src_tensor.shape)}; pass a dim of that tensor"
             )
-        meta = (tuple(src_tensor.shape), src_tensor.dtype, d, _grad_flows(src_tensor))
+        elif src_tensor.size(d) != sum(sz):
+            meta = (
+                f"{t._where()}: scatter_v src tensor of shape {tuple(src_tensor.shape)} has "
+                f"{src_tensor.size(d)} entries along dim {d} but sum(sizes) = {sum(sz)} "
+                f"(sizes {sz}); pass the sizes of the partition this tensor belongs to"
+            )
+        else:
+            meta = (tuple(src_tensor.shape), src_tensor.dtype, d, _grad_flows(src_tensor))
     if t.size > 1:
         meta = t.broadcast_object(meta, src)
-    if meta is None:
-        raise CommError(
-            f"{t._where()}: scatter_v src {src} passed None; the src rank must pass the tensor"
-        )
+    if isinstance(meta, str):
+        raise CommError(meta if t.rank == src else f"{t._where()}: from {meta}")
     shape, dtype, d, grad = meta
     anchor = None
     if grad and src_tensor is None and torch.is_grad_enabled():

@@ -96,11 +96,19 @@ class _Op:
         return v.flip(self.dim) if p.flip else v
 
 
-_Started = tuple[PendingExchange, list[torch.Tensor], list[torch.Tensor]]
+_Started = tuple[PendingExchange, list[torch.Tensor], list[torch.Tensor], int]
 
 
 def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
-    """Allocate the outputs, post the messages (each received in place where it can be)."""
+    """Allocate the outputs, post the messages (each received in place where it can be).
+
+    Every rank of the group starts the same fetches in the same order, so the count of them
+    names each one alike on every rank: its messages carry 2 x that count in their tags, the
+    backward's (:func:`_accumulate`) one more. A rank that skipped a backward its peer runs
+    never feeds the peer another exchange's rows, and the two waits are told apart (and the
+    job ended at once) by :mod:`mpidp.comm.alarm`."""
+    op.t.fetches += 1
+    number = 2 * op.t.fetches
     plan, lay = op.plan, op.layout
     outs = [op.t.scratch(op.rows(x.shape, n), x.dtype, x.device) for n in lay.rows]
     bufs = [
@@ -111,11 +119,11 @@ def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
     ]
     sends = [(peer, x.narrow(op.dim, lo, hi - lo)) for peer, lo, hi in plan.send]
     recvs = [(peer, buf) for (peer, _, _), buf in zip(plan.recv, bufs, strict=True)]
-    return op.t.start_exchange(sends, recvs), bufs, outs
+    return op.t.start_exchange(sends, recvs, number), bufs, outs, number
 
 
 def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> list[torch.Tensor]:
-    pending, bufs, outs = started
+    pending, bufs, outs, _ = started
     lay = op.layout
     for i, at, n in lay.zeros:
         outs[i].narrow(op.dim, at, n).zero_()
@@ -127,7 +135,9 @@ def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> list[torch.Ten
     return outs
 
 
-def _accumulate(op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size) -> torch.Tensor:
+def _accumulate(
+    op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size, number: int = 0
+) -> torch.Tensor:
     plan, lay, g0 = op.plan, op.layout, gs[0]
     back = [
         gs[d[0]].narrow(op.dim, d[1], hi - lo)  # a plain piece: its gradient as it is
@@ -141,6 +151,7 @@ def _accumulate(op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size) -> tor
     pending = op.t.start_exchange(
         [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
         [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
+        number + 1 if number else 0,
     )
     n = x_shape[op.dim]
     local = list(lay.local)
@@ -173,27 +184,27 @@ class _HaloFetch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, op: _Op, started: _Started | None) -> Any:
-        ctx.op, ctx.x_shape = op, x.shape
         started = started if started is not None else _start_fetch(op, x)
+        ctx.op, ctx.x_shape, ctx.number = op, x.shape, started[3]
         return _one_or_tuple(_finish_fetch(op, x, started))
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> Any:
-        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, *gs), None, None
+        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, ctx.number, *gs), None, None
 
 
 class _HaloAccumulate(torch.autograd.Function):
     """Adjoint of the fetch: every fetched row's value added to the row it came from."""
 
     @staticmethod
-    def forward(ctx: Any, op: _Op, x_shape: torch.Size, *gs: torch.Tensor) -> Any:
+    def forward(ctx: Any, op: _Op, x_shape: torch.Size, number: int, *gs: torch.Tensor) -> Any:
         ctx.op = op
-        return _accumulate(op, gs, x_shape)
+        return _accumulate(op, gs, x_shape, number)
 
     @staticmethod
     def backward(ctx: Any, gg: torch.Tensor) -> Any:
         outs = _HaloFetch.apply(gg, ctx.op, None)
-        return None, None, *(outs if isinstance(outs, tuple) else (outs,))
+        return None, None, None, *(outs if isinstance(outs, tuple) else (outs,))
 
 
 # -- arguments: checked on every rank, agreed in one small all-gather -----------------------

@@ -53,6 +53,15 @@ def _mpi_world() -> Any:
     return MPI.COMM_WORLD
 
 
+def _install_alarm(world: Any) -> None:
+    """Every rank hears of an error that ends another and of calls out of step
+    (:mod:`mpidp.comm.alarm`). Once per process; collective over the world the first time."""
+    from mpidp.comm import alarm
+    from mpidp.comm.mpi import start_watchdog
+
+    alarm.install(world, start_watchdog)
+
+
 def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
     if isinstance(timeout, datetime.timedelta):
         return timeout
@@ -146,6 +155,7 @@ class DistributedManager:
         }
         if self._mpi_runs_job():
             assert self._world_comm is not None
+            _install_alarm(self._world_comm)
             self._same_everywhere(
                 self._world_comm.allgather(self._facts), self._world_comm.Get_rank()
             )
@@ -362,6 +372,7 @@ class DistributedManager:
         elif self._mpi_runs_job():
             kwargs["store"] = self._mpi_rendezvous(env)
         elif self.launch_info.launcher == "torchrun":
+            self._check_address(env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
             kwargs["init_method"] = "env://"
         else:
             addr, port = self.launch_info.master_addr, self.launch_info.master_port
@@ -388,6 +399,22 @@ class DistributedManager:
                 f"reachable from this node, and that the port is free"
             ) from None
 
+    def _check_address(self, addr: str | None, port: str | None) -> None:
+        """Every rank resolves the rendezvous address itself before joining, so an address that
+        does not resolve is an error on every rank at once (rank 0's store would otherwise wait
+        the whole timeout for ranks that can never reach it, with no word of why)."""
+        if not addr:
+            return
+        try:
+            socket.getaddrinfo(addr, None)
+        except OSError as exc:
+            raise LaunchError(
+                f"rank {self.rank} of {self.world_size} ({self.launch_info.launcher}): "
+                f"MASTER_ADDR={addr!r} (MASTER_PORT={port!r}) does not resolve on {self.host} "
+                f"({exc}); every rank must reach rank 0 there: set MASTER_ADDR to rank 0's host "
+                f"name or IP address"
+            ) from None
+
     def _job_store(self, addr: str, port: int, env: dict[str, str]) -> dist.Store:
         """The rendezvous at a port derived from the job (SLURM without MPI), which a job that
         got the same port may also reach: rank 0 writes this job's token, every other rank
@@ -395,6 +422,7 @@ class DistributedManager:
         job = env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "?"))
         step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "?"))
         token = f"{self.launch_info.launcher} job {job} step {step} of {self.world_size} ranks"
+        self._check_address(addr, str(port))
         try:
             store = dist.TCPStore(
                 addr,

@@ -592,8 +592,11 @@ def _check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: 
             f"domain group has {m.domain_world_size} ranks; pass one size per rank"
         )
     if rows is not None and spec.sizes[m.domain_rank] != rows:
+        me, sizes = m.domain_rank, list(spec.sizes)
+        lo = sum(sizes[:me])
         raise ConfigError(
-            f"rank {m.rank}: {what}: the band has {rows} rows but spec {list(spec.sizes)} "
-            f"gives domain rank {m.domain_rank} {spec.sizes[m.domain_rank]}; pass this band's "
-            f"own spec, or none (then it is learned)"
+            f"rank {m.rank}: {what}: the band has {rows} rows but spec {sizes} "
+            f"({sum(sizes)} rows) gives domain rank {me} {sizes[me]}; fix: pass this rank rows "
+            f"{lo}..{lo + sizes[me] - 1} of the field (its band of that spec), or the spec of "
+            f"the partition this band belongs to, or none (then it is learned from the bands)"
         )

@@ -1,9 +1,10 @@
 """Fault-injection jobs: ``python -m mpi4py tests/faults/jobs.py CASE`` under mpiexec.
 
 Each case makes the ranks disagree and prints, on every rank that raised, ``CAUGHT rank R
-after S s: Type: message``; or makes one rank skip a call, which the deadline turns into an
-abort of the job with a message. Run by tests/launch/test_faults.py, which
-checks that every rank raised an mpidp error naming the values, within seconds.
+after S s: Type: message``; or makes one rank skip a call, raise alone or die, which ends the
+job with a message on every rank (the deadline, the alarm channel of mpidp.comm.alarm, or the
+launcher). Run by tests/launch/test_faults.py, which checks every rank's message, the exit,
+the time to end and the files left.
 """
 
 from __future__ import annotations
@@ -309,6 +310,107 @@ def killed_mid_checkpoint() -> None:
         print(f"BEFORE {before} AFTER {after}", flush=True)
     bomb = _KillWhilePickled(getattr(signal, f"SIG{sig}")) if ME == 0 else None
     save_checkpoint(path, model, step=run + 100, manager=manager, extra={"bomb": bomb})
+
+
+def killed_mid_write_sharded() -> None:
+    """``argv[2]``: a path that holds a file; ``argv[3]``: the rank killed with SIGKILL in the
+    middle of ``write_sharded`` over it (in its turn to write its rows, the temporary file
+    open)."""
+    import signal
+    from pathlib import Path
+
+    import mpidp.io.writer as writer
+    from mpidp.io import write_sharded
+
+    path, victim = Path(sys.argv[2]), int(sys.argv[3])
+    manager = mpidp.init(domain_parallel_size=2)
+    rows = manager.spec(8).sizes[manager.domain_rank]
+    real = writer._rows_slab
+
+    def killed(*args):  # type: ignore[no-untyped-def]
+        if ME == victim:
+            print(f"rank {ME} killed mid-write at {time.time():.2f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args)
+
+    writer._rows_slab = killed
+    write_sharded(path, "a", torch.ones(1, rows, 4), manager=manager)
+
+
+def checkpoint_fills_disk() -> None:
+    """``argv[2]``: a checkpoint path on a small file system (a 2 MB tmpfs) that holds an
+    earlier checkpoint; the save of a model larger than the room left, uncaught: the job must
+    end within seconds, the earlier checkpoint intact, no temporary file left. ``argv[3]``
+    given: no tmpfs here, torch.save fails on rank 0 as on a full disk."""
+    import errno
+    from pathlib import Path
+
+    from mpidp.io import save_checkpoint
+
+    path = Path(sys.argv[2])
+    manager = mpidp.init(domain_parallel_size=2)
+    big = torch.nn.Linear(1024, 1024)  # 4 MB of parameters
+    mpidp.broadcast_parameters(big, manager)
+    if len(sys.argv) > 3 and ME == 0:
+        import mpidp.io.checkpoint as checkpoint
+
+        def full_disk(state, f) -> None:  # type: ignore[no-untyped-def]
+            Path(f).write_bytes(b"part of a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        checkpoint.torch.save = full_disk  # type: ignore[assignment]
+    print(f"rank {ME} saves at {time.time():.2f}", flush=True)
+    save_checkpoint(path, big, step=2, manager=manager)
+    time.sleep(60)
+
+
+def scatter_sizes_on_one_rank() -> None:
+    """mpidp.scatter_v (the differentiable one) whose sizes do not add up to the source's
+    tensor: the source's check must reach every rank."""
+    mpidp.init(domain_parallel_size=2)
+    src = torch.zeros(5, 2) if ME == 0 else None
+    caught(lambda: mpidp.scatter_v(src, [2, 2]))
+
+
+def rollout_raises_on_one_rank() -> None:
+    """An exception inside ``with RolloutWriter`` on rank 1 only, uncaught; rank 0 goes on to
+    the next step."""
+    from mpidp.io import RolloutWriter
+
+    path = sys.argv[2]
+    manager = mpidp.init(domain_parallel_size=2)
+    rows = manager.spec(8).sizes[manager.domain_rank]
+    with RolloutWriter(path, ["a"], manager=manager) as out:
+        out.write(torch.ones(1, rows, 4))
+        if ME == 1:
+            raise ValueError("the model diverged on rank 1 (injected)")
+        out.write(torch.ones(1, rows, 4))
+    time.sleep(60)
+
+
+def skipped_halo_backward_then_next() -> None:
+    """Rank 1 skips the backward through the halo and goes on, as a training loop would, to
+    ``argv[2]``: ``sync`` (sync_gradients: a collective), ``forward`` (the next step's
+    halo exchange) or ``exchange`` (that exchange's messages alone, which must never meet the
+    backward's); rank 0 waits in the backward's exchange. Run without
+    MPIDP_TIMEOUT's short deadline: the ranks must tell within seconds that they are out of
+    step."""
+    manager = mpidp.init(domain_parallel_size=2)
+    spec = manager.spec(8)
+    x = torch.randn(1, 1, 4, 6, requires_grad=True)
+    weight = torch.nn.Parameter(torch.ones(1))
+    y = mpidp.halo_exchange(x * weight, 1, 1, spec=spec, manager=manager)
+    print(f"rank {ME} enters at {time.time():.2f}", flush=True)
+    if ME == 0:
+        y.sum().backward()
+    if sys.argv[2] == "sync":
+        mpidp.sync_gradients(torch.nn.ParameterList([weight]), manager)
+    elif sys.argv[2] == "forward":  # the next step's halo exchange (an agreement first)
+        mpidp.halo_exchange(x, 1, 1, spec=spec, manager=manager)
+    else:  # the next step's exchange itself, numbered as the halo numbers it
+        t, rows = manager.transport("domain"), torch.zeros(1, 1, 1, 6)
+        t.start_exchange([(1 - ME, rows)], [(1 - ME, rows.clone())], 2 * t.fetches + 2).wait()
+    time.sleep(60)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """Faults injected into real multi-rank jobs (tests/faults/jobs.py under mpiexec): ranks that
 disagree on a collective's arguments or on mpidp.init's, a rank that skips a collective or the
-backward of a halo exchange. Every rank that takes part must raise an mpidp error naming the
-values, within seconds of the fault (MPIDP_TIMEOUT=2 for the skipped calls), and a
-communicator whose ranks disagreed must still work for the next correct call."""
+backward of a halo exchange, errors that one rank raises alone, ranks killed mid-write, full
+disks. Every rank that takes part must raise (or print) an mpidp error naming the values, the
+rank and the fix, within seconds of the fault (MPIDP_TIMEOUT=2 for the calls skipped by a rank
+that then sleeps; a rank that went on to another call is found without the deadline), no
+temporary file may stay that the next write does not remove, and a communicator whose ranks
+disagreed must still work for the next correct call."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_launch import MPIEXEC, clean_env
@@ -92,7 +96,7 @@ def test_init_with_different_layouts_is_an_error_on_every_rank():
         assert "rank 0: domain_parallel_size=2" in msg and "rank 1: domain_parallel_size=1" in msg
 
 
-def test_a_second_init_on_one_rank_ends_the_job_at_once():
+def test_a_second_init_on_one_rank_ends_the_job_at_once_with_its_message_on_every_rank():
     start = time.monotonic()
     out = job("second-init-on-one-rank")
     assert time.monotonic() - start < 30, out  # rank 1 sleeps 60 s: the abort ended it
@@ -101,6 +105,11 @@ def test_a_second_init_on_one_rank_ends_the_job_at_once():
         "ConfigError: rank 0 of 2: mpidp is already initialised with domain_parallel_size=2" in text
     )
     assert "called again with domain_parallel_size=1" in text and "shutdown() first" in text
+    # rank 1, waiting in a collective, says why the job ends too, naming the rank it came from
+    assert (
+        "mpidp: rank 1 of 2: the job ends because rank 0 of 2 raised an error that nothing "
+        "caught: mpidp.errors.ConfigError: rank 0 of 2: mpidp is already initialised" in text
+    ), out
 
 
 def _aborted_after_deadline(out: str) -> str:
@@ -115,28 +124,38 @@ def _aborted_after_deadline(out: str) -> str:
     return msg
 
 
-def test_a_bad_rendezvous_address_names_it():
-    """torchrun's variables with a MASTER_ADDR that does not resolve: a LaunchError that names
-    the address and the port (it used to name nothing)."""
-    env = dict(
-        RANK="1",
-        WORLD_SIZE="2",
-        LOCAL_RANK="1",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="no-such-host.invalid",
-        MASTER_PORT="29531",
-    )
-    code = "import mpidp; mpidp.init(timeout=5)"
-    res = subprocess.run(
-        [sys.executable, "-c", code],
-        env=clean_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    err = " ".join(res.stderr.split())
-    assert res.returncode != 0 and "LaunchError: rank 1 of 2 (torchrun)" in err, res.stderr
-    assert "MASTER_ADDR='no-such-host.invalid' MASTER_PORT='29531'" in err
+def test_a_bad_rendezvous_address_ends_every_rank_at_once_naming_it():
+    """torchrun's variables with a MASTER_ADDR that does not resolve, both ranks started: a
+    LaunchError on each, naming the rank, the address, the port and the fix, within seconds.
+    Rank 0 used to wait the whole timeout (here 90 s; 600 s by default) for a rank 1 that can
+    never reach it, and rank 1's message was the only one. (Each process imports torch on a
+    loaded machine: up to half a minute here.)"""
+    code = "import mpidp; mpidp.init(timeout=90)"
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=clean_env(
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="no-such-host.invalid",
+                MASTER_PORT="29531",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for rank, proc in enumerate(procs):
+        _, stderr = proc.communicate(timeout=240)
+        err = " ".join(stderr.split())
+        assert proc.returncode != 0 and f"LaunchError: rank {rank} of 2 (torchrun): " in err, err
+        assert "MASTER_ADDR='no-such-host.invalid' (MASTER_PORT='29531') does not resolve" in err
+        assert "set MASTER_ADDR to rank 0's host name or IP address" in err
+    assert time.monotonic() - start < 60
 
 
 def test_a_skipped_collective_aborts_the_job_at_the_deadline():
@@ -167,6 +186,140 @@ def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
     assert time.monotonic() - start < 40, out
     msg = _aborted_after_deadline(out)
     assert "halo) waiting for messages from ranks [1]" in msg
+
+
+def test_an_error_on_one_rank_ends_the_job_without_python_m_mpi4py_too():
+    """The same second init on rank 0, in a job started as ``python jobs.py`` (no abort on an
+    uncaught error): rank 0 exits, and rank 1, waiting in a collective, used to wait for the
+    whole deadline (here 60 s). It prints rank 0's error and, when the job has not ended a few
+    seconds later, aborts it."""
+    start = time.monotonic()
+    res = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, JOBS, "second-init-on-one-rank"],
+        env=clean_env(PYTHONPATH=str(ROOT), MPIDP_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    out = res.stdout + res.stderr
+    assert time.monotonic() - start < 40 and res.returncode != 0, out
+    text = " ".join(re.sub(r"\[rank\d\]: ", "", out).split())
+    assert "mpidp: rank 1 of 2: the job ends because rank 0 of 2 raised an error" in text, out
+    assert "the failed rank did not end the job (not run by python -m mpi4py?); aborting" in text
+
+
+def test_an_error_inside_one_ranks_rollout_reaches_every_rank(tmp_path):
+    """An exception inside ``with RolloutWriter`` on rank 1 only, uncaught, while rank 0 goes on
+    to the next step: rank 1 discards the temporary file, the job ends within seconds, and rank
+    0's output names rank 1 and its error (it used to say nothing); the old file is intact."""
+    path = tmp_path / "forecast.nc"
+    path.write_bytes(b"the previous forecast")
+    start = time.monotonic()
+    res = job_result("rollout-raises-on-one-rank", str(path))
+    assert time.monotonic() - start < 30, res.stdout
+    assert res.returncode != 0
+    text = " ".join(res.stdout.split())
+    assert (
+        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
+        "caught: ValueError: the model diverged on rank 1 (injected)" in text
+    ), res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forecast.nc"], res.stdout
+    assert path.read_bytes() == b"the previous forecast"
+
+
+def test_scatter_sizes_that_do_not_add_up_on_the_source_raise_on_every_rank():
+    """mpidp.scatter_v (the differentiable one) whose sizes do not add up to the source's
+    tensor: checked on the source alone, it used to raise there and leave rank 1 waiting in the
+    scatter until the deadline. The source's message travels in the broadcast every rank takes
+    part in: the same error on both ranks, naming the source."""
+    got = caught(job("scatter-sizes-on-one-rank"))
+    assert sorted(r for r, _, _ in got) == [0, 1], got
+    want = (
+        "scatter_v src tensor of shape (5, 2) has 5 entries along dim 0 but sum(sizes) = 4 "
+        "(sizes [2, 2]); pass the sizes of the partition this tensor belongs to"
+    )
+    for rank, seconds, msg in got:
+        msg = " ".join(msg.split())
+        assert seconds < 10 and want in msg, msg
+        head = "CommError: rank 0 of 2: " if rank == 0 else "CommError: rank 1 of 2: from rank 0"
+        assert msg.startswith(head), msg
+
+
+@pytest.mark.parametrize("then", ["sync", "exchange"])
+def test_a_backward_skipped_on_one_rank_ends_the_job_in_seconds_not_at_the_deadline(then):
+    """Rank 1 skips the backward through a halo and goes on (to sync_gradients, or to the next
+    step's halo exchange) while rank 0 waits in the backward's exchange. With a deadline of
+    60 s (600 s by default), both ranks find within seconds that the other waits for them in
+    another call, and each prints which two calls; the exchange's number in the messages' tags
+    keeps the next step's rows from ever arriving as the backward's."""
+    start = time.monotonic()
+    res = job_result("skipped-halo-backward-then-next", then, MPIDP_TIMEOUT="60")
+    took = time.monotonic() - start
+    assert took < 30 and res.returncode != 0, res.stdout
+    text = " ".join(res.stdout.split())
+    for rank in (0, 1):
+        found = re.search(
+            rf"mpidp CommDeadlock: rank {rank} of 2 \(MPI group of 2\): this rank has waited "
+            rf"([\d.]+) s in (.*?) for rank {1 - rank}, which is waiting for this rank in another "
+            rf"call: (.*?)\. Neither can go on",
+            text,
+        )
+        assert found, res.stdout
+        assert 4 < float(found.group(1)) < 15, found.group(0)
+    assert "Aborting the job now rather than at the 60 s deadline; fix: make every rank" in text
+    if then == "exchange":
+        assert "in the backward of halo exchange 1 (mod 255) with ranks [1] for rank 1" in text
+        assert "in halo exchange 2 (mod 255) with ranks [0] for rank 0" in text
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_mid_write_sharded_leaves_a_file_the_next_write_removes(tmp_path, victim):
+    """SIGKILL to one rank in the middle of ``write_sharded`` over an existing file: the job
+    ends within seconds, the old file is intact, and the one temporary file left is named
+    after its writer (world rank 0's pid and host), whom the next write to that path finds
+    dead and whose file it removes."""
+    from mpidp.io import write_sharded
+    from mpidp.io._common import host_hash
+
+    path = tmp_path / "field.nc"
+    path.write_bytes(b"the previous field")
+    start = time.monotonic()
+    res = job_result("killed-mid-write-sharded", str(path), str(victim))
+    assert time.monotonic() - start < 30 and res.returncode != 0, res.stdout
+    assert f"rank {victim} killed mid-write" in res.stdout, res.stdout
+    assert path.read_bytes() == b"the previous field"
+    left = [p.name for p in tmp_path.iterdir() if p.name != "field.nc"]
+    assert len(left) == 1, (left, res.stdout)
+    assert re.fullmatch(rf"\.field\.nc\.tmp-[0-9a-f]+-p\d+-h{host_hash():08x}", left[0]), left
+    write_sharded(path, "t", np.ones((2, 3), dtype=np.float32), dims=("latitude", "longitude"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["field.nc"]
+
+
+def test_a_checkpoint_save_that_fills_the_disk_ends_the_job_in_seconds(tmp_path):
+    """A 4 MB checkpoint saved, uncaught, onto a 2 MB tmpfs that holds the previous one (an
+    injected ENOSPC in torch.save where no tmpfs can be mounted): every rank raises the same
+    DataError naming the full disk, the job ends within seconds, the previous checkpoint is
+    intact and no temporary file is left."""
+    with small_disk(tmp_path / "small", "2m") as mounted:
+        path = tmp_path / "small" / "model.pt"
+        path.write_bytes(b"the previous checkpoint")
+        start = time.monotonic()
+        res = job_result("checkpoint-fills-disk", str(path), *([] if mounted else ["x"]))
+        took = time.monotonic() - start
+        left = sorted(p.name for p in path.parent.iterdir())
+        kept = path.read_bytes()
+    assert took < 30 and res.returncode != 0, res.stdout
+    text = " ".join(re.sub(r"\[rank\d\]: ", "", res.stdout).split())
+    for rank in (0, 1):
+        assert (
+            f"DataError: rank {rank}: save_checkpoint('{path}') failed; {path} was left as it "
+            "was: rank 0: " in text
+        ), res.stdout
+    assert "free space or write elsewhere, then retry" in text
+    if mounted:
+        assert "is the disk full?" in text
+    assert left == ["model.pt"] and kept == b"the previous checkpoint"
 
 
 def test_a_rank_killed_mid_write_leaves_the_old_file_intact(tmp_path):
@@ -282,7 +435,9 @@ def test_bad_inputs_raise_on_every_rank_naming_value_rank_and_fix(tmp_path):
         "spec is [7, 6] (rank 1 holds 7 where spec gives it 6)" in first[0]
     )
     assert (
-        "bands have [7, 7] rows (14 in all) of 8 longitudes, but the coordinates give a 13 x 8"
+        "bands have [7, 7] rows (14 in all) of 8 longitudes, but the coordinates give a 13 x 8 "
+        "grid (rank 1 holds 7 rows where a balanced split of 13 gives it 6); fix: pass each "
+        "rank its own band of that grid (manager.spec(13).sizes gives each rank's rows)"
         in (first[1])
     )
     assert (
@@ -290,7 +445,11 @@ def test_bad_inputs_raise_on_every_rank_naming_value_rank_and_fix(tmp_path):
         in first[2]
     )
     assert "fix: use the files of the model's resolution" in first[2]
-    assert "rank 1: " in first[3] and "broken.nc: not a readable HDF5/netCDF-4 file" in first[3]
+    assert (
+        "ranks [0, 1]: " in first[3]
+        and "broken.nc: not a readable HDF5/netCDF-4 file" in (first[3])
+    )
+    assert "its header or metadata is damaged, or it is of another format; restore it" in (first[3])
     assert "Unable to synchronously open file" in first[3] and "fix: pass existing" in first[3]
     assert (
         "mode='a' but" in first[4] and "restore it, or write a new file with mode='w'" in first[4]
@@ -314,15 +473,22 @@ def test_bad_inputs_raise_on_every_rank_naming_value_rank_and_fix(tmp_path):
 def test_a_band_of_another_height_on_one_rank_aborts_the_job(tmp_path):
     """ShardedTensor.from_local(band, spec=...) is local (no communication): the rank whose
     band does not fit raises alone and ``python -m mpi4py`` aborts the job through MPI with
-    its message, while the other rank waits in its next collective (it would sleep 60 s)."""
+    its message, naming the rows it should hold, while the other rank waits in its next
+    collective (it would sleep 60 s) and prints the same message, naming rank 1."""
     start = time.monotonic()
     res = job_result("band-height-on-one-rank")
     assert time.monotonic() - start < 30, res.stdout
     assert res.returncode != 0
-    text = " ".join(res.stdout.split())
+    text = " ".join(re.sub(r"\[rank\d\]: ", "", res.stdout).split())
+    want = (
+        "ConfigError: rank 1: from_local: the band has 7 rows but spec [7, 6] (13 rows) gives "
+        "domain rank 1 6; fix: pass this rank rows 7..12 of the field (its band of that spec), "
+        "or the spec of the partition this band belongs to, or none"
+    )
+    assert want in text, res.stdout
     assert (
-        "ConfigError: rank 1: from_local: the band has 7 rows but spec [7, 6] gives domain rank "
-        "1 6; pass this band's own spec" in text
+        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
+        f"caught: mpidp.errors.{want}" in text
     ), res.stdout
     assert "MPI_Abort" in text
 

@@ -1,0 +1,218 @@
+"""Word between the ranks of an MPI job that is about to end badly, on a communicator of its own.
+
+Two kinds of message travel here, never on a call's own path (a call pays nothing for them):
+
+* **An error that ends one rank.** An exception that reaches the top of a rank (uncaught: the
+  rank is ending, and under ``python -m mpi4py`` the job with it) is sent to every other rank
+  before the abort; each prints it, naming the rank it came from, so every rank's output says
+  why the job ended, not only the output of the rank that raised. A rank that heard of such an
+  error and is still running a few seconds later (the failed rank was not run by
+  ``python -m mpi4py``, which aborts the job) aborts the job itself: it would wait forever.
+* **A wait that has lasted** :func:`stuck_after` **seconds.** The waiting rank tells the ranks
+  it waits for which call it is in. A rank that is itself waiting, for the sender, in another
+  call (on another communicator, a call of another kind, or an exchange of another number:
+  the halo numbers its exchanges in their tags, the backward with its forward's number) knows
+  that neither can go on: a rank skipped a call the others made. It ends the job at once,
+  naming both calls, instead of at the deadline (600 s by default).
+
+The deadline's watchdog thread (:mod:`mpidp.comm.mpi`) listens, twice a second. Needs an MPI
+with ``MPI_THREAD_MULTIPLE`` (the watchdog thread talks while the main thread waits in MPI);
+without it nothing is installed and the deadline alone ends a stuck job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import NamedTuple
+
+from mpi4py import MPI
+
+__all__ = ["Call", "install", "stuck_after"]
+
+TAG_ERROR, TAG_SEEN, TAG_STUCK = 11, 12, 13
+#: seconds the rank that failed waits for the others to confirm they printed its error
+CONFIRM_SECONDS = 3.0
+#: seconds a rank that heard of another rank's end waits for the abort before it aborts itself
+ABORT_AFTER = 5.0
+
+
+def stuck_after(limit: float) -> float:
+    """Seconds after which a wait is reported to the ranks it waits for: 5 s, or half the
+    deadline when that is shorter."""
+    return min(5.0, limit / 2)
+
+
+class Call(NamedTuple):
+    """What a blocking wait is, as a peer's report carries it: the communicator (its world
+    ranks), the kind of call (``collective``, ``exchange`` or ``other``), the exchange's number
+    (the one its messages' tags carry; 0 for none), what the deadline message calls it, and the
+    world ranks whose action it needs. Two communicators over the same ranks look alike: a wait
+    in one and a wait in the other may be taken for the same call (then the deadline decides),
+    never two waits of one call for different calls."""
+
+    group: tuple[int, ...]
+    kind: str
+    number: int
+    what: str
+    needs: tuple[int, ...]
+
+    def same_as(self, other: Call) -> bool | None:
+        """Whether two ranks' waits are the same call; None when that cannot be told (two
+        collectives, or two unnumbered exchanges, on one communicator: MPI pairs the k-th call
+        of each rank, whatever they were)."""
+        if self.group != other.group or self.kind != other.kind:
+            return False
+        if self.kind == "exchange" and self.number and other.number:
+            return self.number == other.number
+        return None
+
+    def describe(self) -> str:
+        if self.kind == "exchange" and self.number:
+            # the tags' number is (2 x the halo fetch's count, +1 for its backward) mod 510, + 1
+            n = self.number - 1
+            step = "the backward of" if n % 2 else ""
+            return f"{step} halo exchange {n // 2} (mod 255) with ranks {list(self.needs)}".strip()
+        return self.what
+
+
+class _Alarm:
+    def __init__(self, comm: MPI.Comm) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.heard_end: float | None = None
+        self.ending = False  # this rank is ending with an uncaught error of its own
+        #: reports of peers' long waits: world rank -> (when it arrived here, their call)
+        self.reports: dict[int, tuple[float, Call]] = {}
+        self.reported: set[float] = set()
+        self.sends: list[MPI.Request] = []
+        # held while the watchdog thread talks; closed at exit, before mpi4py finalizes MPI
+        # (an MPI call racing MPI_Finalize would abort a job that ended well)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+
+    # -- the watchdog thread ------------------------------------------------------------------
+
+    def poll(self, waits: list[tuple[float, float, Call]]) -> str | None:
+        """Read what arrived, report this rank's long waits, and return the message to end the
+        job with when a peer's report shows that neither rank can go on. ``waits``: this
+        process's blocking waits, ``(began, deadline, call)``."""
+        with self.lock:
+            if self.closed or MPI.Is_finalized():
+                return None
+            return self._poll(waits)
+
+    def _poll(self, waits: list[tuple[float, float, Call]]) -> str | None:
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_ERROR, status):
+            src = status.Get_source()
+            text = self.comm.recv(source=src, tag=TAG_ERROR)
+            if not self.ending:  # a rank ending with its own error has printed that one
+                print(
+                    f"mpidp: rank {self.rank} of {self.size}: the job ends because rank {src} "
+                    f"of {self.size} raised an error that nothing caught:\n{text}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.comm.send(None, dest=src, tag=TAG_SEEN)
+            self.heard_end = self.heard_end or time.monotonic()
+        now = time.monotonic()
+        if self.heard_end is not None and now - self.heard_end > ABORT_AFTER:
+            print(
+                f"mpidp: rank {self.rank} of {self.size}: the failed rank did not end the job "
+                f"(not run by python -m mpi4py?); aborting it",
+                file=sys.stderr,
+                flush=True,
+            )
+            MPI.COMM_WORLD.Abort(1)
+        while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_STUCK, status):
+            src = status.Get_source()
+            self.reports[src] = (now, self.comm.recv(source=src, tag=TAG_STUCK))
+        self.sends = [r for r in self.sends if not r.Test()]
+        for began, limit, call in waits:
+            if now - began < stuck_after(limit):
+                continue
+            if began not in self.reported:  # once per wait
+                self.reported = {b for b in self.reported if now - b < 3600} | {began}
+                self.sends += [
+                    self.comm.isend(call, dest=r, tag=TAG_STUCK)
+                    for r in call.needs
+                    if r != self.rank
+                ]
+            for src, (arrived, theirs) in self.reports.items():
+                if arrived < began or src not in call.needs or self.rank not in theirs.needs:
+                    continue  # an older wait's report, or one that does not involve us both
+                if call.same_as(theirs) is False:
+                    return (
+                        f"this rank has waited {now - began:.1f} s in {call.describe()} for "
+                        f"rank {src}, which is waiting for this rank in another call: "
+                        f"{theirs.describe()}. Neither can go on: the ranks are out of step (a "
+                        f"collective, a forward or a backward that ran on some ranks only?). "
+                        f"Aborting the job now rather than at the {limit:g} s deadline; fix: "
+                        f"make every rank run the same collectives and the same forward and "
+                        f"backward, in the same order"
+                    )
+        return None
+
+    # -- the rank that fails ------------------------------------------------------------------
+
+    def announce(self, exc_type: type[BaseException], exc: BaseException) -> None:
+        """Send the uncaught error to every other rank and wait (a few seconds at most) until
+        each has printed it. Main thread, from ``sys.excepthook``."""
+        if MPI.Is_finalized():
+            return
+        text = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+        others = [r for r in range(self.size) if r != self.rank]
+        sends = [self.comm.isend(text, dest=r, tag=TAG_ERROR) for r in others]
+        waiting, end = set(others), time.monotonic() + CONFIRM_SECONDS
+        status = MPI.Status()
+        while waiting and time.monotonic() < end:
+            if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_SEEN, status):
+                waiting.discard(status.Get_source())
+                self.comm.recv(source=status.Get_source(), tag=TAG_SEEN)
+            else:
+                time.sleep(0.02)
+        del sends  # an unconfirmed send is left to the abort that follows
+
+
+_ALARM: _Alarm | None = None
+
+
+def installed() -> _Alarm | None:
+    return _ALARM
+
+
+def install(world: MPI.Comm, start_watchdog: Callable[[], None]) -> None:
+    """Open the alarm channel (a duplicate of ``world``) and chain ``sys.excepthook`` to send an
+    uncaught error to every rank first. Once per process; collective over ``world`` the first
+    time. Nothing when the MPI gives no ``MPI_THREAD_MULTIPLE``."""
+    global _ALARM
+    if _ALARM is not None or world.Get_size() == 1:
+        return
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return
+    _ALARM = alarm = _Alarm(world.Dup())
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        alarm.ending = True
+        previous(exc_type, exc, tb)  # the rank's own message first
+        if not issubclass(exc_type, KeyboardInterrupt):
+            try:
+                alarm.announce(exc_type, exc)
+            except Exception:  # never hide the error being reported behind another
+                pass
+
+    sys.excepthook = hook
+    # atexit runs its handlers last registered first: this one before mpi4py's MPI_Finalize
+    atexit.register(alarm.close)
+    start_watchdog()
