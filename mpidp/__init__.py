@@ -1,80 +1,183 @@
-"""mpidp: domain parallelism for PyTorch models on latitude bands, launched by MPI."""
+"""mpidp: domain parallelism for PyTorch models on latitude bands, launched by MPI.
 
-from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
-from mpidp import graph as graph  # mpidp.graph.Graph without a second import
-from mpidp import parallel as parallel  # mpidp.parallel without a second import
-from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
-from mpidp.attention import shard_heads, shard_sequence, sliding_window_attention
-from mpidp.bootstrap import LaunchInfo, detect_launch
-from mpidp.collectives import (
-    all_gather_v,
-    all_gather_v_replicated,
-    all_reduce,
-    all_to_all_v,
-    copy_to,
-    gather_v,
-    indexed_all_to_all_v,
-    reduce_from,
-    reduce_scatter_v,
-    repartition,
-    scatter_v,
-)
-from mpidp.convert import convert_to_domain_parallel, explain_conversion
-from mpidp.errors import (
-    BackendError,
-    CommError,
-    ConfigError,
-    LaunchError,
-    MpidpError,
-)
-from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
-from mpidp.halo import (
-    Boundary,
-    HaloExchange,
-    PendingHalo,
-    halo_exchange,
-    halo_strips,
-    start_halo_exchange,
-)
-from mpidp.layers import (
-    DomainParallelAdaptiveAvgPool2d,
-    DomainParallelAvgPool2d,
-    DomainParallelBatchNorm2d,
-    DomainParallelBatchNorm3d,
-    DomainParallelConv1d,
-    DomainParallelConv2d,
-    DomainParallelConv3d,
-    DomainParallelConvTranspose1d,
-    DomainParallelConvTranspose2d,
-    DomainParallelConvTranspose3d,
-    DomainParallelGroupNorm,
-    DomainParallelInstanceNorm2d,
-    DomainParallelInstanceNorm3d,
-    DomainParallelInterpolate,
-    DomainParallelLayerNorm,
-    DomainParallelMaxPool2d,
-    DomainParallelMultiheadAttention,
-    DomainParallelPeriodicConv2d,
-    DomainParallelWindowAttention,
-    PeriodicConv2d,
-)
-from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
-from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
-from mpidp.sharded import Replicated, ShardedTensor, shard
-from mpidp.sharded.placements import scatter_tensor
-from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
-from mpidp.training import (
-    broadcast_parameters,
-    global_acc,
-    global_mean,
-    global_rmse,
-    global_sum,
-    latitude_weights,
-    sync_gradients,
-)
-from mpidp.validate import ShardingReport, validate_sharding_constraints
+Names are imported on first use (PEP 562): ``import mpidp`` loads no torch, so ``mpidp --help``
+and the launcher detection answer at once; ``mpidp.init`` or ``from mpidp import shard`` load
+what they need. The ``TYPE_CHECKING`` imports below are the same names, for type checkers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mpidp import fft as fft  # mpidp.fft.rfft2 without a second import
+    from mpidp import graph as graph  # mpidp.graph.Graph without a second import
+    from mpidp import parallel as parallel  # mpidp.parallel without a second import
+    from mpidp import sharded as sharded  # mpidp.sharded.register without a second import
+    from mpidp.attention import shard_heads, shard_sequence, sliding_window_attention
+    from mpidp.bootstrap import LaunchInfo, detect_launch
+    from mpidp.collectives import (
+        all_gather_v,
+        all_gather_v_replicated,
+        all_reduce,
+        all_to_all_v,
+        copy_to,
+        gather_v,
+        indexed_all_to_all_v,
+        reduce_from,
+        reduce_scatter_v,
+        repartition,
+        scatter_v,
+    )
+    from mpidp.convert import convert_to_domain_parallel, explain_conversion
+    from mpidp.errors import (
+        BackendError,
+        CommError,
+        ConfigError,
+        LaunchError,
+        MpidpError,
+    )
+    from mpidp.geometry import HaloSpec, conv_output_size, input_ranges
+    from mpidp.halo import (
+        Boundary,
+        HaloExchange,
+        PendingHalo,
+        halo_exchange,
+        halo_strips,
+        start_halo_exchange,
+    )
+    from mpidp.layers import (
+        DomainParallelAdaptiveAvgPool2d,
+        DomainParallelAvgPool2d,
+        DomainParallelBatchNorm2d,
+        DomainParallelBatchNorm3d,
+        DomainParallelConv1d,
+        DomainParallelConv2d,
+        DomainParallelConv3d,
+        DomainParallelConvTranspose1d,
+        DomainParallelConvTranspose2d,
+        DomainParallelConvTranspose3d,
+        DomainParallelGroupNorm,
+        DomainParallelInstanceNorm2d,
+        DomainParallelInstanceNorm3d,
+        DomainParallelInterpolate,
+        DomainParallelLayerNorm,
+        DomainParallelMaxPool2d,
+        DomainParallelMultiheadAttention,
+        DomainParallelPeriodicConv2d,
+        DomainParallelWindowAttention,
+        PeriodicConv2d,
+    )
+    from mpidp.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
+    from mpidp.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
+    from mpidp.sharded import Replicated, ShardedTensor, shard
+    from mpidp.sharded.placements import scatter_tensor
+    from mpidp.sharding import gather_tensor, shard_batch, shard_tensor
+    from mpidp.training import (
+        broadcast_parameters,
+        global_acc,
+        global_mean,
+        global_rmse,
+        global_sum,
+        latitude_weights,
+        sync_gradients,
+    )
+    from mpidp.validate import ShardingReport, validate_sharding_constraints
 
 __version__ = "0.1.0"
+
+#: the submodules dir() lists (any submodule loads on first use: mpidp.fft.rfft2 without a
+#: second import)
+_SUBMODULES = ("fft", "graph", "parallel", "sharded")
+
+#: each public name's module (the imports above, one entry per name)
+_SOURCES: dict[str, tuple[str, ...]] = {
+    "mpidp.attention": ("shard_heads", "shard_sequence", "sliding_window_attention"),
+    "mpidp.bootstrap": ("LaunchInfo", "detect_launch"),
+    "mpidp.collectives": (
+        "all_gather_v",
+        "all_gather_v_replicated",
+        "all_reduce",
+        "all_to_all_v",
+        "copy_to",
+        "gather_v",
+        "indexed_all_to_all_v",
+        "reduce_from",
+        "reduce_scatter_v",
+        "repartition",
+        "scatter_v",
+    ),
+    "mpidp.convert": ("convert_to_domain_parallel", "explain_conversion"),
+    "mpidp.errors": ("BackendError", "CommError", "ConfigError", "LaunchError", "MpidpError"),
+    "mpidp.geometry": ("HaloSpec", "conv_output_size", "input_ranges"),
+    "mpidp.halo": (
+        "Boundary",
+        "HaloExchange",
+        "PendingHalo",
+        "halo_exchange",
+        "halo_strips",
+        "start_halo_exchange",
+    ),
+    "mpidp.layers": (
+        "DomainParallelAdaptiveAvgPool2d",
+        "DomainParallelAvgPool2d",
+        "DomainParallelBatchNorm2d",
+        "DomainParallelBatchNorm3d",
+        "DomainParallelConv1d",
+        "DomainParallelConv2d",
+        "DomainParallelConv3d",
+        "DomainParallelConvTranspose1d",
+        "DomainParallelConvTranspose2d",
+        "DomainParallelConvTranspose3d",
+        "DomainParallelGroupNorm",
+        "DomainParallelInstanceNorm2d",
+        "DomainParallelInstanceNorm3d",
+        "DomainParallelInterpolate",
+        "DomainParallelLayerNorm",
+        "DomainParallelMaxPool2d",
+        "DomainParallelMultiheadAttention",
+        "DomainParallelPeriodicConv2d",
+        "DomainParallelWindowAttention",
+        "PeriodicConv2d",
+    ),
+    "mpidp.manager": ("DistributedManager", "Neighbors", "get_manager", "init", "is_initialized"),
+    "mpidp.partition": ("Aligned", "Balanced", "PartitionPolicy", "ShardSpec", "Weighted"),
+    "mpidp.sharded": ("Replicated", "ShardedTensor", "shard"),
+    "mpidp.sharded.placements": ("scatter_tensor",),
+    "mpidp.sharding": ("gather_tensor", "shard_batch", "shard_tensor"),
+    "mpidp.training": (
+        "broadcast_parameters",
+        "global_acc",
+        "global_mean",
+        "global_rmse",
+        "global_sum",
+        "latitude_weights",
+        "sync_gradients",
+    ),
+    "mpidp.validate": ("ShardingReport", "validate_sharding_constraints"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # the next lookup is a plain attribute
+        return value
+    if not name.startswith("_"):  # a submodule, as the eager package had them all: mpidp.io
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":  # the submodule exists; something it imports not
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES, *_MODULE_OF})
+
 
 __all__ = [
     "Aligned",

@@ -5,13 +5,18 @@ transports)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import rand
 from mpi4py import MPI
 
 import mpidp
-from mpidp import anemoi
+
+with warnings.catch_warnings():  # the pre-move module, on purpose (its warning: tests/unit)
+    warnings.filterwarnings("ignore", "mpidp.anemoi has moved", DeprecationWarning)
+    from mpidp import anemoi
 
 pytestmark = pytest.mark.mpi
 
