@@ -21,10 +21,16 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
-import h5py
 import torch
-from skill import save_comparison, training_times  # examples/skill.py
+from skill import (  # examples/skill.py
+    save_comparison,
+    step_hours,
+    time_units,
+    timestamp,
+    training_times,
+)
 from train import build_model  # the model a checkpoint names (examples/train.py)
 
 import mpidp
@@ -99,6 +105,15 @@ def layout_text(layout: dict[str, int]) -> str:
     return f"{layout.get('world', 1)} ranks = {' x '.join(parts)}"
 
 
+def origin(times: Any, units: str | None, start: int, steps: int) -> str:
+    """``2000-01-14 18:00, valid 2000-01-16 18:00``: the start and valid dates of a rollout
+    (``time index 55`` where the data has no dates)."""
+    first = timestamp(times[start], units) if times is not None else None
+    if first is None:
+        return f"time index {start}"
+    return f"{first}, valid {timestamp(times[start + steps], units)}"
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parse(argv)
     world = mpidp.DistributedManager.world_from_launcher()
@@ -122,12 +137,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
             f"--map {args.map}: {data} has no such channel; draw one of "
             f"{', '.join(ds.channels)} (nothing was run or written)"
         )
-    with h5py.File(data, "r") as f:
-        units = f["time"].attrs.get("units") if "time" in f else None
-    units = units.decode() if isinstance(units, bytes) else units
-    hours = None  # between steps, for the skill table's lead times
-    if ds.times is not None and len(ds.times) > 1 and str(units).startswith("hours"):
-        hours = float(ds.times[1] - ds.times[0])
+    units = time_units(data)
+    hours = step_hours(ds.times, units)  # between steps, for the skill table's lead times
     last = ds.n_times - 1 - args.steps
     first = last if args.start < 0 else args.start
     if not 0 <= first <= last:
@@ -200,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             lead = f" ({args.steps * hours:g} h)" if hours else ""
             title = (
                 f"{ds.attributes[args.map]['long_name']}: {args.steps}-step{lead} forecast "
-                f"from time index {starts[0]}"
+                f"from {origin(ds.times, units, starts[0], args.steps)}"
             )
             save_comparison(
                 png,
@@ -223,9 +234,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
                 flush=True,
             )
             print(skill.table(), flush=True)
-            print(
-                f"\nthe forecast from time index {starts[0]} {skill.verdict(args.map)}", flush=True
-            )
+            when = timestamp(ds.times[starts[0]], units) if ds.times is not None else None
+            start = f"{when} (time index {starts[0]})" if when else f"time index {starts[0]}"
+            print(f"\nthe forecast from {start} {skill.verdict(args.map)}", flush=True)
     ds.close()
     manager.shutdown()
     return written

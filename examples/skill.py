@@ -7,6 +7,7 @@ and climatology, per lead step); ``examples/inference.py`` and ``examples/train.
 
 from __future__ import annotations
 
+import datetime
 import os
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,68 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["save_comparison", "training_times"]
+__all__ = ["save_comparison", "step_hours", "time_units", "timestamp", "training_times"]
+
+#: hours per unit of a CF time coordinate ("hours since 2000-01-01 00:00:00")
+_HOURS = {"days": 24.0, "hours": 1.0, "minutes": 1 / 60, "seconds": 1 / 3600}
 
 
 def training_times(n_times: int, val_samples: int) -> range:
     """The time indices examples/train.py trains on (its inputs and targets): all but the
     last ``val_samples + 1``, which validation and held-out forecasts use."""
     return range(n_times - 1 - val_samples)
+
+
+def time_units(path: str | os.PathLike[str]) -> str | None:
+    """The CF ``units`` of the time coordinate (``time`` or ``valid_time``) of an HDF5/netCDF-4
+    file or a Zarr store in xarray's layout; None where there is none."""
+    names = ("time", "valid_time")
+    try:
+        if Path(path).is_dir():  # a Zarr store
+            import zarr
+
+            group = zarr.open_group(str(path), mode="r")
+            units = next((group[n].attrs.get("units") for n in names if n in group), None)
+        else:
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                units = next((f[n].attrs.get("units") for n in names if n in f), None)
+    except (OSError, ImportError, KeyError):
+        return None
+    units = units.decode() if isinstance(units, bytes) else units
+    return str(units) if units else None
+
+
+def _unit_and_origin(units: str | None) -> tuple[float, datetime.datetime | None] | None:
+    """Hours per unit and the reference date of ``"<unit> since <date>"`` (None: not that)."""
+    unit, _, since = (units or "").partition(" since ")
+    hours = _HOURS.get(unit.strip().lower())
+    if hours is None:
+        return None
+    try:
+        origin: datetime.datetime | None = datetime.datetime.fromisoformat(since.strip())
+    except ValueError:
+        origin = None
+    return hours, origin
+
+
+def step_hours(times: Any, units: str | None) -> float | None:
+    """The hours between the first two ``times`` (values of a CF time coordinate in
+    ``units``), or None when they are unknown."""
+    parsed = _unit_and_origin(units)
+    if parsed is None or times is None or len(times) < 2:
+        return None
+    return float(times[1] - times[0]) * parsed[0]
+
+
+def timestamp(value: float, units: str | None) -> str | None:
+    """``2000-01-14 18:00`` for a value of a CF time coordinate in ``units``, or None."""
+    parsed = _unit_and_origin(units)
+    if parsed is None or parsed[1] is None:
+        return None
+    when = parsed[1] + datetime.timedelta(hours=float(value) * parsed[0])
+    return when.strftime("%Y-%m-%d %H:%M")
 
 
 def save_comparison(

@@ -36,12 +36,13 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from skill import training_times  # examples/skill.py
+from skill import step_hours, time_units, training_times  # examples/skill.py
 from torch.utils.data import Subset
 
 import mpidp
@@ -371,12 +372,14 @@ def validate(
     meshes: ParallelMesh,
     clim: torch.Tensor,
     change_std: torch.Tensor,
+    hours: float | None = None,
 ) -> tuple[float, dict[str, float], Skill]:
-    """Exact latitude-weighted MSE (the training loss: in units of each variable's typical
-    one-step change, ``change_std``) and RMSE per variable (physical units)
+    """Exact latitude-weighted MSE (the training loss: in units of the variance of each
+    variable's one-step change, ``change_std`` squared) and RMSE per variable (physical units)
     over every validation sample: local sums, then one all-reduce over the world (tensor-parallel
     ranks count their replica's samples alike, in numerator and denominator). And the skill of
-    the one-step forecasts against persistence and climatology (``clim``), pooled alike."""
+    the one-step forecasts against persistence and climatology (``clim``), pooled alike;
+    ``hours``: the time between steps (the skill's lead times)."""
     manager = meshes.manager
     mine = list(indices)[meshes.dp_rank :: meshes.dp_size]  # disjoint, no repeats
     sq = torch.zeros(len(ds.target_channels), dtype=torch.float64)
@@ -413,6 +416,7 @@ def validate(
         units=units,
         forecasts=len(indices),
         group=world,
+        step_hours=hours,
     )
     meter.add(1, physical[1], physical[2])
     loss = mse / change_std.double().cpu().flatten().square()
@@ -430,7 +434,7 @@ def save_plot(path: Path, history: dict[str, Any]) -> None:
     if history["val"]:
         ax.plot(*zip(*history["val"], strict=True), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("latitude-weighted MSE of the 6-h change\n(in units of its std)")
+    ax.set_ylabel("latitude-weighted MSE of the 6-h change\n(in units of its variance, std²)")
     ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -439,6 +443,23 @@ def save_plot(path: Path, history: dict[str, Any]) -> None:
     fig.savefig(tmp, format="png")
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def inference_command(ckpt: Path) -> str:
+    """The command that rolls out the model saved in ``ckpt`` (examples/inference.py, at any
+    rank count): under the mpiexec beside this Python where there is one, else one process;
+    paths as short as the current folder allows."""
+
+    def short(path: Path | str) -> str:
+        rel = os.path.relpath(path)
+        return str(path) if rel.startswith("..") else rel
+
+    python = short(sys.executable)
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    launch = f"{short(mpiexec)} -n 2 {python} -m mpi4py" if mpiexec.exists() else python
+    script = short(Path(__file__).parent / "inference.py")  # as this script was named
+    default = Path(ckpt) == Path("runs/train/checkpoint.pt")  # inference.py's default
+    return f"{launch} {script}" + ("" if default else f" --checkpoint {short(ckpt)}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -458,7 +479,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
 
-    ds = open_data(sample_data(cfg, manager), cfg, manager, dtype)
+    path = sample_data(cfg, manager)
+    ds = open_data(path, cfg, manager, dtype)
+    hours = step_hours(ds.times, time_units(path))  # between steps: the skill's lead times
     train_idx, val_idx = split(len(ds), cfg.val_samples)
     sampler = DataParallelSampler(Subset(ds, train_idx), meshes, seed=cfg.seed, drop_last=True)
     per_epoch = len(sampler) // per_replica
@@ -529,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bar.update(step, f"loss {value:.6f}")
         if step % cfg.val_every == 0 or step == cfg.steps:
             val_loss, rmse, skill = validate(
-                model, ds, val_idx, per_replica, weights, meshes, clim, scale
+                model, ds, val_idx, per_replica, weights, meshes, clim, scale, hours
             )
             history["val"].append((step, val_loss))
             shown = ", ".join(f"{c} {v:.4g}" for c, v in rmse.items())
@@ -543,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if skill is None or history["val"][-1][0] != step:  # e.g. resumed at the last step
         val_loss, rmse, skill = validate(
-            model, ds, val_idx, per_replica, weights, meshes, clim, scale
+            model, ds, val_idx, per_replica, weights, meshes, clim, scale, hours
         )
     metrics = {
         "world": manager.world_size,
@@ -579,6 +602,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"one step ahead on the {len(val_idx)} validation samples, the model {skill.verdict()}",
             flush=True,
         )
+        print(f"\nnext, forecast from this checkpoint: {inference_command(ckpt)}", flush=True)
     ds.close()
     manager.shutdown()
     return metrics

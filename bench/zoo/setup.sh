@@ -18,9 +18,13 @@ mkdir -p "$root"
 rm -rf "$v"
 echo "torch==2.13.0" > "$root/constraints.txt"
 python3.11 -m venv "$v"
-"$v/bin/pip" install -q torch==2.13.0
+# One resolver run for everything (torch is in $want): pip prints its "ERROR: pip's dependency
+# resolver does not currently take into account all the packages that are installed" when an
+# install lands on packages an earlier one put there (the two installs this script used to
+# run). pip check then fails the build loudly on any conflict that is left.
 # shellcheck disable=SC2086  # the spec words are separate requirements
 "$v/bin/pip" install -q -c "$root/constraints.txt" $want
+"$v/bin/pip" check
 sp=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 cat > "$sp/tvstub.py" <<'PY'
 import sys, types

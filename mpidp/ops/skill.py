@@ -91,10 +91,12 @@ class Skill:
     def verdict(self, channel: str | None = None) -> str:
         """One sentence, starting ``beats persistence`` (in every variable at every lead step)
         or ``does not beat persistence``: in how many variables the forecast's RMSE is below
-        persistence's at every lead step, and ``channel``'s scores at the last step (default
-        ``t2m`` when there is one, else the first channel), e.g. ``beats persistence: better
-        at every lead step in 6 of 6 variables; t2m at step 4 (24 h): RMSE 0.93 K, persistence
-        1.41 K, climatology 5.2 K``."""
+        persistence's at every lead step ("at step 1" when there is one), the variables and
+        first lead step where it is no better than climatology's (said only when there are
+        some), and ``channel``'s scores at the last step (default ``t2m`` when there is one,
+        else the first channel), e.g. ``beats persistence: better at every lead step in 6 of 6
+        variables; no better than climatology in t500 from step 5 (30 h); t2m at step 8
+        (48 h): RMSE 2.9 K, persistence 3.5 K, climatology 3.7 K``."""
         if channel is None:
             channel = "t2m" if "t2m" in self.channels else self.channels[0]
         last = self.of(channel)[-1]
@@ -105,12 +107,27 @@ class Skill:
         n = len(self.channels)
         head = "beats" if not lost else "does not beat"
         which = f" (not in {', '.join(lost)})" if lost and won else ""
+        when = "at every lead step" if len(self.steps) > 1 else f"at step {self.steps[0]}"
         return (
-            f"{head} persistence: better at every lead step in {len(won)} of {n} "
-            f"variable{'s' if n != 1 else ''}{which}; {channel} at step {self.steps[-1]}"
+            f"{head} persistence: better {when} in {len(won)} of {n} "
+            f"variable{'s' if n != 1 else ''}{which}; {self._climatology_clause()}"
+            f"{channel} at step {self.steps[-1]}"
             f"{self._lead(self.steps[-1], ' (', ')')}: RMSE {last.rmse:.4g}{u}, persistence "
             f"{last.rmse_persistence:.4g}{u}, climatology {last.rmse_climatology:.4g}{u}"
         )
+
+    def _climatology_clause(self) -> str:
+        """``no better than climatology in t500 from step 5 (30 h); `` (each variable with
+        its first lead step whose RMSE is not below climatology's), or empty."""
+        level = []
+        for c in self.channels:
+            i = next((i for i, s in enumerate(self.of(c)) if s.rmse >= s.rmse_climatology), None)
+            if i is not None and len(self.steps) > 1:
+                step = self.steps[i]
+                level.append(f"{c} from step {step}{self._lead(step, ' (', ')')}")
+            elif i is not None:  # the step is said already ("better at step 1")
+                level.append(c)
+        return f"no better than climatology in {', '.join(level)}; " if level else ""
 
     def _lead(self, step: int, before: str = "", after: str = "") -> str:
         if self.step_hours is None:

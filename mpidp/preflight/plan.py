@@ -278,10 +278,14 @@ def _saved_bytes(
         d_in = len(lay.shape_in) + lay.dim_in
         h_in = lay.shape_in[d_in]
         at = t.dim() + lay.dim_in
-        if inside and parts > 1 and 0 <= at < t.dim() and t.shape[at] == h_in:
-            ends = zip(lay.halo_before, lay.halo_after, strict=True)
-            pad = [max(0, b) + max(0, a) for b, a in ends]
-            return [(n + e) / h_in for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
+        ends = zip(lay.halo_before, lay.halo_after, strict=True)
+        pad = [max(0, b) + max(0, a) for b, a in ends]
+        length = t.shape[at] if 0 <= at < t.dim() else -1
+        # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
+        # the rows across the poles: each rank saves its rows and their halo
+        padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
+        if inside and parts > 1 and (length == h_in or padded):
+            return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
         shares = lay.form.saved_shares(lay) if inside and parts > 1 and lay.form else None
         if shares is not None:
             return shares, False

@@ -7,14 +7,17 @@ A sample output is a fenced block right after a marker line naming the command t
     mpidp train: unet; 4 ranks = dp 2 x domain 2; ...
     ```
 
-The test runs the command once (blocks that name the same command share the run) in a
-temporary folder whose ``examples`` is the repository's, with ``.venv/bin/mpiexec`` and
-``.venv/bin/python`` replaced by the suite's launcher and interpreter (and ``NAME=value``
-words before the command set in its environment), and compares the block
-with what it printed on stdout: the block's lines are consecutive lines of the output; a line
-``...`` stands for any number of lines, and ``...`` inside a line for any text. Numbers with a
-decimal point may differ by 0.1% or by three units in their last digit shown; integers must be
-equal; durations (a number followed by ``s``, ``ms``, ``min`` or ``s/step``) are not compared.
+The test runs each command once (blocks that name the same command share the run), all in one
+temporary folder whose ``examples`` is the repository's and whose ``.venv`` is the suite's
+environment (a launcher outside it, a system MPI, replaces ``.venv/bin/mpiexec``), in the
+order the pages show them (README.md first, then docs/ by name), every earlier command before
+a later one even when the later one is run alone: the README's inference reads the checkpoint
+its training wrote. ``NAME=value`` words before a command set its environment. It compares
+the block with what the command printed on stdout: the block's lines are consecutive lines of
+the output; a line ``...`` stands for any number of lines, and ``...`` inside a line for any
+text. Numbers with a decimal point may differ by 0.1% or by three units in their last digit
+shown; integers must be equal; durations (a number followed by ``s``, ``ms``, ``min`` or
+``s/step``) are not compared.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import math
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -122,20 +124,19 @@ def find(shown: list[str], real: list[str]) -> str:
 
 
 def command_argv(command: str) -> tuple[list[str], dict[str, str]]:
-    """The documented command with the environment's launcher and interpreter, and the
-    variables it sets (``NAME=value`` words before it)."""
+    """The documented command as it is run in the folder whose ``.venv`` is the suite's
+    environment (the launcher replaced where it is not in it: a system MPI), and the variables
+    it sets (``NAME=value`` words before it)."""
     argv = shlex.split(command)
     env = {}
     while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
         name, value = argv.pop(0).split("=", 1)
         env[name] = value
     for k, word in enumerate(argv):
-        if word == ".venv/bin/mpiexec":
+        if word == ".venv/bin/mpiexec" and Path(MPIEXEC).parent != BIN:
             argv[k] = MPIEXEC
-        elif word == ".venv/bin/python":
-            argv[k] = sys.executable
-        elif word.startswith(".venv/bin/"):
-            argv[k] = str(BIN / word.removeprefix(".venv/bin/"))
+        elif word.startswith(".venv/bin/") and not (BIN / word.removeprefix(".venv/bin/")).exists():
+            raise FileNotFoundError(f"{word}: not in the suite's environment {BIN.parent}")
     return argv, env
 
 
@@ -168,13 +169,17 @@ def test_the_comparison_allows_last_digits_and_nothing_else():
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    """Each marked command's stdout, run once."""
+    """Each marked command's stdout, run once, in one folder, after every command before it."""
     done: dict[str, str] = {}
+    folder = tmp_path_factory.mktemp("doc-output")
+    (folder / "examples").symlink_to(ROOT / "examples")
+    (folder / ".venv").symlink_to(BIN.parent)
+    order = list(dict.fromkeys(s.command for s in SAMPLES))
 
     def run(command: str) -> str:
+        for earlier in order[: order.index(command)]:
+            run(earlier)
         if command not in done:
-            folder = tmp_path_factory.mktemp("doc-output")
-            (folder / "examples").symlink_to(ROOT / "examples")
             argv, env = command_argv(command)
             try:
                 res = subprocess.run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,5 +95,8 @@ def test_api_reference_covers_every_public_name(module):
     import importlib
 
     text = (ROOT / "docs" / "api.md").read_text()
-    missing = [n for n in importlib.import_module(module).__all__ if f"**`{n}`**" not in text]
+    with warnings.catch_warnings():  # mpidp.anemoi is documented until it goes
+        warnings.filterwarnings("ignore", "mpidp.anemoi has moved", DeprecationWarning)
+        names = importlib.import_module(module).__all__
+    missing = [n for n in names if f"**`{n}`**" not in text]
     assert not missing, f"docs/api.md lacks {module}: {missing}"

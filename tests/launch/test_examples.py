@@ -47,12 +47,15 @@ def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
     log = launch(4, TRAIN, "--steps", "20", *F64, "--out", str(tmp_path))
     one, four = metrics(serial_run), metrics(tmp_path)
     assert one["val_skill"]["variables"]["t2m"]["units"] == "K"
+    assert one["val_skill"]["lead_hours"] == [6.0]  # the data's 6-hourly time coordinate
     for name, v in one["val_skill"]["variables"].items():
         for score, values in v.items():
             if score != "units":
                 w = four["val_skill"]["variables"][name][score]
                 assert values == pytest.approx(w, rel=1e-12), (name, score)
-    assert "persistence" in log.strip().splitlines()[-1]  # the last line: does it beat it?
+    *_, verdict, _, then = log.strip().splitlines()  # does it beat persistence? then what
+    assert "persistence" in verdict
+    assert then.endswith(f"-m mpi4py examples/inference.py --checkpoint {tmp_path}/checkpoint.pt")
     assert (four["world"], four["dp"], four["domain"]) == (4, 2, 2)
     assert (one["world"], one["dp"], one["domain"]) == (1, 1, 1)
     assert abs(one["val_loss"] - four["val_loss"]) <= 1e-12 * abs(one["val_loss"])
@@ -140,6 +143,7 @@ def test_train_from_a_zarr_store(tmp_path):
     assert m["steps"] == 3 and (m["dp"], m["domain"]) == (1, 2), log[-2000:]
     losses = [v for _, v in m["history"]["train"]] + [m["val_loss"]]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    assert m["val_skill"]["lead_hours"] == [6.0]  # the store's time units
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
@@ -170,7 +174,8 @@ def test_inference_from_a_four_rank_checkpoint_on_three_ranks(tmp_path):
     launch(4, TRAIN, "--steps", "4", "--out", str(tmp_path / "t"), "--no-plot")
     ckpt = str(tmp_path / "t" / "checkpoint.pt")
     common = ["--checkpoint", ckpt, "--steps", "3", "--start", "40", "--map", "z500"]
-    launch(3, str(ROOT / "examples" / "inference.py"), *common, "--out", str(tmp_path / "p3"))
+    log = launch(3, str(ROOT / "examples" / "inference.py"), *common, "--out", str(tmp_path / "p3"))
+    assert "the forecast from 2000-01-11 00:00 (time index 40) " in log  # the date, then the index
     launch(1, str(ROOT / "examples" / "inference.py"), *common, "--out", str(tmp_path / "p1"))
     with (
         xr.open_dataset(tmp_path / "p3" / "forecast-40.nc", engine="h5netcdf") as a,

@@ -2,15 +2,16 @@
 real (the quick tier, one rank) with a limit of 10 s, which the unit and MPI stages overrun.
 Each killed stage says so in one line (the stage, the last test it started, the limit and the
 variable that lengthens it), the summary marks it KILLED and names it again, and the suite
-ends FAILED."""
+ends FAILED. And the zoo stage's pytest under mpiexec prints one summary, not one per rank."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
-from test_launch import clean_env
+from test_launch import MPIEXEC, clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +32,16 @@ def test_a_stage_over_its_limit_says_so_and_the_summary_marks_it_killed():
     assert re.search(r"^ +\d+ s  KILLED  unit tests$", out, re.M), out[-2000:]
     assert re.search(r"^stages that did not pass:\n(  .*\n)*  KILLED: unit tests$", out, re.M)
     assert "quick tier: FAILED" in out
+
+
+def test_the_zoo_under_mpiexec_reports_once():
+    """tests/zoo as scripts/test-zoo.sh runs it, at 2 ranks, here without the third-party
+    packages (every case skips): rank 0's summary alone."""
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "-rs"]
+    res = subprocess.run(
+        [*cmd, "-p", "no:cacheprovider", "tests/zoo"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert len(re.findall(r"^\d+ (passed|skipped)", out, re.M)) == 1, out[-3000:]

@@ -43,8 +43,8 @@ def randomise(model, seed):
 def test_unet(manager, h):
     serial = randomise(WeatherUNet(3, 2, (h, 12), width=4).to(F64), 1)
     dist = converted(serial, manager)
-    assert isinstance(dist.down1[0], mpidp.DomainParallelConv2d)
-    assert isinstance(dist.up1[0], mpidp.DomainParallelInterpolate)
+    assert isinstance(dist.down1[0], mpidp.DomainParallelPeriodicConv2d)  # across the poles
+    assert isinstance(dist.up1[0].up, mpidp.DomainParallelInterpolate)  # longitude wrapped
     assert type(dist.head) is nn.Conv2d  # 1x1: left alone
     assert_matches_serial(
         serial, dist, [rand((2, 3, h, 12), h)], manager=manager, modules=(serial, dist)
@@ -148,7 +148,7 @@ def test_deepcopy_of_a_converted_model_shares_the_manager(manager):
     band = full[..., m.spec(13).slice(m.domain_rank), :]
     assert torch.equal(twin(band), model(band))  # the copy computes the same
     report = mpidp.validate_sharding_constraints(model, (1, 2, 13, 8), m)
-    assert report.ok and len(report.layers) == 14
+    assert report.ok and len(report.layers) == 15
 
 
 @pytest.mark.parametrize(

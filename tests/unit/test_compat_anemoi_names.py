@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +125,22 @@ def test_shapes_and_memory_format():
     assert compat.get_memory_format(cl) is torch.channels_last
     with pytest.raises(mpidp.ConfigError, match="dim 3"):
         compat.get_shape_shards(t, 3)
+
+
+def test_the_pre_move_module_warns_once_naming_its_successor():
+    """``import mpidp.anemoi`` (in a fresh process: the warning comes with the first import)
+    warns, once, that it moved to mpidp.compat.anemoi."""
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import mpidp.anemoi\n"
+        "print([(w.category.__name__, str(w.message), w.filename) for w in seen])\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    seen = ast.literal_eval(res.stdout.strip().splitlines()[-1])
+    mine = [w for w in seen if w[1].startswith("mpidp")]
+    assert len(mine) == 1 and mine[0][0] == "DeprecationWarning", seen
+    assert "moved to mpidp.compat.anemoi" in mine[0][1]

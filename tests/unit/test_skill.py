@@ -60,10 +60,22 @@ def test_beats_and_verdict():
     assert s.beats("climatology")
     good = skill(((1.0, 2.0, 5.0, 0.9, 0.8),))
     assert good.beats("persistence", "t2m")
-    assert good.verdict().startswith("beats persistence: better at every lead step in 2 of 2")
+    assert good.verdict().startswith("beats persistence: better at step 1 in 2 of 2 variables; t2m")
     v = s.verdict()
     assert v.startswith("does not beat persistence: better at every lead step in 0 of 2")
     assert "t2m at step 2 (12 h): RMSE 2.5 K, persistence 2 K, climatology 5 K" in v
+    assert "climatology in" not in v  # said only where the forecast is no better than it
+    # level with climatology at step 2 (z500's scores are t2m's doubled)
+    v = skill(((1.0, 2.0, 5.0, 0.9, 0.8), (5.0, 6.0, 5.0, 0.3, 0.2))).verdict()
+    assert v.startswith(
+        "beats persistence: better at every lead step in 2 of 2 variables; no better than "
+        "climatology in t2m from step 2 (12 h), z500 from step 2 (12 h); t2m at step 2 (12 h): "
+        "RMSE 5 K, persistence 6 K, climatology 5 K"
+    )
+    late = skill(((1.0, 2.0, 1.0, 0.9, 0.8),))
+    assert "at step 1 in 2 of 2 variables; no better than climatology in t2m, z500; t2m" in (
+        late.verdict()
+    )
     with pytest.raises(ConfigError, match="reference='tomorrow'"):
         s.beats("tomorrow")
     with pytest.raises(ConfigError, match="no channel 'q'"):
@@ -118,3 +130,26 @@ def test_comparison_figure_labels_units(tmp_path, monkeypatch):
     titles = [ax.get_title() for ax in figures[0].axes]
     assert titles[:3] == ["truth", "forecast", "forecast - truth (RMSE 1.5 K)"]
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_lead_times_and_dates_come_from_the_time_coordinate(tmp_path):
+    """The examples' lead times (metrics.json's lead_hours, the skill tables) and the map's
+    dates: from the CF units of the data's time coordinate, None where there are none."""
+    import h5py
+
+    ex = _examples_skill()
+    units = "hours since 2000-01-01 00:00:00"
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["time"] = np.arange(0.0, 30.0, 6.0)
+        f["time"].attrs["units"] = units
+    with h5py.File(tmp_path / "bare.h5", "w") as f:
+        f["time"] = np.arange(5.0)
+    assert ex.time_units(tmp_path / "d.h5") == units
+    assert ex.time_units(tmp_path / "bare.h5") is None
+    assert ex.time_units(tmp_path / "missing.h5") is None
+    assert ex.step_hours(np.array([330.0, 336.0]), units) == 6.0
+    assert ex.step_hours(np.array([0.0, 0.25]), "days since 2000-01-01") == 6.0
+    assert ex.step_hours(np.array([0.0, 1.0]), None) is None  # index steps: no hours
+    assert ex.step_hours(np.array([0.0]), units) is None
+    assert ex.timestamp(330.0, units) == "2000-01-14 18:00"
+    assert ex.timestamp(330.0, "hours") is None  # no reference date

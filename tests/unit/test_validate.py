@@ -20,7 +20,7 @@ def test_unet_rows_and_halos_per_layer():
     assert down.rows_in == (10, 9, 9, 9) and down.rows_out == (5, 5, 5, 4)
     # rank r needs input rows [2 * first - 1, 2 * last + 2): [-1, 10), [9, 20), [19, 30), [29, 38)
     assert (down.halo_before, down.halo_after) == ((1, 1, 0, -1), (0, 1, 2, 1))
-    assert by_path["up1.0"].rows_out == (10, 9, 9, 9)
+    assert by_path["up1.0.up"].rows_out == (10, 9, 9, 9)
     assert "down1.0" in str(report)
 
 
