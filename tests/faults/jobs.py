@@ -413,5 +413,24 @@ def skipped_halo_backward_then_next() -> None:
     time.sleep(60)
 
 
+def layer_raises_on_one_rank() -> None:
+    """A converted model whose own module raises inside its forward on rank 1 only (torch's
+    error on an input only that rank's band has), uncaught, while rank 0 goes on into the
+    next layer's halo exchange: every rank's output must name rank 1 and its error, in
+    seconds."""
+    from torch import nn
+
+    class Picky(nn.Module):
+        def forward(self, x):
+            if ME == 1:
+                raise RuntimeError("the layer's own check failed on this band (injected)")
+            return x
+
+    with mpidp.DistributedManager(domain_parallel_size=MPI.COMM_WORLD.Get_size()) as m:
+        model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), Picky(), nn.Conv2d(2, 2, 3, padding=1))
+        model = mpidp.convert_to_domain_parallel(model, m)
+        model(torch.randn(1, 2, 4, 6))
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1].replace("-", "_")]()

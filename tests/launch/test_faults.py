@@ -228,6 +228,21 @@ def test_an_error_inside_one_ranks_rollout_reaches_every_rank(tmp_path):
     assert path.read_bytes() == b"the previous forecast"
 
 
+def test_an_error_one_rank_raises_inside_a_converted_layer_reaches_every_rank():
+    """A module of a converted model that raises on rank 1 only, while rank 0 waits in the next
+    layer's halo exchange: the job ends within seconds and rank 0's output names rank 1 and its
+    error (issue 44: an error one rank alone can raise inside a layer is every rank's)."""
+    start = time.monotonic()
+    res = job_result("layer-raises-on-one-rank")
+    assert time.monotonic() - start < 30, res.stdout
+    assert res.returncode != 0
+    text = " ".join(res.stdout.split())
+    assert (
+        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
+        "caught: RuntimeError: the layer's own check failed on this band (injected)" in text
+    ), res.stdout
+
+
 def test_scatter_sizes_that_do_not_add_up_on_the_source_raise_on_every_rank():
     """mpidp.scatter_v (the differentiable one) whose sizes do not add up to the source's
     tensor: checked on the source alone, it used to raise there and leave rank 1 waiting in the
