@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mpidp.comm import Transport
-from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.runtime.partition import ShardSpec, known_for, learned
 
 __all__ = [
     "LayoutMismatch",
@@ -83,7 +83,9 @@ def learn_spec(x: torch.Tensor, dim: int, t: Transport) -> ShardSpec:
     for band, d in _BANDS.get():
         if band is x and d != dim % x.dim():
             raise LayoutMismatch(f"cut along dim {d}, asked along {dim % x.dim()}")
-    return ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
+    spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([x.size(dim)])))
+    learned(x, dim, spec)
+    return spec
 
 
 def not_a_band(x: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
@@ -297,8 +298,28 @@ def known_spec(band: Any, dim: int, spec: ShardSpec) -> Iterator[None]:
 
 
 def known_for(x: Any, dim: int) -> ShardSpec | None:
-    """The partition :func:`known_spec` declared for ``x`` along ``dim``, else None."""
-    for band, d, spec in _KNOWN.get():
-        if band is x and d == dim % max(x.dim(), 1):
+    """The partition :func:`known_spec` declared for ``x`` along ``dim``, or the one just learned
+    for this very tensor (:func:`learned`), else None."""
+    d = dim % max(x.dim(), 1)
+    for band, at, spec in _KNOWN.get():
+        if band is x and at == d:
             return spec
+    last = _LEARNED.get()
+    if last is not None and last[0]() is x and last[1] == d:
+        return last[2]
     return None
+
+
+#: the last partition learned from every rank's extent: (a weak reference to the band, its
+#: dim, the spec): the halo exchange a layer makes next on the same band then agrees on its
+#: arguments once per distinct call, as on a ShardedTensor (one all-gather a call less)
+_LEARNED: contextvars.ContextVar[tuple[Any, int, ShardSpec] | None] = contextvars.ContextVar(
+    "mpidp_learned_spec", default=None
+)
+
+
+def learned(x: Any, dim: int, spec: ShardSpec) -> None:
+    """Record that ``spec`` is the partition of this tensor ``x`` along ``dim``, learned from
+    every rank's extent in one all-gather (the same on every rank). Only this tensor object
+    (held weakly) is concerned: two tensors of one local size may belong to different ones."""
+    _LEARNED.set((weakref.ref(x), dim % max(x.dim(), 1), spec))
