@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import BackendError, ConfigError, LaunchError, OversubscribedWarning
 from mpidp.runtime.bootstrap import LaunchInfo, detect_launch
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
+from mpidp.runtime.rendezvous import Rendezvous, init_process_group
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
 
@@ -361,125 +361,10 @@ class DistributedManager:
         return result
 
     def _init_process_group(self, env: dict[str, str]) -> None:
-        kwargs: dict[str, Any] = dict(
-            backend=self.backend, rank=self.rank, world_size=self.world_size, timeout=self.timeout
-        )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            kwargs["device_id"] = self.device
-        if self.world_size == 1:
-            kwargs["store"] = dist.HashStore()
-        elif self._mpi_runs_job():
-            kwargs["store"] = self._mpi_rendezvous(env)
-        elif self.launch_info.launcher == "torchrun":
-            self._check_address(env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
-            kwargs["init_method"] = "env://"
-        else:
-            addr, port = self.launch_info.master_addr, self.launch_info.master_port
-            if addr is None or port is None:
-                raise LaunchError(
-                    f"rank {self.rank}: {self.launch_info.launcher} started {self.world_size} "
-                    f"processes without MPI and without a rendezvous address; launch with mpiexec, "
-                    f"srun --mpi=pmi2 or torchrun"
-                )
-            kwargs["store"] = self._job_store(addr, port, env)
-        self._store = kwargs.get("store")  # kept for an ordered teardown (shutdown)
-        try:
-            dist.init_process_group(**kwargs)
-        except (RuntimeError, OSError, ValueError) as exc:
-            where = (
-                f"MASTER_ADDR={env.get('MASTER_ADDR')!r} MASTER_PORT={env.get('MASTER_PORT')!r}"
-                if "init_method" in kwargs
-                else "its rendezvous store"
-            )
-            raise LaunchError(
-                f"rank {self.rank} of {self.world_size} ({self.launch_info.launcher}): "
-                f"torch.distributed ({self.backend}) could not start through {where}: "
-                f"{type(exc).__name__}: {exc}; check that the address is rank 0's host and "
-                f"reachable from this node, and that the port is free"
-            ) from None
-
-    def _check_address(self, addr: str | None, port: str | None) -> None:
-        """Every rank resolves the rendezvous address itself before joining, so an address that
-        does not resolve is an error on every rank at once (rank 0's store would otherwise wait
-        the whole timeout for ranks that can never reach it, with no word of why)."""
-        if not addr:
-            return
-        try:
-            socket.getaddrinfo(addr, None)
-        except OSError as exc:
-            raise LaunchError(
-                f"rank {self.rank} of {self.world_size} ({self.launch_info.launcher}): "
-                f"MASTER_ADDR={addr!r} (MASTER_PORT={port!r}) does not resolve on {self.host} "
-                f"({exc}); every rank must reach rank 0 there: set MASTER_ADDR to rank 0's host "
-                f"name or IP address"
-            ) from None
-
-    def _job_store(self, addr: str, port: int, env: dict[str, str]) -> dist.Store:
-        """The rendezvous at a port derived from the job (SLURM without MPI), which a job that
-        got the same port may also reach: rank 0 writes this job's token, every other rank
-        checks it before joining, so a stranger raises instead of mixing two trainings."""
-        job = env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "?"))
-        step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "?"))
-        token = f"{self.launch_info.launcher} job {job} step {step} of {self.world_size} ranks"
-        self._check_address(addr, str(port))
-        try:
-            store = dist.TCPStore(
-                addr,
-                port,
-                self.world_size,
-                self.rank == 0,
-                timeout=self.timeout,
-                wait_for_workers=False,
-            )
-        except (RuntimeError, OSError) as exc:
-            raise LaunchError(
-                f"rank {self.rank} ({token}): cannot open the rendezvous at {addr}:{port}: "
-                f"{exc}; another job may hold that port: launch with srun --mpi=pmi2 (no port "
-                f"needed) or set MASTER_PORT"
-            ) from None
-        key = "mpidp/job-token"
-        if self.rank == 0:
-            store.set(key, token)
-        else:
-            store.wait([key], self.timeout)
-            theirs = store.get(key).decode()
-            if theirs != token:
-                raise LaunchError(
-                    f"rank {self.rank}: the rendezvous at {addr}:{port} belongs to another job "
-                    f"({theirs}); this rank is of {token}. Two jobs on one node got the same "
-                    f"port: nothing was joined; launch with srun --mpi=pmi2 or set MASTER_PORT"
-                )
-        return store
-
-    def _mpi_rendezvous(self, env: dict[str, str]) -> dist.Store:
-        """Rank 0 opens a store on a port the OS picks and broadcasts where it is: nothing to
-        export, and two jobs on one node never collide."""
-        comm = self._world_comm
-        assert comm is not None
-        store, where, error = None, None, None
-        if self.rank == 0:
-            try:
-                addr = env.get("MPIDP_MASTER_ADDR") or socket.gethostname()
-                store = dist.TCPStore(
-                    "0.0.0.0",
-                    0,
-                    self.world_size,
-                    True,
-                    timeout=self.timeout,
-                    wait_for_workers=False,
-                )
-                where = (addr, store.port)
-            except (OSError, RuntimeError) as exc:
-                error = f"rank 0 could not open a rendezvous port: {exc}"
-        where, error = comm.bcast((where, error), root=0)
-        if error:
-            raise BackendError(
-                f"rank {self.rank}: {error}; set MPIDP_MASTER_ADDR to a reachable address"
-            )
-        if store is None:
-            store = dist.TCPStore(where[0], where[1], self.world_size, False, timeout=self.timeout)
-        return store
+        who = Rendezvous(self.rank, self.world_size, self.launch_info, self.host, self.timeout)
+        comm = self._world_comm if self._mpi_runs_job() else None
+        # the store is kept for an ordered teardown (shutdown)
+        self._store = init_process_group(who, self.backend, self.device, env, comm)
 
     def _adopt_process_group(self) -> None:
         rank, size = dist.get_rank(), dist.get_world_size()

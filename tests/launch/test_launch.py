@@ -131,7 +131,7 @@ def test_explain_starts_its_ranks_and_prints_the_layouts_and_bytes():
     res = run([str(BIN / "mpidp"), "explain", "--model", "unet", "--shape", "1x3x29x16", "-d", "3"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("mpidp explain: WeatherUNet on (1, 3, 29, 16), 3 ranks") == 1
-    assert "inc.0 (Conv2d)" in res.stdout and "[10, 10, 9]" in res.stdout
+    assert "inc.0 (PeriodicConv2d)" in res.stdout and "[10, 10, 9]" in res.stdout
     assert "every op has a band form" in res.stdout
     res = run([str(BIN / "mpidp"), "explain", "--shape", "1x3x29x16", "-n", "2", "--json"])
     doc = json.loads(res.stdout)
