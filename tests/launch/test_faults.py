@@ -191,8 +191,9 @@ def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
 def test_an_error_on_one_rank_ends_the_job_without_python_m_mpi4py_too():
     """The same second init on rank 0, in a job started as ``python jobs.py`` (no abort on an
     uncaught error): rank 0 exits, and rank 1, waiting in a collective, used to wait for the
-    whole deadline (here 60 s). It prints rank 0's error and, when the job has not ended a few
-    seconds later, aborts it."""
+    whole deadline (here 60 s). It prints rank 0's error, and the job ends in seconds: by the
+    launcher when rank 0's exit ends it, else by rank 1, which aborts a job still running a few
+    seconds after it heard (which of the two comes first depends on the machine's load)."""
     start = time.monotonic()
     res = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, JOBS, "second-init-on-one-rank"],
@@ -206,7 +207,6 @@ def test_an_error_on_one_rank_ends_the_job_without_python_m_mpi4py_too():
     assert time.monotonic() - start < 40 and res.returncode != 0, out
     text = " ".join(re.sub(r"\[rank\d\]: ", "", out).split())
     assert "mpidp: rank 1 of 2: the job ends because rank 0 of 2 raised an error" in text, out
-    assert "the failed rank did not end the job (not run by python -m mpi4py?); aborting" in text
 
 
 def test_an_error_inside_one_ranks_rollout_reaches_every_rank(tmp_path):
