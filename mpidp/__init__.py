@@ -186,13 +186,7 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SHORT:
         return importlib.import_module(_SHORT[name])
-    if not name.startswith("_"):  # a submodule, as the eager package had them all: mpidp.io
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":  # the submodule exists; something it imports not
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _moved.submodule(__name__, name)  # as the eager package had them all: mpidp.io
 
 
 def __dir__() -> list[str]:

@@ -1,6 +1,7 @@
 """Module paths that moved when the package took its folders (runtime, ops, parallel,
 preflight): for one release the old path still imports, as the module at its new place, with
-a ``DeprecationWarning`` naming that place. Nothing in mpidp imports an old path."""
+a ``DeprecationWarning`` naming that place. Nothing in mpidp imports an old path. Also the
+packages' submodules on first use (:func:`submodule`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing: the module ran at its new place."""
+
+
+def submodule(package: str, name: str) -> types.ModuleType:
+    """``package.name`` imported on first use (a package's ``__getattr__``: ``mpidp.ops.fft``
+    after a plain ``import mpidp``, as when the flat package imported every module); an
+    ``AttributeError`` when there is no such submodule."""
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{package}.{name}":  # the submodule exists; something it imports not
+                raise
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
 def install() -> None:

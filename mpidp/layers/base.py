@@ -24,6 +24,7 @@ from mpidp.ops.bands import (
     note_replicated,
     torch_path,
 )
+from mpidp.ops.geometry import HaloSpec
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec, known_spec
 
@@ -141,8 +142,18 @@ class DomainParallel:
     ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
         """(rows before, rows after per rank, what fills rows beyond the field) that the
         layer's band form fetches along spatial axis ``k`` of ``n``, cutting ``n_in`` input
-        rows by ``spec_in`` and its output by ``spec_out``; None when it fetches none."""
-        return None
+        rows by ``spec_in`` and its output by ``spec_out``; None when it fetches none. By
+        default the rows its window (:meth:`geometry`) reads, filled by :meth:`boundary_of`."""
+        geo = cls.geometry(module, k)
+        if geo is None:
+            return None
+        halo = HaloSpec.for_layer(spec_in, spec_out, *geo)
+        return halo.before, halo.after, cls.boundary_of(module)
+
+    @classmethod
+    def boundary_of(cls, module: Any) -> str:
+        """What fills the rows of a window beyond the field (a :class:`~mpidp.Boundary` kind)."""
+        return "zeros"
 
     @classmethod
     def modes_of(cls, module: Any, shape_in: Any, parts: int, partition: Any) -> tuple[int, ...]:

@@ -79,6 +79,8 @@ def _pads(padding: str | Sequence[int], kernel: Sequence[int], dilation: Sequenc
 
 
 class _Conv(DomainParallel):
+    """The forward shared by Conv1d/2d/3d (``self`` is also the torch conv)."""
+
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
 
     @classmethod
@@ -89,21 +91,10 @@ class _Conv(DomainParallel):
         return ks, module.stride[k], pair, dil
 
     @classmethod
-    def halo_of(
-        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
-        geo = cls.geometry(module, k)
-        assert geo is not None
-        halo = HaloSpec.for_layer(spec_in, spec_out, *geo)
-        return halo.before, halo.after, cls.boundary_of(module)
-
-    @classmethod
     def boundary_of(cls, module: Any) -> str:
         """What fills the rows beyond the field: the padding mode."""
         mode = getattr(module, "padding_mode", "zeros")
         return mode if mode in ("zeros", "reflect", "replicate", "circular") else "zeros"
-
-    """The forward shared by Conv1d/2d/3d (``self`` is also the torch conv)."""
 
     _n: int
 
@@ -164,6 +155,8 @@ class DomainParallelConv3d(_Conv, nn.Conv3d):
 
 
 class _ConvTranspose(DomainParallel):
+    """The forward shared by ConvTranspose1d/2d/3d (``self`` is also the torch layer)."""
+
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
 
     @classmethod
@@ -182,8 +175,6 @@ class _ConvTranspose(DomainParallel):
         )
         halo = HaloSpec.from_ranges(spec_in, ranges)
         return halo.before, halo.after, "none"
-
-    """The forward shared by ConvTranspose1d/2d/3d (``self`` is also the torch layer)."""
 
     _n: int
 

@@ -21,7 +21,6 @@ from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_row
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo import halo_exchange
-from mpidp.runtime.partition import ShardSpec
 
 # torch pad module base -> (F.pad mode, halo boundary)
 _MODES: dict[type, tuple[str, str]] = {
@@ -70,11 +69,8 @@ class _Pad(DomainParallel):
         return 1, 1, (pads[at_k], pads[at_k + 1]), 1
 
     @classmethod
-    def halo_of(
-        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
-        halo = HaloSpec.for_layer(spec_in, spec_out, *cls.geometry(module, k))  # type: ignore[misc]
-        return halo.before, halo.after, _mode(module)[1]
+    def boundary_of(cls, module: Any) -> str:
+        return _mode(module)[1]
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_row
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size
 from mpidp.ops.halo import halo_exchange
-from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -110,13 +109,8 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         return module.kernel_size[0], module.stride[0], (p, p), module.dilation[0]
 
     @classmethod
-    def halo_of(
-        cls, module: Any, spec_in: ShardSpec, spec_out: ShardSpec, k: int, n_in: int, n: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
-        geo = cls.geometry(module, k)
-        assert geo is not None
-        halo = HaloSpec.for_layer(spec_in, spec_out, *geo)
-        return halo.before, halo.after, module.pole
+    def boundary_of(cls, module: Any) -> str:
+        return str(module.pole)
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,10 +105,10 @@ class SpectralBands(DomainParallel):
 
 
 class DomainParallelAFNOFilter(SpectralBands, AFNOFilter):
-    channels_last_in = channels_last_out = True
-
     """:class:`mpidp.models.AFNOFilter` on bands of its channels-last (B, h, w, C) tokens: the
     block MLP and the mode mask act on this rank's W modes, by global mode number."""
+
+    channels_last_in = channels_last_out = True
 
 
 class DomainParallelSpectralConv2d(SpectralBands, SpectralConv2d):
@@ -117,10 +117,10 @@ class DomainParallelSpectralConv2d(SpectralBands, SpectralConv2d):
 
 
 class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
-    dry_run = channels_last_in = channels_last_out = True
-
     """The band's rows of the learned embedding (channels-last (B, h, w, C): rows are dim 1).
     The gradient of the other rows is zero here; the domain sum of gradients completes it."""
+
+    dry_run = channels_last_in = channels_last_out = True
 
     def input_band_dim(self) -> int:
         return -3
@@ -135,6 +135,10 @@ class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
 
 
 class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
+    """The linear un-patching head on a band of token rows: each token row becomes ``patch``
+    pixel rows here, then the rows move to the manager's partition of the output height (only
+    the boundary rows travel)."""
+
     dry_run = channels_last_in = True
 
     @classmethod
@@ -153,10 +157,6 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
             hi - lo for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank)) if r != rank
         )
         return (lost + gained) * layer.row_elements("out") * itemsize
-
-    """The linear un-patching head on a band of token rows: each token row becomes ``patch``
-    pixel rows here, then the rows move to the manager's partition of the output height (only
-    the boundary rows travel)."""
 
     def input_band_dim(self) -> int:
         return -3

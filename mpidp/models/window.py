@@ -73,6 +73,11 @@ def window_rows(
 
 
 class DomainParallelWindowAttention(DomainParallel, WindowAttention):
+    """:class:`mpidp.models.WindowAttention` on bands of its channels-last tokens (H, the dim
+    before W, is cut): exact for every partition, thin and empty shards included, shifted or
+    not, padded or not. Collective over the domain group (one all-gather of one integer to
+    learn the partition, unless the input's spec is known, and one all-to-all)."""
+
     dry_run = channels_last_in = channels_last_out = True
 
     @classmethod
@@ -102,11 +107,6 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
         """It computes whole windows, so it holds the rows of every window its band touches,
         of the field padded to whole windows."""
         return _window_shares(tuple(layer.rows_in), *layer.window)
-
-    """:class:`mpidp.models.WindowAttention` on bands of its channels-last tokens (H, the dim
-    before W, is cut): exact for every partition, thin and empty shards included, shifted or
-    not, padded or not. Collective over the domain group (one all-gather of one integer to
-    learn the partition, unless the input's spec is known, and one all-to-all)."""
 
     def input_band_dim(self) -> int:
         return -3  # channels-last (B, [T,] H, W, C): H is the dim before W
