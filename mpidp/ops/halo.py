@@ -28,7 +28,8 @@ import torch
 
 from mpidp.comm import PendingExchange, Transport
 from mpidp.errors import CommError, ConfigError
-from mpidp.ops.collectives import _call, resolve_transport
+from mpidp.ops.collectives import resolve_transport
+from mpidp.ops.functions import _call
 from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
 from mpidp.ops.halo_plan import layout as layout_for

@@ -13,7 +13,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.ops.collectives import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
+from mpidp.ops.functions import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import Balanced, PartitionPolicy, as_sizes
 

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_map
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
-from mpidp.ops.collectives import _call, _Shard, all_gather_v_replicated
+from mpidp.ops.collectives import all_gather_v_replicated
+from mpidp.ops.functions import _call, _Shard
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded.where import track
