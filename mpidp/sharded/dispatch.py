@@ -29,8 +29,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mpidp.errors import ConfigError, MpidpError
+from mpidp.ops.collectives import copy_to
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
-from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
+from mpidp.sharded.partial import summed
+from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated, shard
 from mpidp.sharded.walk import holds, leaves
 from mpidp.sharded.where import relocated
 
@@ -206,8 +208,6 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
     values among the arguments are summed first: handlers see Replicated values."""
-    from mpidp.sharded.partial import summed
-
     args, kwargs = summed((args, kwargs))
     if not _DEPTH and _whole(args, kwargs):
         args, kwargs = whole_gradients((args, kwargs))
@@ -245,8 +245,6 @@ def whole_gradients(tree: Any) -> Any:
     the domain group in the backward: every rank holds the whole gradient, as PhysicsNeMo's
     parameters do. Called at the outermost call only (a handler's own calls see those tensors
     already)."""
-    from mpidp.ops.collectives import copy_to
-
     leaves, spec = tree_flatten(tree)
     t = next(a for a in leaves if isinstance(a, ShardedTensor)).transport
     plain = [
@@ -305,8 +303,6 @@ def _has_blocks(args: Any, kwargs: Any) -> bool:
 
 
 def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from mpidp.sharded.tensor import shard
-
     ref = first_sharded(args, kwargs)
     name = name_of(func)
     if name not in _WARNED:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from mpidp.errors import ConfigError
 from mpidp.ops.collectives import reduce_from, scatter_v
+from mpidp.runtime.adopt import manager_for
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
 
@@ -44,8 +45,6 @@ def manager_of(
     """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh, or a process group)
     is, adopted when mpidp did not build it (:func:`mpidp.runtime.adopt.manager_for`); None:
     ``manager`` or the default one."""
-    from mpidp.runtime.adopt import manager_for
-
     return manager_for(manager if device_mesh is None else device_mesh, gradients=gradients)
 
 

@@ -20,7 +20,7 @@ from mpidp.errors import ConfigError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.dispatch import refuse, register
-from mpidp.sharded.rows import home
+from mpidp.sharded.rows import along, home, to_spec
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
 __all__ = ["POINTWISE", "pointwise", "local_like"]
@@ -357,8 +357,6 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if isinstance(a, ShardedTensor):
             want = a.dim() - (out_ndim - axis)
             if want != a.shard_dim and want >= 0 and a.blocks == 1 == ref.blocks:
-                from mpidp.sharded.rows import along
-
                 a = along(a, want)  # cut along another dim: the distributed transpose
             if (
                 a.dim() - (out_ndim - axis) != a.shard_dim
@@ -374,8 +372,6 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     "redistribute one of them (x.redistribute(dim=...))",
                 )
             if a.spec != spec:
-                from mpidp.sharded.rows import to_spec
-
                 a = to_spec(a, spec)
             return a.local
         if not isinstance(a, torch.Tensor):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mpidp.ops.collectives import all_reduce
+from mpidp.sharded import select
 from mpidp.sharded.dispatch import refuse, register
 from mpidp.sharded.shapes import _plain
 from mpidp.sharded.tensor import Replicated, ShardedTensor
@@ -244,8 +245,6 @@ def _gather_from_band(
     of the index's shape (cut like a sharded index, else by the manager's partition of its
     length), each rank fetching the rows its part names (:func:`mpidp.sharded.select.
     gather_rows`)."""
-    from mpidp.sharded.select import gather_rows
-
     m = x.manager
     if isinstance(index, ShardedTensor):
         if index.shard_dim != dim or index.blocks > 1:
@@ -260,4 +259,4 @@ def _gather_from_band(
         spec = m.partition.derived(index.size(dim), m.domain_world_size)
     if index.dim() != x.dim() or index.is_floating_point():
         raise refuse(func, args, kwargs, "an index of another rank or dtype", "match torch.gather")
-    return gather_rows(x, index.to(torch.long), spec)
+    return select.gather_rows(x, index.to(torch.long), spec)
