@@ -18,7 +18,7 @@ import torch
 
 from mpidp.comm.base import Transport
 
-__all__ = ["MetaTransport"]
+__all__ = ["MetaTransport", "SoloTransport"]
 
 
 def _meta(rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -96,3 +96,30 @@ class MetaTransport(Transport):
         recvs: list[tuple[int, int, torch.Tensor]],
     ) -> Callable[[], None]:
         return lambda: None
+
+
+class SoloTransport(Transport):
+    """One rank of a group of ``size``, simulated alone in this process (a dry run of every
+    rank in turn): the agreement steps answer as a consistent run does (every rank passed what
+    this one passes), objects come back as this rank's; tensors never move (wrap it in a
+    :class:`MetaTransport`, which answers collectives of meta tensors with their shapes)."""
+
+    name = "solo"
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        return [list(values)] * self.size
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj] * self.size
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    def _no_data(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a simulated rank moves no data: wrap it in a MetaTransport")
+
+    _all_gather_v = _gather_v = _scatter_v = _all_to_all_v = _no_data
+    _reduce_scatter_v = _all_reduce = _broadcast = _start_exchange = _no_data

@@ -27,14 +27,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from mpidp.comm.meta import MetaTransport, SoloTransport
 from mpidp.errors import MpidpError
 from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import Balanced, PartitionPolicy
 from mpidp.sharded.dispatch import WATCHERS, name_of
 from mpidp.sharded.partial import PartialSum
 from mpidp.sharded.tensor import Replicated, ShardedTensor, shard
 from mpidp.sharded.where import module_path
 
-__all__ = ["Explanation", "Step", "explain"]
+__all__ = ["Explanation", "SimulatedManager", "Step", "explain", "simulate"]
 
 
 @dataclasses.dataclass
@@ -218,3 +220,71 @@ def explain(
         stopped=stopped,
         output=output,
     )
+
+
+class SimulatedManager(DistributedManager):
+    """Rank ``rank`` of a domain group of ``parts`` ranks cut by ``partition``, simulated in
+    this process: nothing is launched, collectives answer with shapes (a
+    :class:`~mpidp.comm.meta.MetaTransport` over a :class:`~mpidp.comm.meta.SoloTransport`) and
+    every agreement as a consistent run does. What :func:`simulate` runs each rank on."""
+
+    def __init__(self, rank: int, parts: int, partition: PartitionPolicy | None = None) -> None:
+        # no DistributedManager.__init__: there is no launch to read and no group to join
+        self.rank = self.domain_rank = rank
+        self.world_size = self.domain_world_size = parts
+        self.dp_rank, self.dp_world_size = 0, 1
+        self.partition = partition if partition is not None else Balanced()
+        self.shard_dim = -2
+        self.gradients = "shares"
+        self.device = torch.device("cpu")
+        self.domain_ranks = tuple(range(parts))
+        self.domain_group = self.data_parallel_group = None  # type: ignore[assignment]
+        self._transports = {}
+        self._simulated = MetaTransport(SoloTransport(rank, parts))
+
+    def transport(self, group: Any = None, device: str | torch.device | None = None) -> Any:
+        return self._simulated
+
+    def shutdown(self, sync: bool = True) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"SimulatedManager(rank {self.rank} of {self.domain_world_size})"
+
+
+def simulate(
+    make_model: Callable[[], nn.Module],
+    *inputs: torch.Tensor | Sequence[int],
+    parts: int,
+    dim: int = -2,
+    partition: PartitionPolicy | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Explanation:
+    """:func:`explain` for ``parts`` ranks without launching them: each rank's forward runs in
+    turn in this process, on its meta band, over a :class:`SimulatedManager` (a fresh model
+    from ``make_model`` each, as each rank builds its own). The same explanation a job of
+    ``parts`` ranks gives (the bytes each rank sends, the layouts, the first refusal). Local."""
+    runs = [
+        explain(
+            make_model(),
+            *inputs,
+            dim=dim,
+            manager=SimulatedManager(r, parts, partition),
+            dtype=dtype,
+        )
+        for r in range(parts)
+    ]
+    first = runs[0]
+    steps = [
+        Step(
+            s.path,
+            s.op,
+            s.layout,
+            s.calls,
+            [run.steps[i].sent[r] if i < len(run.steps) else 0 for r, run in enumerate(runs)],
+        )
+        for i, s in enumerate(first.steps)
+    ]
+    refused = next((run.refused for run in runs if run.refused), None)
+    stopped = next((run.stopped for run in runs if run.stopped), None)
+    return dataclasses.replace(first, steps=steps, refused=refused, stopped=stopped)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.preflight.explain import explain
+from mpidp.preflight.explain import explain, simulate
 from mpidp.preflight.plan import build_model
 from mpidp.sharded import UnsupportedOp, shard
 from mpidp.testing import count_traffic
@@ -112,3 +112,42 @@ def test_a_meta_collective_of_the_wrong_shape_fails_the_comparison(m, monkeypatc
     except Exception:  # a shape error: the mutation is caught too
         return
     assert e.stopped is not None or e.sent[m.rank] != sent
+
+
+def _seeded(make):
+    def build():
+        torch.manual_seed(0)
+        return make().to(torch.float64)
+
+    return build
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_process_simulating_every_rank_explains_what_the_job_does(m, name):
+    """``simulate`` runs each rank's forward in turn in this one process (no launch, no
+    communication): the same steps, layouts and bytes per rank as the explanation of the real
+    job of as many ranks, and the same output layout. The job is a fresh one (a new manager), as
+    every simulation is: its halo exchanges agree on their arguments at their first call."""
+    make, shape = CASES[name]
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as fresh:
+        real = explain(
+            _seeded(make)(), shape, dim=len(shape) - 2, manager=fresh, dtype=torch.float64
+        )
+    alone = simulate(_seeded(make), shape, parts=WORLD, dim=len(shape) - 2, dtype=torch.float64)
+    assert alone.sent == real.sent, (alone.sent, real.sent)
+    assert [(s.path, s.op, s.layout, s.calls) for s in alone.steps] == [
+        (s.path, s.op, s.layout, s.calls) for s in real.steps
+    ]
+    assert (alone.output, alone.refused, alone.input_rows) == (
+        real.output,
+        real.refused,
+        real.input_rows,
+    )
+
+
+def test_one_process_simulating_every_rank_finds_the_first_refusal(m):
+    real = explain(Unbandable(), (1, 2, 8, 8), manager=m)
+    alone = simulate(Unbandable, (1, 2, 8, 8), parts=WORLD)
+    assert alone.refused is not None and real.refused is not None
+    assert alone.refused.split(": ", 1)[1] == real.refused.split(": ", 1)[1]
+    assert alone.sent == real.sent
