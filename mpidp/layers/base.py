@@ -200,8 +200,9 @@ class DomainParallel:
 
     def input_band_dim(self) -> int:
         """The dim (from the end) along which this layer's input is cut: a converted model
-        whose first layer this is takes its input bands cut along it."""
-        return self.shard_dim
+        whose first layer this is takes its input bands cut along it (one more from the end
+        for channels-last tokens)."""
+        return self.shard_dim - 1 if self.channels_last_in else self.shard_dim
 
     def _manager(self) -> DistributedManager:
         return self.dp_manager if self.dp_manager is not None else get_manager()

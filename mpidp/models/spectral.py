@@ -122,9 +122,6 @@ class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
 
     dry_run = channels_last_in = channels_last_out = True
 
-    def input_band_dim(self) -> int:
-        return -3
-
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
@@ -157,9 +154,6 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
             hi - lo for r, lo, hi in pixels.overlaps(out.start(rank), out.stop(rank)) if r != rank
         )
         return (lost + gained) * layer.row_elements("out") * itemsize
-
-    def input_band_dim(self) -> int:
-        return -3
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

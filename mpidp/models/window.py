@@ -108,9 +108,6 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
         of the field padded to whole windows."""
         return _window_shares(tuple(layer.rows_in), *layer.window)
 
-    def input_band_dim(self) -> int:
-        return -3  # channels-last (B, [T,] H, W, C): H is the dim before W
-
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
