@@ -16,7 +16,7 @@ import warnings
 _FOLDERS = {
     "runtime": "bootstrap manager partition rng progress adopt",
     "ops": "collectives halo halo_plan geometry fft attention training skill sharding",
-    "preflight": "validate audit explain plan",
+    "preflight": "validate explain plan",
     "parallel": "convert probe",
 }
 

@@ -18,6 +18,7 @@ the manager's partition policy.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ __all__ = [
     "NodeSet",
     "Nodes",
     "ShardedGraph",
-    "dry_graphs",
+    "logging_exchanges",
 ]
 
 
@@ -230,7 +231,16 @@ class ShardedGraph(DomainParallel, Graph):
     def src_features(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         if self._alone():
             return x
-        return graph_halo_exchange(x, self.plan(), dim, self._transport(x))
+        plan = self._dry_logged(x, dim)
+        return graph_halo_exchange(x, plan, dim, self._transport(x))
+
+    def _dry_logged(self, x: torch.Tensor, dim: int) -> GraphHaloPlan:
+        """This rank's plan, its exchange logged when a dry run asks (:func:`logging_exchanges`)."""
+        plan = self.plan()
+        active = _LOG.get()
+        if active is not None:
+            active[1].append(GraphExchange.of(plan, active[0].get(id(self), "?"), x, dim))
+        return plan
 
     def _own(self, values: torch.Tensor, spec: ShardSpec, dim: int) -> torch.Tensor:
         if values.size(dim) != spec.total:
@@ -268,31 +278,9 @@ class GraphExchange:
     received_back: int
     elements: int
 
-
-class _DryGraph(Graph):
-    """A :class:`Graph` as one rank of a cut sees it, on meta tensors: its edges and node
-    counts, and a halo of the right size that moves nothing (for
-    :mod:`mpidp.preflight.validate`)."""
-
-    _dry: tuple[GraphHaloPlan, str, list[GraphExchange]]
-
-    @property
-    def edge_index(self) -> torch.Tensor:
-        return self._dry[0].edge_index.to(self.edges.device)
-
-    @property
-    def edge_attr(self) -> torch.Tensor | None:
-        plan = self._dry[0]
-        if self.attr is None:
-            return None
-        return self.attr.new_empty((plan.edge_ids.numel(), *self.attr.shape[1:]))
-
-    @property
-    def num_dst(self) -> int:
-        return self._dry[0].num_dst
-
-    def src_features(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
-        plan, path, log = self._dry
+    @classmethod
+    def of(cls, plan: GraphHaloPlan, path: str, x: torch.Tensor, dim: int) -> GraphExchange:
+        """The exchange ``plan`` makes of ``x``'s nodes along ``dim`` (graph ``path``)."""
         d = dim % x.dim()
         per_node = math.prod(x.shape[:d] + x.shape[d + 1 :])
         own, others = plan.src_spec[plan.rank], plan.received()
@@ -302,47 +290,25 @@ class _DryGraph(Graph):
         else:  # all_gather_v of this rank's nodes; its backward reduce-scatters every node
             total = plan.src_spec.total
             counts = (own, total, others, own * (plan.parts - 1))
-        log.append(GraphExchange(path, plan.rank, plan.route, *counts, per_node))
-        shape = list(x.shape)
-        shape[d] = plan.num_src
-        return x.new_empty(shape)
+        return cls(path, plan.rank, plan.route, *counts, per_node)
 
-    def _own(self, values: torch.Tensor, spec: ShardSpec, dim: int) -> torch.Tensor:
-        return values.narrow(dim, spec.start(self._dry[0].rank), spec[self._dry[0].rank])
 
-    def own_src(self, values: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return self._own(values, self._dry[0].src_spec, dim)
-
-    def own_dst(self, values: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return self._own(values, self._dry[0].dst_spec, dim)
+#: (graph paths by module id, the log) while :func:`logging_exchanges` is active
+_LOG: contextvars.ContextVar[tuple[dict[int, str], list[GraphExchange]] | None] = (
+    contextvars.ContextVar("mpidp_graph_exchanges", default=None)
+)
 
 
 @contextlib.contextmanager
-def dry_graphs(
-    meta: nn.Module,
-    originals: dict[str, Graph],
-    rank: int,
-    rows: Callable[[int], ShardSpec],
-    log: list[GraphExchange],
-) -> Iterator[None]:
-    """Inside this block every :class:`Graph` of ``meta`` (a meta-tensor copy of a model whose
-    graphs, with their edges, are ``originals`` by path) acts as rank ``rank``'s shard of it
-    for a cut of lengths ``rows``, moving nothing; each halo exchange is logged in ``log``."""
-    swapped = []
-    for path, module in meta.named_modules():
-        if isinstance(module, Graph) and path in originals:
-            graph = originals[path]
-            src, dst = graph.src.cut(rows), graph.dst.cut(rows)
-            plan = plan_graph_halo(graph.edges.cpu(), src, dst, rank, graph.route)
-            swapped.append((module, module.__class__))
-            module.__class__ = _DryGraph
-            module.__dict__["_dry"] = (plan, path, log)
+def logging_exchanges(paths: dict[int, str], log: list[GraphExchange]) -> Iterator[None]:
+    """Inside this block every halo exchange of a :class:`ShardedGraph` is appended to
+    ``log`` as a :class:`GraphExchange` (its path looked up by ``id`` in ``paths``): what the
+    dry run (mpidp.preflight.validate, over simulated ranks) tells ``mpidp plan``."""
+    token = _LOG.set((paths, log))
     try:
         yield
     finally:
-        for module, cls in swapped:
-            module.__class__ = cls
-            module.__dict__.pop("_dry", None)
+        _LOG.reset(token)
 
 
 register_layer(Graph, ShardedGraph)

@@ -25,7 +25,7 @@ from mpidp.ops.bands import (
     torch_path,
 )
 from mpidp.ops.geometry import HaloSpec
-from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_spec
 
 __all__ = [
@@ -205,7 +205,7 @@ class DomainParallel:
         return self.shard_dim - 1 if self.channels_last_in else self.shard_dim
 
     def _manager(self) -> DistributedManager:
-        return self.dp_manager if self.dp_manager is not None else get_manager()
+        return bound(self.dp_manager)
 
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the

@@ -1,4 +1,4 @@
-"""Pre-flight: what a model will do on bands before a run (validate, audit, explain, plan)."""
+"""Pre-flight: what a model will do on bands before a run (validate, explain, plan)."""
 
 from mpidp import _moved
 

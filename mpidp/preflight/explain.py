@@ -18,6 +18,7 @@ the explanation there and says so: the real run gets past it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -29,8 +30,8 @@ from torch.utils._pytree import tree_flatten
 
 from mpidp.comm.meta import MetaTransport, SoloTransport
 from mpidp.errors import MpidpError
-from mpidp.runtime.manager import DistributedManager, get_manager
-from mpidp.runtime.partition import Balanced, PartitionPolicy
+from mpidp.runtime.manager import DistributedManager, get_manager, simulating
+from mpidp.runtime.partition import Balanced, PartitionPolicy, known_spec
 from mpidp.sharded.dispatch import WATCHERS, name_of
 from mpidp.sharded.partial import PartialSum
 from mpidp.sharded.tensor import Replicated, ShardedTensor, shard
@@ -148,6 +149,16 @@ class _Watcher:
         return out
 
 
+def _meta_input(x: Any, dtype: torch.dtype) -> Any:
+    """A meta tensor shaped like ``x`` (a tensor, or a shape of ``dtype``); anything else (a
+    flag, a lead time) as it is."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
+    if isinstance(x, Sequence) and all(isinstance(v, int) for v in x):
+        return torch.empty(tuple(x), dtype=dtype, device="meta")
+    return x
+
+
 def _meta(model: nn.Module) -> nn.Module:
     """The model with its parameters and buffers on the meta device, but for integer ones
     (an edge list: indexing reads them)."""
@@ -160,34 +171,48 @@ def _index_like(t: torch.Tensor) -> bool:
 
 def explain(
     model: nn.Module,
-    *inputs: torch.Tensor | Sequence[int],
+    *inputs: torch.Tensor | Sequence[int] | Any,
     dim: int = -2,
     manager: DistributedManager | None = None,
     dtype: torch.dtype = torch.float32,
+    bands: bool = False,
 ) -> Explanation:
-    """Run ``model`` once on meta ShardedTensors (the first input cut along ``dim``; inputs
+    """Run ``model`` once on meta ShardedTensors (the inputs cut along ``dim`` as a converted
+    model cuts them: the first, and every other with at least ``1 - dim`` dims; inputs
     given as shapes or tensors, only their shapes and dtypes used) and say what each op did
-    (see the module doc). The model's floating-point weights move to the meta device (pass a
+    (see the module doc). With ``bands``, ``model`` is a converted one and is given this
+    rank's rows as plain tensors, as in a real run (a model whose ``forward`` is written for
+    bands keeps them). The model's floating-point weights move to the meta device (pass a
     copy to keep them). Collective over the domain group; the same result on every rank."""
     from mpidp.testing import count_traffic
 
     m = manager if manager is not None else get_manager()
-    metas = [
-        torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
-        if isinstance(x, torch.Tensor)
-        else torch.empty(tuple(int(v) for v in x), dtype=dtype, device="meta")
-        for x in inputs
-    ]
+    metas = [_meta_input(x, dtype) for x in inputs]
     model = _meta(model)
     refused = stopped = None
     output = ""
     with count_traffic(m) as traffic:
         watcher = _Watcher(traffic)
-        band = shard(metas[0], dim, m)
-        args = [band.requires_grad_(), *metas[1:]]
+        # every input of the first one's rank or more is a band, as a converted model cuts
+        # them (mpidp.convert_to_domain_parallel)
+        back = dim - metas[0].dim() if dim >= 0 else dim  # counted from the end
+        band = shard(metas[0], back, m)
+        band.requires_grad_()
+        args = [band] + [
+            shard(t, back, m) if isinstance(t, torch.Tensor) and t.dim() >= 1 - back else t
+            for t in metas[1:]
+        ]
+        declared = contextlib.ExitStack()
+        if bands:  # what a converted model is given: each rank's rows as plain tensors, their
+            # partitions declared (a simulated rank cannot learn them from the others)
+            for a in args:
+                if isinstance(a, ShardedTensor):
+                    declared.enter_context(known_spec(a.local, a.shard_dim, a.spec))
+            args = [a.local if isinstance(a, ShardedTensor) else a for a in args]
         WATCHERS.append(watcher)
         try:
-            output = _layout(model(*args))
+            with declared:
+                output = _layout(model(*args))
         except MpidpError as err:
             refused = str(err)
         except (NotImplementedError, RuntimeError) as err:
@@ -211,7 +236,7 @@ def explain(
             steps.append(Step(path, op, layout, 1, sent))
     return Explanation(
         model=type(model).__name__,
-        shapes=[tuple(t.shape) for t in metas],
+        shapes=[tuple(t.shape) for t in metas if isinstance(t, torch.Tensor)],
         dim=dim % metas[0].dim(),
         ranks=m.domain_world_size,
         input_rows=tuple(band.spec.sizes),
@@ -254,26 +279,24 @@ class SimulatedManager(DistributedManager):
 
 def simulate(
     make_model: Callable[[], nn.Module],
-    *inputs: torch.Tensor | Sequence[int],
+    *inputs: torch.Tensor | Sequence[int] | Any,
     parts: int,
     dim: int = -2,
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
+    bands: bool = False,
 ) -> Explanation:
     """:func:`explain` for ``parts`` ranks without launching them: each rank's forward runs in
     turn in this process, on its meta band, over a :class:`SimulatedManager` (a fresh model
     from ``make_model`` each, as each rank builds its own). The same explanation a job of
-    ``parts`` ranks gives (the bytes each rank sends, the layouts, the first refusal). Local."""
-    runs = [
-        explain(
-            make_model(),
-            *inputs,
-            dim=dim,
-            manager=SimulatedManager(r, parts, partition),
-            dtype=dtype,
-        )
-        for r in range(parts)
-    ]
+    ``parts`` ranks gives (the bytes each rank sends, the layouts, the first refusal);
+    ``bands`` as for :func:`explain`. Local."""
+    runs = []
+    for r in range(parts):
+        manager = SimulatedManager(r, parts, partition)
+        with simulating(manager):  # layers that look up the default manager see this rank
+            model = make_model()
+            runs.append(explain(model, *inputs, dim=dim, manager=manager, dtype=dtype, bands=bands))
     first = runs[0]
     steps = [
         Step(

@@ -1,18 +1,24 @@
-"""A dry run of a model's sharding by shape arithmetic, before any data moves.
+"""A dry run of a model's sharding before any data moves: its layers' rows and halos, and
+what a run on bands would refuse.
 
-The model runs once on a meta tensor of the global shape (no memory, no communication: every
-domain-parallel layer takes its torch path), with hooks that record each spatial layer's input
-and output extent along the sharded dim. From those, per layer: the rows every rank owns in and
-out, the halo rows each rank fetches, and the problems that would stop (or silently distort) a
-run at this domain size.
+Two passes, no communication, no data. The model runs once on meta tensors of the global shape
+(every domain-parallel layer takes its torch path), with hooks that record each spatial
+layer's input and output extent along the sharded dim; from those and the layer's band form
+(its pre-flight class methods, mpidp.layers.base.DomainParallel), per layer: the rows every
+rank owns in and out, the halo rows each rank fetches, and the problems of the shapes. Then
+every rank's forward of the converted model runs in turn in this process, on meta
+ShardedTensors over a simulated rank (:func:`mpidp.preflight.explain.simulate`): the engine
+of a real run, so its first refusal is the real run's, and each graph's halo exchanges are
+logged for ``mpidp plan``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
+import os
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,15 +26,18 @@ import torch
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.graph.module import Graph, GraphExchange, dry_graphs
+from mpidp.graph.module import Graph, GraphExchange, logging_exchanges
 from mpidp.layers import base
 from mpidp.layers.registry import layer_for
 from mpidp.parallel.convert import convert_to_domain_parallel
-from mpidp.preflight.audit import OpRecorder, where_error
+from mpidp.preflight.explain import simulate
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 
 __all__ = ["LayerSharding", "ShardingReport", "validate_sharding_constraints"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MPIDP_DIR = os.path.dirname(os.path.dirname(__file__))  # the package
 
 
 def _form(module: nn.Module) -> Any:
@@ -179,171 +188,51 @@ def _banded(module: nn.Module) -> bool:
     return isinstance(module, base.DomainParallel) or _form(module) is not None
 
 
-def _leaf(module: nn.Module) -> bool:
-    """A module whose ``forward`` the op audit does not look into: converted layers, torch's
-    modules but its containers, and modules without children (the probe judges those)."""
-    if _banded(module) or not any(True for _ in module.children()):
-        return True
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    return type(module).__module__.startswith("torch.") and not isinstance(module, containers)
-
-
-def _sharded_like(x: Any, h: int, dim: int) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[dim] == h
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, list | tuple):
-        return [t for item in out for t in _tensors(item)]
-    return []
-
-
-def _band_layer(
-    module: nn.Module,
-    path: str,
-    queue: list[tuple[torch.Size, torch.Size, torch.dtype]],
-    rank: int,
-    parts: int,
-    partition: PartitionPolicy,
-    shard_dim: int,
-) -> Any:
-    """A converted layer's forward in the band run: checks that it gets ``rank``'s rows of
-    its global input and returns the rows of its global output that the layer gives it."""
-
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        g_in, g_out, dtype = queue.pop(0)
-        dim_in, dim_out = _dims(module, shard_dim)
-        d, e = len(g_in) + dim_in, len(g_out) + dim_out
-        # fewer rows than ranks: a replicated input (after a global pool), whole on every rank
-        replicated = g_in[d] < parts
-        want = g_in[d] if replicated else partition.spec(g_in[d], parts).sizes[rank]
-        got = args[0].shape[d]
-        if got != want:
-            raise _BandMismatch(
-                f"{path} ({type(module).__name__}) gets {got} rows on rank {rank}; its "
-                f"input of {g_in[d]} rows puts {want} on that rank"
-            )
-        rows = g_out[e]
-        if not replicated and not (_whole_when_short(module) and rows < parts):
-            rows = partition.derived(rows, parts).sizes[rank]
-        shape = list(g_out)
-        shape[e] = rows
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    return forward
-
-
-def _band_runs(
-    meta: nn.Module,
+def _simulated(
+    converted: nn.Module,
     inputs: list[Any],
-    out_global: Any,
-    calls: dict[nn.Module, list[tuple[torch.Size, torch.Size, torch.dtype]]],
-    reference: list[list[tuple[int, ...]]],
     parts: int,
     partition: PartitionPolicy,
     shard_dim: int,
-    graphs: dict[str, Graph],
     exchanges: list[GraphExchange],
 ) -> list[str]:
-    """Every rank's forward on its band, in this process, on meta tensors: each converted
-    layer replaced by the rows it gives that rank, each graph by that rank's shard of it (its
-    halo exchanges logged in ``exchanges``), the model's own code run as it is. The
-    first op that fails (with its line), an output that is not the rank's band, and the ops of
-    the model's own code that mix rows of the sharded dim."""
-    first = next((t for t in inputs if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
-    if first is None:
-        return []
-    h = first.shape[shard_dim]
-    problems: list[str] = []
-    findings: dict[str, str] = {}
-    for rank in range(parts):
-        try:
-            spec = partition.spec(h, parts)
-        except Exception:  # the global checks say why
-            return problems
-        queues = {m: list(v) for m, v in calls.items()}
+    """Every rank's forward of ``converted`` on meta ShardedTensors, in turn in this process
+    (:func:`~mpidp.preflight.explain.simulate`, the engine of a real run): its first refusal
+    (op, module path, fix), or the error the model's own code raises; each graph's halo
+    exchanges logged in ``exchanges``."""
+    if not any(isinstance(t, torch.Tensor) and t.dim() >= 1 - shard_dim for t in inputs):
+        return []  # nothing to cut: the first check says why
+    paths: dict[int, str] = {}
 
-        band = [
-            torch.empty(
-                (
-                    *t.shape[: t.dim() + shard_dim],
-                    spec.sizes[rank],
-                    *t.shape[t.dim() + shard_dim + 1 :],
-                ),
-                dtype=t.dtype,
-                device="meta",
+    def make() -> nn.Module:
+        model = copy.deepcopy(converted)
+        paths.update({id(g): p for p, g in model.named_modules() if isinstance(g, Graph)})
+        return model
+
+    try:
+        with logging_exchanges(paths, exchanges):
+            run = simulate(
+                make, *inputs, parts=parts, dim=shard_dim, partition=partition, bands=True
             )
-            if _sharded_like(t, h, shard_dim)
-            else t
-            for t in inputs
+    except Exception as err:  # the model's own code fails on bands
+        return [
+            f"the model's forward fails on bands of {parts} ranks at {_where(err)}: "
+            f"{type(err).__name__}: {err}"
         ]
-        recorder = OpRecorder(reference)
-        names = {m: p for p, m in meta.named_modules()}
-        for module in calls:
-            module.forward = _band_layer(
-                module, names.get(module, "?"), queues[module], rank, parts, partition, shard_dim
-            )
-        lo, hi = spec.offsets[rank], spec.offsets[rank] + spec.sizes[rank]
-        at = f"rank {rank} (rows {lo}-{hi} of {h})"
-        failure = None
-        try:
-            rows = functools.partial(partition.spec, parts=parts)
-            with (
-                base.torch_path(),
-                dry_graphs(meta, graphs, rank, rows, exchanges),
-                recorder.watching(meta, _leaf),
-            ):
-                out = meta(*band)
-        except _BandMismatch as err:
-            failure = f"{at}: {err}, from {where_error(err)}"
-        except Exception as err:
-            failure = (
-                f"{at}: the model's forward fails on its band at {where_error(err)}: "
-                f"{type(err).__name__}: {err}"
-            )
-        finally:
-            for module in calls:
-                del module.forward
-        for finding in recorder.findings:
-            findings.setdefault(finding.line, str(finding))
-        if failure is None:
-            failure = _output_band(out, out_global, at, rank, parts, partition, shard_dim)
-        if failure is not None:  # the first rank that fails says it; the others would repeat
-            problems.append(failure)
-            break
-    return problems + list(findings.values())
+    return [run.refused] if run.refused else []
 
 
-def _output_band(
-    out: Any,
-    out_global: Any,
-    at: str,
-    rank: int,
-    parts: int,
-    partition: PartitionPolicy,
-    shard_dim: int,
-) -> str | None:
-    """Why the band run's result is not ``rank``'s band of the global run's, or None."""
-    for got, want in zip(_tensors(out), _tensors(out_global), strict=False):
-        if got.dim() != want.dim() or got.dim() < 3:
-            continue
-        e = want.dim() + shard_dim
-        shape = list(want.shape)
-        shape[e] = partition.derived(want.shape[e], parts).sizes[rank]
-        if list(got.shape) != shape:
-            return (
-                f"{at}: the output is {tuple(got.shape)}, its band of the {tuple(want.shape)} "
-                f"result is {tuple(shape)}: the model's own code works on global sizes"
-            )
-    return None
-
-
-class _BandMismatch(Exception):
-    pass
+def _where(err: BaseException) -> str:
+    """The innermost line of ``err``'s traceback outside torch and mpidp (the model's code)."""
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith((_TORCH_DIR, _MPIDP_DIR))
+    ]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`"
 
 
 def validate_sharding_constraints(
@@ -372,49 +261,35 @@ def validate_sharding_constraints(
         global_shape, example_inputs, first.dtype if first is not None else torch.float32
     )
     hooks = []
-    calls: dict[nn.Module, list[tuple[torch.Size, torch.Size, torch.dtype]]] = {}
     for path, module in meta.named_modules():
-        if _banded(module):
+        if _banded(module) and _form(module) is not None:
 
             def record(mod: nn.Module, args: tuple, out: Any, path: str = path) -> None:
                 if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                    calls.setdefault(mod, []).append((args[0].shape, out.shape, out.dtype))
-                    if _form(mod) is not None:
-                        seen.append((path, mod, args[0].shape, out.shape))
+                    seen.append((path, mod, args[0].shape, out.shape))
 
             hooks.append(module.register_forward_hook(record))
     problems: list[str] = []
+    converted = None
     try:  # what conversion would refuse (pure: nothing moves)
-        convert_to_domain_parallel(copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs)
+        converted = convert_to_domain_parallel(
+            copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs
+        )
     except ConfigError as err:
         problems.append(str(err))
-    recorder = OpRecorder()
     exchanges: list[GraphExchange] = []
     out_global: Any = None
     with base.torch_path():
         try:
-            with recorder.watching(meta, _leaf):
-                out_global = meta(*inputs)
+            out_global = meta(*inputs)
         except Exception as err:  # the serial model itself rejects the shapes
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
             problems.append(f"the model does not run on {shapes}: {err}")
         finally:
             for hook in hooks:
                 hook.remove()
-    if out_global is not None and parts > 1:
-        graphs = {p: m for p, m in model.named_modules() if isinstance(m, Graph)}
-        problems += _band_runs(
-            meta,
-            inputs,
-            out_global,
-            calls,
-            recorder.calls,
-            parts,
-            partition,
-            shard_dim,
-            graphs,
-            exchanges,
-        )
+    if out_global is not None and converted is not None:  # refusals are the same at 1 rank
+        problems += _simulated(converted, inputs, parts, partition, shard_dim, exchanges)
     layers = []
     for path, module, shape_in, shape_out in seen:
         dim_in, dim_out = _dims(module, shard_dim)

@@ -7,12 +7,14 @@ The manager never seeds RNGs and never writes environment variables.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import gc
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -724,8 +726,40 @@ def _describe_args(args: tuple[Any, ...]) -> str:
 MESH_MANAGERS: list[DistributedManager] = []
 
 
+#: the manager of the rank a dry run simulates in this process (:func:`simulating`)
+_simulated: contextvars.ContextVar[DistributedManager | None] = contextvars.ContextVar(
+    "mpidp_simulated_manager", default=None
+)
+
+
+@contextlib.contextmanager
+def simulating(manager: DistributedManager) -> Iterator[None]:
+    """Inside this block :func:`get_manager` answers ``manager``: the rank that
+    :func:`mpidp.preflight.explain.simulate` runs in this process, so that layers and user code
+    that look up the default manager see the simulated one. Local."""
+    token = _simulated.set(manager)
+    try:
+        yield
+    finally:
+        _simulated.reset(token)
+
+
+def bound(manager: DistributedManager | None) -> DistributedManager:
+    """The manager of a converted layer or model bound to ``manager`` (None: the default one);
+    inside :func:`simulating`, the simulated rank's, whatever it was bound to (the dry run of a
+    model converted for a real job simulates other ranks than this one)."""
+    simulated = _simulated.get()
+    if simulated is not None:
+        return simulated
+    return manager if manager is not None else get_manager()
+
+
 def get_manager() -> DistributedManager:
-    """The default manager (the one :func:`init` created)."""
+    """The default manager (the one :func:`init` created); inside :func:`simulating`, the
+    simulated rank's."""
+    simulated = _simulated.get()
+    if simulated is not None:
+        return simulated
     if _default is None:
         raise ConfigError(
             "mpidp is not initialised: call mpidp.init(domain_parallel_size=...) first"

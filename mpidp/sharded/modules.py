@@ -30,8 +30,8 @@ from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
-from mpidp.runtime.manager import DistributedManager, get_manager
-from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.manager import DistributedManager, bound
+from mpidp.runtime.partition import ShardSpec, known_for
 from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -188,13 +188,17 @@ def _band_outputs(out: Any, ref: ShardedTensor, learn: bool, who: str) -> Any:
 
 def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
     """Every plain tensor argument whose sharded dim is not its first (``x.dim() >= 1 -
-    shard_dim``) as the ShardedTensor of this rank's band (the partitions learned in one
-    all-gather); other arguments as they are."""
+    shard_dim``) as the ShardedTensor of this rank's band (the partitions declared with
+    :func:`~mpidp.runtime.partition.known_spec`, else learned in one all-gather); other
+    arguments as they are."""
     leaves, tree = tree_flatten((args, kwargs))
     at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(1 - shard_dim, 1)]
     if at:
         dims = [leaves[i].dim() + shard_dim for i in at]
-        if m.domain_world_size > 1:
+        known = [known_for(leaves[i], d) for i, d in zip(at, dims, strict=True)]
+        if all(spec is not None for spec in known):  # declared (partition.known_spec)
+            specs = known
+        elif m.domain_world_size > 1:
             t = m.transport(None, leaves[at[0]].device)
             rows = t.all_gather_ints([leaves[i].size(d) for i, d in zip(at, dims, strict=True)])
             specs = [ShardSpec(tuple(r[j] for r in rows)) for j in range(len(at))]
@@ -253,7 +257,7 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if base.in_torch_path():
             calls.append(None)
             return None
-        m = manager if manager is not None else get_manager()
+        m = bound(manager)
         if m.domain_world_size > 1 and module.training and rng.draws(module):
             _check_rng(m, args, kwargs)
         args, kwargs = _wrap_bands(args, kwargs, dim, m)

@@ -71,9 +71,10 @@ def location() -> str:
 @contextlib.contextmanager
 def entered(module: nn.Module) -> Iterator[None]:
     """``module`` is the root while its forward runs (a converted model, called with plain
-    bands, is not seen by the hooks)."""
+    bands, is not seen by the hooks; called with ShardedTensors, the hooks pushed it already)."""
     depth = len(_STACK)
-    _STACK.append(module)
+    if not (_STACK and _STACK[-1] is module):
+        _STACK.append(module)
     try:
         yield
     finally:

@@ -101,10 +101,12 @@ class _GlobalPosEmbed(nn.Module):
         self.pos = nn.Parameter(torch.zeros(1, 3, 20, 8))
 
     def forward(self, x):
-        return self.conv(x) + self.pos  # the global grid added to a band
+        return self.conv(x) + self.pos  # the global grid added to a band: its rows
 
 
 class _ShapeCheck(nn.Module):
+    """A model's own input check (a cubed-sphere model's): the global shape on every rank."""
+
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 3, padding=1)
@@ -115,26 +117,15 @@ class _ShapeCheck(nn.Module):
         return self.conv(x)
 
 
-def test_the_first_op_that_fails_on_a_band_is_named_with_its_line():
-    report = _dry(_GlobalPosEmbed())
-    assert len(report.problems) == 1, report.problems
-    text = report.problems[0]
-    assert text.startswith("rank 0 (rows 0-10 of 20): the model's forward fails on its band")
-    assert "test_validate.py" in text and "`return self.conv(x) + self.pos" in text
-    report = _dry(_ShapeCheck())
-    assert "expected a 20 x 8 grid, got (10, 8)" in report.problems[0]
-    assert "`raise ValueError(" in report.problems[0]
-
-
 class _Mixing(nn.Module):
-    """Forward code that runs on a band without error and computes something else."""
+    """Forward code of the model's own that mixes rows of the sharded dim (or does not)."""
 
     def __init__(self, op: str):
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 3, padding=1)
         self.op = op
-        self.w3 = nn.Parameter(torch.zeros(3, 3, 3, 3))
-        self.w1 = nn.Parameter(torch.zeros(3, 3, 1, 1))
+        self.w3 = nn.Parameter(torch.randn(3, 3, 3, 3))
+        self.w1 = nn.Parameter(torch.randn(3, 3, 1, 1))
 
     def forward(self, x):
         x = self.conv(x)
@@ -162,48 +153,76 @@ class _Mixing(nn.Module):
             return (torch.softmax(t @ t.transpose(1, 2), -1) @ t).transpose(1, 2).reshape(x.shape)
         if op == "fft2":
             return torch.fft.irfft2(torch.fft.rfft2(x), s=x.shape[-2:])
+        if op == "global-size":  # a global size given to a band: the global grid's size
+            return nn.functional.interpolate(x, size=(20, 8))
+        if op == "matrix-exp":  # mixes every row of each (H, W) matrix: no band form
+            return x[..., :8, :] + torch.linalg.matrix_exp(x[..., :8, :])
         raise AssertionError(op)
 
 
-@pytest.mark.parametrize(
-    "op,mixes",
-    [
-        ("squeeze-excitation", "mean"),
-        ("roll-lat", "roll"),
-        ("roll-channels-last", "roll"),
-        ("conv3x3", "conv2d"),
-        ("pad-lat", "pad"),
-        ("attention-over-tokens", "softmax"),
-        ("fft2", "torch.fft.rfft2"),
-        ("roll-lon", None),
-        ("conv1x1", None),
-        ("pad-lon", None),
-        ("softmax-lon", None),
-    ],
-)
-def test_ops_of_the_models_own_code_that_mix_rows_are_found(op, mixes):
+#: code of the model's own that runs on bands exactly (tests/mpi/test_validate_agrees.py runs
+#: each at 1-4 ranks against serial), and code that is refused
+EXACT = [
+    "squeeze-excitation",
+    "roll-lat",
+    "roll-lon",
+    "roll-channels-last",
+    "conv3x3",
+    "conv1x1",
+    "pad-lon",
+    "pad-lat",
+    "softmax-lon",
+    "attention-over-tokens",
+    "fft2",
+    "global-size",
+]
+REFUSED = {"matrix-exp": "linalg_matrix_exp"}
+
+
+@pytest.mark.parametrize("model", [_GlobalPosEmbed, _ShapeCheck, *EXACT])
+def test_the_dry_run_is_the_real_runs_engine(model):
+    """Every rank's forward runs on meta ShardedTensors, as a real run does: the global grid
+    added to a band, a model's own shape check and code that mixes rows through ops with band
+    forms pass (the old dry run on plain bands reported each as a problem)."""
+    report = _dry(_Mixing(model) if isinstance(model, str) else model())
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("op", list(REFUSED))
+def test_the_first_refusal_of_the_real_run_is_a_problem(op):
     report = _dry(_Mixing(op))
-    if mixes is None:
-        assert report.ok, report.problems
-        return
-    assert report.problems, op
-    text = report.problems[0]
-    assert f": {mixes} mixes rows of the sharded dim" in text, text
-    assert "test_validate.py" in text and "in the model's own forward code" in text
+    assert len(report.problems) == 1, report.problems
+    assert REFUSED[op] in report.problems[0], report.problems
 
 
-def test_band_run_checks_the_output_band_and_passes_converted_models():
-    class GlobalSize(nn.Module):
+def test_an_error_of_the_models_own_code_on_bands_is_named_with_its_line():
+    class Strict(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(3, 3, 3, padding=1)
 
-        def forward(self, x):  # a global size given to a band
-            return nn.functional.interpolate(self.conv(x), size=(20, 8))
+        def forward(self, x):
+            if type(x) is not torch.Tensor:  # a check that refuses tensor subclasses
+                raise TypeError(f"expected a plain tensor, got {type(x).__name__}")
+            return self.conv(x)
 
-    text = "\n".join(_dry(GlobalSize()).problems)
-    assert "its band of the (2, 3, 20, 8) result is (2, 3, 10, 8)" in text
-    assert "interpolate mixes rows" in text
+    report = _dry(Strict())
+    assert len(report.problems) == 1, report.problems
+    text = report.problems[0]
+    assert text.startswith("the model's forward fails on bands of 3 ranks at "), text
+    assert "test_validate.py" in text and "`raise TypeError(" in text, text
+    assert "TypeError: expected a plain tensor, got ShardedTensor" in text, text
+
+
+def test_a_refusal_names_the_module_path_in_a_model_run_before():
+    """The module stack of refusals is left as it was: a converted model called with
+    ShardedTensors (each rank of the dry run) no longer leaves itself on it."""
+    _dry(_Mixing("conv3x3"))
+    report = _dry(nn.Sequential(nn.Identity(), _Mixing("matrix-exp")))
+    assert "in module 1 (_Mixing) of Sequential" in report.problems[0], report.problems
+
+
+def test_converted_models_pass():
     unet = WeatherUNet(3, 2, (37, 16), width=4)
     for parts in (2, 3, 4):
         report = mpidp.validate_sharding_constraints(
