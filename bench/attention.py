@@ -35,7 +35,7 @@ def window_bench(m, world, repeats: int) -> dict:  # type: ignore[no-untyped-def
     from torch import nn
 
     import mpidp
-    from mpidp.models.nets import WindowAttention, _window_cut
+    from mpidp.models.swin import WindowAttention, _window_cut
     from mpidp.models.window import window_rows
 
     me, p = world.Get_rank(), world.Get_size()

@@ -16,7 +16,10 @@ from pathlib import Path
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "supported.md"
 
 _FAMILY = {
-    "mpidp.sharded.layers": "layers (convolution, padding, interpolation, pooling, norms, FFT)",
+    # every layer handler is registered through mpidp.sharded.layer_calls.register
+    "mpidp.sharded.layer_calls": (
+        "layers (convolution, padding, interpolation, pooling, norms, FFT)"
+    ),
     "mpidp.sharded.pointwise": "element-wise, tensor attributes, autograd",
     "mpidp.sharded.reductions": "reductions",
     "mpidp.sharded.shapes": "reshapes, dim moves, new tensors",

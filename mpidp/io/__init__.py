@@ -5,8 +5,9 @@ See docs/io.md."""
 from mpidp.io.checkpoint import load_checkpoint, save_checkpoint
 from mpidp.io.prefetch import Prefetcher
 from mpidp.io.reader import DataParallelSampler, ShardedH5Dataset
+from mpidp.io.rollout import RolloutWriter
 from mpidp.io.sample import ensure_sample_data, make_sample_data
-from mpidp.io.writer import RolloutWriter, parallel_hdf5_available, write_sharded
+from mpidp.io.writer import parallel_hdf5_available, write_sharded
 from mpidp.io.zarr_reader import ShardedZarrDataset, zarr_available
 
 __all__ = [

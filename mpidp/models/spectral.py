@@ -15,7 +15,8 @@ import torch
 
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
-from mpidp.models.nets import AFNOFilter, PatchRecovery, PositionEmbedding, SpectralConv2d
+from mpidp.models.fourier import AFNOFilter, SpectralConv2d
+from mpidp.models.patch import PatchRecovery, PositionEmbedding
 from mpidp.ops import fft as mfft
 from mpidp.ops.collectives import repartition
 from mpidp.runtime.partition import ShardSpec

@@ -22,7 +22,7 @@ from torch import nn
 
 from mpidp.layers.base import DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
-from mpidp.models.nets import WindowAttention, _window_cut
+from mpidp.models.swin import WindowAttention, _window_cut
 from mpidp.ops.collectives import fetch_global_rows
 from mpidp.runtime.partition import ShardSpec
 

@@ -20,22 +20,38 @@ dim; learned with one small all-gather when left out) and ``out_spec`` (the part
 output's sharded dim; default: the manager's policy). A transform whose dims leave out the
 sharded dim (``shard_dim``, default -2) is local: plain ``torch.fft``. Every call that moves
 data is collective over the group.
+
+The spectral layout and the steps the transforms share are in :mod:`mpidp.ops.spectral_layout`
+(:class:`SpectralLayout`, :func:`layout`, :func:`modes` and :func:`mode_spec` re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.ops.bands import learn_spec
-from mpidp.ops.collectives import all_to_all_v
-from mpidp.runtime.manager import DistributedManager, get_manager
-from mpidp.runtime.partition import ShardSpec, as_sizes
+from mpidp.ops.spectral_layout import (
+    FFT_OPS,
+    Spec,
+    SpectralLayout,
+    context,
+    input_spec,
+    layout,
+    mark,
+    mode_spec,
+    modes,
+    output_spec,
+    policy,
+    run_fft,
+    size_arg,
+    transpose,
+    two_dims,
+)
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "DistributedIRFFT2",
@@ -56,204 +72,6 @@ __all__ = [
     "irfft2_halved_cut",
 ]
 
-_ATTR = "_mpidp_spectral"
-Spec = ShardSpec | Sequence[int] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class SpectralLayout:
-    """Which global modes a rank holds: ``spec`` cuts dim ``dim`` (counted from the end) of the
-    spectral tensor over the group; this rank (``rank``) holds ``spec.slice(rank)``."""
-
-    spec: ShardSpec
-    dim: int
-    rank: int
-
-    @property
-    def modes(self) -> slice:
-        """This rank's global mode numbers along ``dim``, as a slice."""
-        return self.spec.slice(self.rank)
-
-
-# -- plumbing ---------------------------------------------------------------------------------
-
-
-def _context(
-    x: torch.Tensor, manager: DistributedManager | None, group: Any
-) -> tuple[DistributedManager, Transport]:
-    m = manager if manager is not None else get_manager()
-    if isinstance(group, Transport):
-        return m, group
-    return m, m.transport(group, x.device)
-
-
-def _policy(m: DistributedManager, n: int, parts: int) -> ShardSpec:
-    """The manager's policy for ``n`` entries over ``parts`` ranks; with fewer entries than
-    ranks (3 modes over 4 ranks) a balanced cut whose last ranks hold none."""
-    return m.partition.derived(n, parts)
-
-
-def _given(spec: Spec, t: Transport, x: torch.Tensor, d: int, what: str) -> ShardSpec | None:
-    if spec is None:
-        return None
-    s = spec if isinstance(spec, ShardSpec) else ShardSpec.from_sizes(as_sizes(spec))
-    if s.parts != t.size:
-        raise ConfigError(
-            f"rank {t.rank}: {what} {s} has {s.parts} parts for a group of {t.size} ranks; "
-            f"give one size per rank"
-        )
-    if x is not None and x.size(d) != s[t.rank]:
-        raise ConfigError(
-            f"rank {t.rank}: {what} {s} gives this rank {s[t.rank]} entries along dim {d}, "
-            f"but the tensor {tuple(x.shape)} holds {x.size(d)}; pass the partition the "
-            f"tensor was cut by (or leave {what} out to learn it)"
-        )
-    return s
-
-
-def _input_spec(x: torch.Tensor, d: int, t: Transport, spec: Spec) -> ShardSpec:
-    """The partition of ``x`` along ``d``: ``spec`` when given, else the layout recorded by an
-    mpidp.ops.fft transform, else every rank's extent (one all-gather of one integer)."""
-    given = _given(spec, t, x, d, "spec")
-    if given is not None:
-        return given
-    recorded = getattr(x, _ATTR, None)
-    if (
-        isinstance(recorded, SpectralLayout)
-        and recorded.dim == d - x.dim()
-        and recorded.spec.parts == t.size
-        and recorded.spec[t.rank] == x.size(d)
-    ):
-        return recorded.spec
-    return learn_spec(x, d, t)
-
-
-def _output_spec(m: DistributedManager, t: Transport, n: int, out_spec: Spec) -> ShardSpec:
-    if out_spec is None:
-        return _policy(m, n, t.size)
-    s = out_spec if isinstance(out_spec, ShardSpec) else ShardSpec.from_sizes(as_sizes(out_spec))
-    if s.parts != t.size or s.total != n:
-        raise ConfigError(
-            f"rank {t.rank}: out_spec {s} must cut {n} entries over {t.size} ranks "
-            f"(it cuts {s.total} over {s.parts})"
-        )
-    return s
-
-
-def _dims(x: torch.Tensor, dim: Sequence[int], shard_dim: int) -> tuple[int, int, int]:
-    """(first, second, sharded) as non-negative dims of ``x``."""
-    nd = x.dim()
-    if len(dim) != 2:
-        raise ConfigError(f"dim={tuple(dim)}: a 2-D transform takes two dims")
-    try:
-        a, b, sd = (d + nd if -nd <= d < 0 else d for d in (*dim, shard_dim))
-        if not (0 <= a < nd and 0 <= b < nd and 0 <= sd < nd) or a == b:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(
-            f"dim={tuple(dim)}, shard_dim={shard_dim} do not name two different dims of a "
-            f"{nd}-D tensor {tuple(x.shape)}"
-        ) from None
-    return a, b, sd
-
-
-def _s(s: Sequence[int] | None, i: int) -> int | None:
-    if s is None:
-        return None
-    return None if s[i] == -1 else int(s[i])
-
-
-def _transpose(
-    x: torch.Tensor, t: Transport, split: ShardSpec, split_dim: int, rows: ShardSpec, cat_dim: int
-) -> torch.Tensor:
-    """Sharded along ``cat_dim`` (by ``rows``) in, sharded along ``split_dim`` (by ``split``)
-    out: the one all-to-all of each transform."""
-    return all_to_all_v(x, split, rows, split_dim=split_dim, cat_dim=cat_dim, group=t)
-
-
-_OPS = {
-    "rfft": torch.fft.rfft,
-    "irfft": torch.fft.irfft,
-    "fft": torch.fft.fft,
-    "ifft": torch.fft.ifft,
-}
-
-
-def _run(kind: str, y: torch.Tensor, n: int | None, d: int, norm: str | None) -> torch.Tensor:
-    """``torch.fft.<kind>(y, n=n, dim=d, norm=norm)``; on an empty shard (no rows or no modes
-    here) the result's zeros without calling the FFT library (MKL refuses empty batches), still
-    joined to ``y`` in the graph, so that this rank's backward reaches the exchanges too."""
-    if y.numel():
-        return _OPS[kind](y, n=n, dim=d, norm=norm)
-    length = {
-        "rfft": (n or y.size(d)) // 2 + 1,
-        "irfft": n or 2 * (y.size(d) - 1),
-    }.get(kind, n or y.size(d))
-    shape = list(y.shape)
-    shape[d] = length
-    real = kind == "irfft"
-    dtype = y.dtype if y.is_complex() != real else _partner(y.dtype)
-    anchor = y.sum() * 0
-    if real and anchor.is_complex():
-        anchor = anchor.real
-    return torch.zeros(shape, dtype=dtype, device=y.device) + anchor
-
-
-def _partner(dtype: torch.dtype) -> torch.dtype:
-    """complex64 <-> float32, complex128 <-> float64."""
-    pairs = {
-        torch.float32: torch.complex64,
-        torch.float64: torch.complex128,
-        torch.complex64: torch.float32,
-        torch.complex128: torch.float64,
-    }
-    return pairs[dtype]
-
-
-def _mark(x: torch.Tensor, spec: ShardSpec, d: int, t: Transport) -> torch.Tensor:
-    setattr(x, _ATTR, SpectralLayout(spec, d - x.dim(), t.rank))
-    return x
-
-
-# -- the spectral layout, queried -------------------------------------------------------------
-
-
-def layout(x: torch.Tensor) -> SpectralLayout:
-    """The spectral layout an mpidp.ops.fft transform recorded on its output ``x``. Arithmetic on
-    ``x`` gives a tensor without it: query the transform's own output, or use :func:`modes` with
-    the global mode count."""
-    found = getattr(x, _ATTR, None)
-    if not isinstance(found, SpectralLayout):
-        raise ConfigError(
-            "this tensor carries no spectral layout (only the direct output of mpidp.ops.fft."
-            "rfft2/fft2/rfft/fft does); call mpidp.ops.fft.modes(n_modes, manager=...) instead"
-        )
-    return found
-
-
-def mode_spec(n: int, *, manager: DistributedManager | None = None, group: Any = None) -> ShardSpec:
-    """How ``n`` global modes are cut over the group in the spectral layout: the manager's
-    partition policy, or, with fewer modes than ranks, a balanced cut with empty last ranks."""
-    m = manager if manager is not None else get_manager()
-    size = group.size if isinstance(group, Transport) else m.transport(group).size
-    return _policy(m, n, size)
-
-
-def modes(
-    x: torch.Tensor | int, *, manager: DistributedManager | None = None, group: Any = None
-) -> slice:
-    """The global mode numbers this rank holds along the split dim of the spectral layout, as
-    a slice: ``filt[..., modes(X)]`` is this rank's part of a filter over the ``Kx`` modes.
-
-    ``x`` is the direct output of a transform (its recorded layout), or the global number of
-    modes (``W // 2 + 1`` for ``rfft2``, ``W`` for ``fft2``) with the manager that cuts them."""
-    if isinstance(x, torch.Tensor):
-        return layout(x).modes
-    m = manager if manager is not None else get_manager()
-    t = group if isinstance(group, Transport) else m.transport(group)
-    return mode_spec(int(x), manager=m, group=t).slice(t.rank)
-
-
 # -- 2-D transforms ---------------------------------------------------------------------------
 
 
@@ -269,7 +87,7 @@ def _forward2(
     out_spec: Spec,
     shard_dim: int,
 ) -> torch.Tensor:
-    a, b, sd = _dims(x, dim, shard_dim)
+    a, b, sd = two_dims(x, dim, shard_dim)
     if sd not in (a, b):  # both transformed dims are local
         op = torch.fft.rfft2 if real else torch.fft.fft2
         return op(x, s=s, dim=(a, b), norm=norm)
@@ -279,19 +97,19 @@ def _forward2(
             f"local dim; pass dim=({b}, {a}) (the sharded dim first, W last), or call "
             f"rfft2_halved_cut for a field cut along the halved dim"
         )
-    local, local_n = (b, _s(s, 1)) if sd == a else (a, _s(s, 0))
-    shard_n = _s(s, 0) if sd == a else _s(s, 1)
-    m, t = _context(x, manager, group)
-    rows = _input_spec(x, sd, t, spec)
+    local, local_n = (b, size_arg(s, 1)) if sd == a else (a, size_arg(s, 0))
+    shard_n = size_arg(s, 0) if sd == a else size_arg(s, 1)
+    m, t = context(x, manager, group)
+    rows = input_spec(x, sd, t, spec)
     if t.size == 1:
         op = torch.fft.rfft2 if real else torch.fft.fft2
         out = op(x, s=s, dim=(a, b), norm=norm)
-        return _mark(out, ShardSpec((out.size(local),)), local, t)
-    y = _run("rfft" if real else "fft", x, local_n, local, norm)
-    split = _output_spec(m, t, y.size(local), out_spec)
-    y = _transpose(y, t, split, local, rows, sd)
-    y = _run("fft", y, shard_n, sd, norm)
-    return _mark(y, split, local, t)
+        return mark(out, ShardSpec((out.size(local),)), local, t)
+    y = run_fft("rfft" if real else "fft", x, local_n, local, norm)
+    split = output_spec(m, t, y.size(local), out_spec)
+    y = transpose(y, t, split, local, rows, sd)
+    y = run_fft("fft", y, shard_n, sd, norm)
+    return mark(y, split, local, t)
 
 
 def _inverse2(
@@ -306,7 +124,7 @@ def _inverse2(
     out_spec: Spec,
     shard_dim: int,
 ) -> torch.Tensor:
-    a, b, sd = _dims(X, dim, shard_dim)
+    a, b, sd = two_dims(X, dim, shard_dim)
     if sd not in (a, b):
         op = torch.fft.irfft2 if real else torch.fft.ifft2
         return op(X, s=s, dim=(a, b), norm=norm)
@@ -315,20 +133,20 @@ def _inverse2(
             f"irfft2 over dim=({a}, {b}) would restore the sharded dim {b} from half its "
             f"modes: mpidp.ops.fft halves the local dim; pass dim=({b}, {a})"
         )
-    local, local_n = (b, _s(s, 1)) if sd == a else (a, _s(s, 0))
-    shard_n = _s(s, 0) if sd == a else _s(s, 1)
-    m, t = _context(X, manager, group)
-    split = _input_spec(X, local, t, spec)
+    local, local_n = (b, size_arg(s, 1)) if sd == a else (a, size_arg(s, 0))
+    shard_n = size_arg(s, 0) if sd == a else size_arg(s, 1)
+    m, t = context(X, manager, group)
+    split = input_spec(X, local, t, spec)
     if t.size == 1:
         op = torch.fft.irfft2 if real else torch.fft.ifft2
         return op(X, s=s, dim=(a, b), norm=norm)
-    y = _run("ifft", X, shard_n, sd, norm)
-    rows = _output_spec(m, t, y.size(sd), out_spec)
-    y = _transpose(y, t, rows, sd, split, local)
+    y = run_fft("ifft", X, shard_n, sd, norm)
+    rows = output_spec(m, t, y.size(sd), out_spec)
+    y = transpose(y, t, rows, sd, split, local)
     if real:
         n = local_n if local_n is not None else 2 * (split.total - 1)
-        return _run("irfft", y, n, local, norm)
-    return _run("ifft", y, local_n, local, norm)
+        return run_fft("irfft", y, n, local, norm)
+    return run_fft("ifft", y, local_n, local, norm)
 
 
 def rfft2(
@@ -443,18 +261,18 @@ def rfft2_halved_cut(
     default the manager's policy on ``s[0]``), the ``s[1] // 2 + 1`` modes of ``dim[1]`` whole.
     A full FFT along ``dim[0]``, one all-to-all, a full FFT along ``dim[1]`` and the first half
     of its modes kept. Collective over ``group``."""
-    a, b, _ = _dims(x, dim, dim[1])
-    m, t = _context(x, manager, group)
-    cols = _input_spec(x, b, t, spec)
+    a, b, _ = two_dims(x, dim, dim[1])
+    m, t = context(x, manager, group)
+    cols = input_spec(x, b, t, spec)
     if t.size == 1:
         out = torch.fft.rfft2(x, s=s, dim=(a, b), norm=norm)
-        return _mark(out, ShardSpec((out.size(a),)), a, t)
-    y = _run("fft", x, _s(s, 0), a, norm)
-    rows = _output_spec(m, t, y.size(a), out_spec)
-    y = _transpose(y, t, rows, a, cols, b)
-    y = _run("fft", y, _s(s, 1), b, norm)
+        return mark(out, ShardSpec((out.size(a),)), a, t)
+    y = run_fft("fft", x, size_arg(s, 0), a, norm)
+    rows = output_spec(m, t, y.size(a), out_spec)
+    y = transpose(y, t, rows, a, cols, b)
+    y = run_fft("fft", y, size_arg(s, 1), b, norm)
     y = y.narrow(b, 0, y.size(b) // 2 + 1).contiguous()
-    return _mark(y, rows, a, t)
+    return mark(y, rows, a, t)
 
 
 def irfft2_halved_cut(
@@ -472,17 +290,17 @@ def irfft2_halved_cut(
     by ``spec``, the halved ``dim[1]`` whole) back to a real field cut along ``dim[1]``: ``W' =
     s[1]`` or ``2 (K - 1)`` columns cut by ``out_spec`` (default: the manager's policy).
     Collective over ``group``."""
-    a, b, _ = _dims(X, dim, dim[0])
-    m, t = _context(X, manager, group)
-    rows = _input_spec(X, a, t, spec)
+    a, b, _ = two_dims(X, dim, dim[0])
+    m, t = context(X, manager, group)
+    rows = input_spec(X, a, t, spec)
     if t.size == 1:
         return torch.fft.irfft2(X, s=s, dim=(a, b), norm=norm)
-    n = _s(s, 1)
+    n = size_arg(s, 1)
     n = n if n is not None else 2 * (X.size(b) - 1)
-    y = _run("ifft", _half_spectrum(X, b, n), n, b, norm)
-    cols = _output_spec(m, t, n, out_spec)
-    y = _transpose(y, t, cols, b, rows, a)
-    return _run("ifft", y, _s(s, 0), a, norm).real.contiguous()
+    y = run_fft("ifft", _half_spectrum(X, b, n), n, b, norm)
+    cols = output_spec(m, t, n, out_spec)
+    y = transpose(y, t, cols, b, rows, a)
+    return run_fft("ifft", y, size_arg(s, 0), a, norm).real.contiguous()
 
 
 # -- 1-D transforms along the sharded dim -----------------------------------------------------
@@ -511,22 +329,22 @@ def _along(
     if not -nd <= dim < nd or not -nd <= shard_dim < nd:
         raise ConfigError(f"dim={dim}, shard_dim={shard_dim} out of range for {tuple(x.shape)}")
     d, sd = dim % nd, shard_dim % nd
-    op = _OPS[kind]
+    op = FFT_OPS[kind]
     if d != sd:
         return op(x, n=n, dim=d, norm=norm)
-    m, t = _context(x, manager, group)
-    rows = _input_spec(x, d, t, spec)
+    m, t = context(x, manager, group)
+    rows = input_spec(x, d, t, spec)
     if t.size == 1:
         return op(x, n=n, dim=d, norm=norm)
     squeeze = nd == 1
     if squeeze:  # a 1-D field: a dim of one carries the exchange
         x, d = x.unsqueeze(0), 1
     o = _other_dim(x, d)
-    across = _policy(m, x.size(o), t.size)
-    y = _transpose(x, t, across, o, rows, d)
-    y = _run(kind, y, n, d, norm)
-    out_rows = _output_spec(m, t, y.size(d), out_spec)
-    y = _transpose(y, t, out_rows, d, across, o)
+    across = policy(m, x.size(o), t.size)
+    y = transpose(x, t, across, o, rows, d)
+    y = run_fft(kind, y, n, d, norm)
+    out_rows = output_spec(m, t, y.size(d), out_spec)
+    y = transpose(y, t, out_rows, d, across, o)
     return y.squeeze(0) if squeeze else y
 
 

@@ -3,6 +3,11 @@
 Created once per process by :func:`init` (or ``DistributedManager.initialize``) and passed
 around; :func:`get_manager` returns the one current default, and explicit arguments always win.
 The manager never seeds RNGs and never writes environment variables.
+
+The steps of its construction live beside it: what the ranks must agree on
+(:mod:`~mpidp.runtime.agree`), the MPI world and the rank numbering
+(:mod:`~mpidp.runtime.world`), the backend and device (:mod:`~mpidp.runtime.device`) and the
+oversubscription warning (:mod:`~mpidp.runtime.oversubscribed`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import datetime
 import gc
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, NamedTuple
@@ -23,20 +27,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mpidp.comm import TorchTransport, Transport
-from mpidp.errors import BackendError, ConfigError, LaunchError, OversubscribedWarning
-from mpidp.runtime.bootstrap import LaunchInfo, detect_launch
+from mpidp.errors import BackendError, ConfigError
+from mpidp.runtime.agree import agree, check_layout, same_everywhere
+from mpidp.runtime.bootstrap import detect_launch
+from mpidp.runtime.device import BACKENDS, choose_device
+from mpidp.runtime.oversubscribed import oversubscribed_message as oversubscribed_message
+from mpidp.runtime.oversubscribed import warn_if_oversubscribed
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
 from mpidp.runtime.rendezvous import Rendezvous, init_process_group
+from mpidp.runtime.world import install_alarm, mpi_library, mpi_world, resolve_ranks
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 TRANSPORTS = ("auto", "mpi", "torch")
-BACKENDS = ("gloo", "nccl", "mpi")
-_MPI_LAUNCHERS = ("openmpi", "mpich", "pals", "pmix")
 
 _default: DistributedManager | None = None
-_warned_oversubscribed = False  # rank 0 warns once per process, however many managers it builds
 
 
 class Neighbors(NamedTuple):
@@ -44,24 +50,6 @@ class Neighbors(NamedTuple):
 
     before: int | None
     after: int | None
-
-
-def _mpi_world() -> Any:
-    """``MPI.COMM_WORLD``, or None when mpi4py or an MPI library cannot be loaded."""
-    try:
-        from mpi4py import MPI
-    except (ImportError, RuntimeError):
-        return None
-    return MPI.COMM_WORLD
-
-
-def _install_alarm(world: Any) -> None:
-    """Every rank hears of an error that ends another and of calls out of step
-    (:mod:`mpidp.comm.alarm`). Once per process; collective over the world the first time."""
-    from mpidp.comm import alarm
-    from mpidp.comm.mpi import start_watchdog
-
-    alarm.install(world, start_watchdog)
 
 
 def _as_timeout(timeout: float | datetime.timedelta) -> datetime.timedelta:
@@ -132,7 +120,7 @@ class DistributedManager:
         self.shard_dim = shard_dim
         self.transport_policy = transport
         env = dict(os.environ) if env is None else env
-        self._world_comm = _mpi_world()
+        self._world_comm = mpi_world()
         me = f"rank {self._world_comm.Get_rank()}: " if self._world_comm is not None else ""
         if transport not in TRANSPORTS:
             raise ConfigError(
@@ -157,22 +145,24 @@ class DistributedManager:
         }
         if self._mpi_runs_job():
             assert self._world_comm is not None
-            _install_alarm(self._world_comm)
-            self._same_everywhere(
-                self._world_comm.allgather(self._facts), self._world_comm.Get_rank()
-            )
-        self.launch_info = self._agree(detect_launch, env)
-        info = self._resolve_ranks(self.launch_info)
+            install_alarm(self._world_comm)
+            same_everywhere(self._world_comm.allgather(self._facts), self._world_comm.Get_rank())
+        self.launch_info = agree(self._world_comm, detect_launch, env)
+        info, self._node_cores = resolve_ranks(
+            self.launch_info, self._world_comm, self.transport_policy
+        )
         self.rank, self.world_size = info.rank, info.world_size
         self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
         self.host = info.host
-        self.domain_world_size = self._check_layout(domain_parallel_size)
+        self.domain_world_size = check_layout(self.rank, self.world_size, domain_parallel_size)
         self.dp_world_size = self.world_size // self.domain_world_size
         self.dp_rank, self.domain_rank = divmod(self.rank, self.domain_world_size)
         first = self.dp_rank * self.domain_world_size
         #: the global ranks of this rank's domain group, in domain-rank order
         self.domain_ranks = tuple(range(first, first + self.domain_world_size))
-        self.backend, self.device = self._agree(self._choose_device, backend, device)
+        self.backend, self.device = agree(
+            self._world_comm, choose_device, self.rank, self.local_rank, backend, device
+        )
         if transport == "mpi" and self._world_comm is None:
             raise BackendError(f"rank {self.rank}: transport='mpi' but mpi4py cannot load an MPI")
         self._owns_process_group = not dist.is_initialized()
@@ -183,7 +173,7 @@ class DistributedManager:
         if not self._mpi_runs_job() and self.world_size > 1:  # torchrun, srun --mpi=none
             table: list[Any] = [None] * self.world_size
             dist.all_gather_object(table, self._facts)
-            self._same_everywhere(table, self.rank)
+            same_everywhere(table, self.rank)
         self.mesh: DeviceMesh = init_device_mesh(
             self.device.type,
             (self.dp_world_size, self.domain_world_size),
@@ -199,168 +189,14 @@ class DistributedManager:
 
     # -- construction steps -------------------------------------------------------------------
 
-    @staticmethod
-    def _same_everywhere(table: list[dict[str, Any]], rank: int) -> None:
-        """Every rank raises the same ConfigError when ranks passed different arguments (a
-        layout built from them would mix two jobs' meanings silently)."""
-        lines = [
-            f"rank {r}: {name}={value!r}"
-            for name in table[0]
-            if len({repr(row.get(name)) for row in table}) > 1
-            for r, value in enumerate(row.get(name) for row in table)
-        ]
-        if lines:
-            raise ConfigError(
-                f"rank {rank}: the ranks "
-                f"initialised mpidp with different arguments or environment ({'; '.join(lines)}); "
-                f"pass the same values on every rank"
-            )
-
     def _mpi_runs_job(self) -> bool:
         return self._world_comm is not None and self._world_comm.Get_size() > 1
 
-    def _resolve_ranks(self, info: LaunchInfo) -> LaunchInfo:
-        """MPI is the truth when it sees more than one process (decision 1)."""
-        comm = self._world_comm
-        self._node_cores = len(_usable_cpus())
-        if comm is not None and comm.Get_size() > 1:
-            if (
-                info.world_size > 1
-                and info.launcher != "torchrun"
-                and info.world_size != comm.Get_size()
-            ):
-                raise LaunchError(
-                    f"rank {comm.Get_rank()}: launcher {info.launcher} reports {info.world_size} "
-                    f"processes but MPI sees {comm.Get_size()}; unset stale launcher variables "
-                    f"or set MPIDP_LAUNCHER"
-                )
-            local = comm.Split_type(_shared_type())
-            try:
-                # the node's ranks together: a launcher that binds each rank to its own cores
-                # (srun --cpu-bind) leaves every rank one core, but the node is not oversubscribed
-                self._node_cores = len(set().union(*local.allgather(sorted(_usable_cpus()))))
-                return LaunchInfo(
-                    launcher=info.launcher if info.world_size > 1 else "mpi",
-                    rank=comm.Get_rank(),
-                    world_size=comm.Get_size(),
-                    local_rank=local.Get_rank(),
-                    local_world_size=local.Get_size(),
-                    host=info.host,
-                    job_id=info.job_id,
-                    nodelist=info.nodelist,
-                )
-            finally:
-                local.Free()
-        if (
-            info.world_size > 1
-            and info.launcher == "slurm"
-            and comm is not None
-            and self.transport_policy != "torch"
-        ):
-            raise LaunchError(
-                f"rank {info.rank}: srun started {info.world_size} tasks (SLURM_NTASKS="
-                f"{info.world_size}) but MPI in this process sees a world of 1: srun --mpi=none "
-                f"(or MpiDefault=none) starts every task as an MPI singleton; launch with "
-                f"srun --mpi=pmi2 (MPICH) or --mpi=pmix (Open MPI), or pass transport='torch' "
-                f"(mpidp info --transport torch) to run without MPI"
-            )
-        if info.world_size > 1 and info.launcher in _MPI_LAUNCHERS:
-            library = _mpi_library() if comm is not None else "no MPI library could be loaded"
-            raise LaunchError(
-                f"rank {info.rank}: {info.launcher} started {info.world_size} processes but MPI in "
-                f"this process sees a world of 1 ({library}): mpi4py loaded another MPI than the "
-                f"launcher's; launch with that library's mpiexec or point MPI4PY_LIBMPI at the "
-                f"launcher's libmpi"
-            )
-        return info
-
     def _warn_if_oversubscribed(self, env: dict[str, str]) -> None:
         """Rank 0 warns once per process when its node runs more ranks than it has cores."""
-        global _warned_oversubscribed
-        ranks, cores = self.local_world_size, self._node_cores
-        if self.rank != 0 or ranks <= cores or _warned_oversubscribed:
-            return
-        if env.get("MPIDP_WARN_OVERSUBSCRIBED", "1") == "0":
-            return
-        _warned_oversubscribed = True
-        mpich = self._world_comm is not None and "MPICH" in _mpi_library()
-        text = oversubscribed_message(self.host, ranks, cores, torch.get_num_threads(), mpich, env)
-        warnings.warn(text, OversubscribedWarning, stacklevel=_caller_level())
-
-    def _check_layout(self, domain: int) -> int:
-        if not isinstance(domain, int) or isinstance(domain, bool) or domain < 1:
-            raise ConfigError(
-                f"rank {self.rank}: domain_parallel_size must be an integer >= 1, got {domain!r}"
-            )
-        if self.world_size % domain:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-            raise ConfigError(
-                f"rank {self.rank}: world size {self.world_size} is not divisible by "
-                f"domain_parallel_size {domain}; use one of {divisors} or launch a multiple of "
-                f"{domain} ranks"
-            )
-        return domain
-
-    def _choose_device(
-        self, backend: str | None, device: str | torch.device | None
-    ) -> tuple[str, torch.device]:
-        cuda = torch.cuda.is_available()
-        if backend is None:
-            backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
-        if not dist.is_backend_available(backend):
-            raise BackendError(
-                f"rank {self.rank}: torch.distributed backend {backend!r} is not available in "
-                f"this torch build ({torch.__version__}); use backend='gloo' or leave it unset"
-            )
-        if backend == "nccl" and not cuda:
-            raise BackendError(
-                f"rank {self.rank}: backend 'nccl' needs CUDA but torch sees no GPU; use "
-                f"backend='gloo' or run on a GPU node"
-            )
-        if device is None:
-            dev = (
-                torch.device("cuda", self.local_rank % torch.cuda.device_count())
-                if (backend == "nccl")
-                else torch.device("cpu")
-            )
-        else:
-            dev = torch.device(device)
-        if dev.type == "cuda":
-            count = torch.cuda.device_count() if cuda else 0
-            index = dev.index if dev.index is not None else self.local_rank % max(count, 1)
-            if index >= count:
-                raise BackendError(
-                    f"rank {self.rank}: device cuda:{index} but {count} CUDA devices are visible "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                    f"pick an index below {count} or leave device unset"
-                )
-            dev = torch.device("cuda", index)
-        return backend, dev
-
-    def _agree(self, step: Any, *args: Any) -> Any:
-        """Run a check that may differ between ranks; when MPI runs the job, every rank raises
-        the same error with every failing rank's message instead of some ranks waiting."""
-        result, error = None, None
-        try:
-            result = step(*args)
-        except (ConfigError, BackendError, LaunchError) as exc:
-            error = exc
-        if (
-            error is not None
-            and not str(error).startswith("rank ")
-            and self._world_comm is not None
-        ):
-            error = type(error)(f"rank {self._world_comm.Get_rank()}: {error}")
-        if self._mpi_runs_job():
-            assert self._world_comm is not None
-            mine = None if error is None else (type(error).__name__, str(error))
-            errors = [e for e in self._world_comm.allgather(mine) if e is not None]
-            if errors:
-                kinds = {k.__name__: k for k in (ConfigError, BackendError, LaunchError)}
-                raise kinds[errors[0][0]]("; ".join(msg for _, msg in errors))
-        elif error is not None:
-            raise error
-        return result
+        ranks, cores, world = self.local_world_size, self._node_cores, self._world_comm
+        level = _caller_level()
+        warn_if_oversubscribed(self.rank, self.host, ranks, cores, world, env, level)
 
     def _init_process_group(self, env: dict[str, str]) -> None:
         who = Rendezvous(self.rank, self.world_size, self.launch_info, self.host, self.timeout)
@@ -399,7 +235,7 @@ class DistributedManager:
     def world_from_launcher(env: dict[str, str] | None = None) -> int:
         """World size without initialising anything: MPI's when it spans the job, else the
         launcher's."""
-        comm = _mpi_world()
+        comm = mpi_world()
         if comm is not None and comm.Get_size() > 1:
             return int(comm.Get_size())
         return detect_launch(dict(os.environ) if env is None else env).world_size
@@ -519,7 +355,7 @@ class DistributedManager:
             "device": str(self.device),
             "backend": self.backend,
             "transport": self.transport().name,
-            "mpi_library": _mpi_library() if self._world_comm is not None else None,
+            "mpi_library": mpi_library() if self._world_comm is not None else None,
             "torch": torch.__version__,
             "mesh_shape": [self.dp_world_size, self.domain_world_size],
             "mesh_coords": [self.dp_rank, self.domain_rank],
@@ -615,59 +451,6 @@ def _caller_level() -> int:
     while frame is not None and frame.f_code.co_filename == __file__:
         level, frame = level + 1, frame.f_back
     return level
-
-
-def _usable_cpus() -> set[int]:
-    """The CPUs this process may run on: its affinity, or every CPU where there is none."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return set(range(os.cpu_count() or 1))
-
-
-def oversubscribed_message(
-    host: str, ranks: int, cores: int, threads: int, mpich: bool, env: dict[str, str]
-) -> str:
-    """The oversubscription warning: what was found, its measured cost, and the fixes not yet
-    in effect (``threads``: torch threads per rank; ``mpich``: the MPI library is MPICH)."""
-    settings, done = [], []
-    if threads > 1:
-        settings.append(f"OMP_NUM_THREADS=1 (each rank runs {threads} torch threads now)")
-    else:
-        done.append("one torch thread per rank")
-    if mpich and env.get("MPIR_CVAR_ENABLE_HEAVY_YIELD") != "1":
-        settings.append(
-            "MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (MPICH's waiting ranks then sleep instead of "
-            "polling at 100% CPU)"
-        )
-    elif mpich:
-        done.append("MPIR_CVAR_ENABLE_HEAVY_YIELD=1")
-    fix = f"run at most {cores} rank{'s' if cores != 1 else ''} per node"
-    if settings:
-        fix += f", or set {' and '.join(settings)}"
-    if done:
-        fix += f". Already in effect: {', '.join(done)}"
-    return (
-        f"rank 0: {ranks} ranks share {cores} core{'s' if cores != 1 else ''} on {host}: they "
-        f"take turns on the cores, so steps are slower than with fewer ranks (measured on "
-        f"2 cores: a U-Net training step at 721 x 1440 took 1.24 s at 4 ranks and 0.98 s at 2, "
-        f"docs/benchmarks.md; MPICH's polling ranks made a 4-rank FSDP2 training take 76 s "
-        f"instead of 19 s, docs/launching.md). Fix: {fix}. Timings of this run measure "
-        f"time-sharing. MPIDP_WARN_OVERSUBSCRIBED=0 silences this warning where "
-        f"oversubscribing is on purpose."
-    )
-
-
-def _shared_type() -> int:
-    from mpi4py import MPI
-
-    return int(MPI.COMM_TYPE_SHARED)
-
-
-def _mpi_library() -> str:
-    from mpi4py import MPI
-
-    return MPI.Get_library_version().strip().splitlines()[0].strip()
 
 
 def init(

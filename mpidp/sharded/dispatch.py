@@ -32,8 +32,8 @@ from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.sharded.batch import NOT_LOCAL, batch_local
 from mpidp.sharded.partial import summed
-from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated, shard
-from mpidp.sharded.walk import holds, leaves
+from mpidp.sharded.tensor import Replicated, ShardedTensor, has_sharded, replicated, shard
+from mpidp.sharded.walk import leaves
 from mpidp.sharded.where import relocated
 
 __all__ = [
@@ -144,10 +144,6 @@ def allow_fallback(on: bool = True) -> None:
     on every rank. Each function warns once after it is turned on."""
     _FALLBACK["on"] = on
     _WARNED.clear()
-
-
-def has_sharded(args: Any, kwargs: Any) -> bool:
-    return holds(args, ShardedTensor) or holds(kwargs, ShardedTensor)
 
 
 def first_sharded(args: Any, kwargs: Any = None) -> ShardedTensor:

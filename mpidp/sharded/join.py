@@ -12,7 +12,8 @@ import torch
 
 from mpidp.ops.collectives import copy_to
 from mpidp.sharded.dispatch import first_sharded, refuse, register
-from mpidp.sharded.rows import along, home, to_spec
+from mpidp.sharded.pointwise import home
+from mpidp.sharded.rows import along, to_spec
 from mpidp.sharded.rows import fetch_rows as _fetch
 from mpidp.sharded.shapes import _plain, _shape_arg, _wrap
 from mpidp.sharded.tensor import Replicated, ShardedTensor

@@ -5,6 +5,8 @@ A ShardedTensor lives on a manager's 1-D domain mesh; its placement is ``Shard(d
 or, when dims before the band were merged into it, ``_StridedShard(dim, split_factor=blocks)``.
 ``Replicate()`` is a :class:`~mpidp.sharded.Replicated` value, ``Partial()`` a summand per rank
 (reduced when it becomes a value: mpidp computes contractions over the sharded dim at once).
+The layout words that need no ShardedTensor (:func:`manager_of`, :func:`one_placement`) live
+in :mod:`mpidp.sharded.layout`, below the tensor type, and are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from mpidp.errors import ConfigError
-from mpidp.ops.collectives import reduce_from, scatter_v
-from mpidp.runtime.adopt import manager_for
+from mpidp.ops.collectives import scatter_v
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
+from mpidp.sharded.layout import manager_of, one_placement
+from mpidp.sharded.tensor import ShardedTensor, replicated
 
 __all__ = ["Partial", "Replicate", "Shard", "manager_of", "one_placement", "scatter_tensor"]
 
@@ -37,41 +40,6 @@ _DTYPES = [
     torch.complex64,
     torch.complex128,
 ]
-
-
-def manager_of(
-    device_mesh: Any, manager: DistributedManager | None = None, gradients: str | None = None
-) -> DistributedManager:
-    """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh, or a process group)
-    is, adopted when mpidp did not build it (:func:`mpidp.runtime.adopt.manager_for`); None:
-    ``manager`` or the default one."""
-    return manager_for(manager if device_mesh is None else device_mesh, gradients=gradients)
-
-
-def one_placement(placements: Sequence[Placement] | None, what: str, rank: int) -> Placement:
-    """The one placement of a 1-D domain mesh."""
-    if placements is None or len(placements) != 1:
-        raise ConfigError(
-            f"rank {rank}: {what}: placements={placements!r}; a ShardedTensor lives on the "
-            f"1-D domain mesh: pass one placement, e.g. [Shard(2)] or [Replicate()]"
-        )
-    p = placements[0]
-    if not isinstance(p, (Shard, Replicate, Partial)):
-        raise ConfigError(f"rank {rank}: {what}: unknown placement {p!r}")
-    return p
-
-
-def partial_value(local: torch.Tensor, p: Partial, m: DistributedManager) -> torch.Tensor:
-    """The value whose summands the ranks hold (``Partial("sum")`` or ``"avg"``), on every
-    rank: one all-reduce now (gradient: the value's, whole, to every summand)."""
-    from mpidp.sharded.tensor import replicated
-
-    t = m.transport(None, local.device)
-    op = getattr(p, "reduce_op", "sum")
-    if op not in ("sum", "avg"):
-        raise ConfigError(f"rank {m.rank}: Partial({op!r}): only sum and avg partials reduce")
-    whole = reduce_from(local, t)
-    return replicated(whole / t.size if op == "avg" else whole, t)
 
 
 def _meta(tensor: torch.Tensor | None, src: int, m: DistributedManager) -> tuple[list[int], Any]:
@@ -121,8 +89,6 @@ def scatter_tensor(
     device = m.device if tensor is None else tensor.device
     source = tensor.detach().to(dtype) if tensor is not None and m.domain_rank == src else None
     if isinstance(p, Replicate):
-        from mpidp.sharded.tensor import replicated
-
         t = m.transport(None, device)
         buf = (
             source
@@ -133,8 +99,6 @@ def scatter_tensor(
         return replicated(whole, t)
     if not isinstance(p, Shard):
         raise ConfigError(f"rank {m.rank}: scatter_tensor: {p!r}; scatter to Shard or Replicate")
-    from mpidp.sharded.tensor import ShardedTensor
-
     d = p.dim % len(global_shape)
     spec = (
         m.spec(int(global_shape[d]))
@@ -143,29 +107,3 @@ def scatter_tensor(
     )
     band = scatter_v(source, list(spec.sizes), d, src, m.transport(None, device))
     return ShardedTensor(band.detach().requires_grad_(requires_grad), spec, d, m)
-
-
-def spec_from_shapes(
-    sharding_shapes: Any, d: int, rows: int, m: DistributedManager, global_shape: Any
-) -> ShardSpec | None:
-    """The partition ``from_local`` is told (``"chunk"`` with ``global_shape``, or ShardTensor's
-    ``{mesh_dim: [shape per rank]}``); None: learn it (``"infer"``, or ``"chunk"`` without a
-    global shape, which is then checked to be torch.chunk's cut)."""
-    from mpidp.sharded.tensor import chunk_spec
-
-    if isinstance(sharding_shapes, dict):
-        shapes = sharding_shapes.get(0)
-        if shapes is None or len(shapes) != m.domain_world_size:
-            raise ConfigError(
-                f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass "
-                f"{{0: [shape of each of the {m.domain_world_size} ranks' parts]}}"
-            )
-        return ShardSpec(tuple(int(s[d]) for s in shapes))
-    if sharding_shapes == "chunk" and global_shape is not None:
-        return chunk_spec(int(global_shape[d]), m.domain_world_size)
-    if sharding_shapes not in ("infer", "chunk"):
-        raise ConfigError(
-            f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass 'infer', "
-            f"'chunk' or a dict of shapes"
-        )
-    return None

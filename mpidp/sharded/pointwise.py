@@ -10,6 +10,7 @@ is the sum of the ranks' shares). Anything else along the sharded dim is an erro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,15 +21,28 @@ from mpidp.errors import ConfigError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.dispatch import refuse, register
-from mpidp.sharded.rows import along, home, to_spec
+from mpidp.sharded.rows import along, to_spec
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
-__all__ = ["POINTWISE", "pointwise", "local_like"]
+__all__ = ["POINTWISE", "home", "pointwise", "local_like"]
 
 
 def local_like(x: ShardedTensor, local: torch.Tensor) -> ShardedTensor:
     """``local`` as a ShardedTensor on ``x``'s partition, dim and blocks."""
     return x.like(local)
+
+
+def home(tensors: Sequence[Any]) -> ShardedTensor:
+    """The ShardedTensor whose layout a meeting of several takes: of those longer than one
+    row along their sharded dim (a length-1 one broadcasts), one cut along the manager's
+    sharded dim (H, where the layers work) if any, else the longest; the first of equals."""
+    sharded = [a for a in tensors if isinstance(a, ShardedTensor)]
+    tall = [a for a in sharded if a.blocks * a.spec.total > 1] or sharded
+    want = tall[0].manager.shard_dim
+    for a in tall:
+        if (a.shard_dim - a.dim() if want < 0 else a.shard_dim) == want:
+            return a
+    return max(tall, key=lambda a: a.blocks * a.spec.total)
 
 
 # -- metadata ----------------------------------------------------------------------------------

@@ -9,15 +9,17 @@ band along W) goes through the distributed transpose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from mpidp.errors import ConfigError
 from mpidp.ops.collectives import all_to_all_v, fetch_global_rows
 from mpidp.runtime.partition import ShardSpec
-from mpidp.sharded.tensor import ShardedTensor
+
+if TYPE_CHECKING:  # rows sit below the tensor type: its redistribute moves them
+    from mpidp.sharded.tensor import ShardedTensor
 
 __all__ = ["fetch_rows", "to_spec", "move_to_dim", "Ranges"]
 
@@ -60,19 +62,6 @@ def to_spec(x: ShardedTensor, spec: ShardSpec) -> ShardedTensor:
     return remap(x, spec, lambda a, b: [(a, b)] if b > a else [])
 
 
-def home(tensors: Sequence[Any]) -> ShardedTensor:
-    """The ShardedTensor whose layout a meeting of several takes: of those longer than one
-    row along their sharded dim (a length-1 one broadcasts), one cut along the manager's
-    sharded dim (H, where the layers work) if any, else the longest; the first of equals."""
-    sharded = [a for a in tensors if isinstance(a, ShardedTensor)]
-    tall = [a for a in sharded if a.blocks * a.spec.total > 1] or sharded
-    want = tall[0].manager.shard_dim
-    for a in tall:
-        if (a.shard_dim - a.dim() if want < 0 else a.shard_dim) == want:
-            return a
-    return max(tall, key=lambda a: a.blocks * a.spec.total)
-
-
 def along(x: ShardedTensor, dim: int) -> ShardedTensor:
     """``x`` sharded along ``dim`` (the distributed transpose when it is cut along another:
     a rotated cubed-sphere face, cut along W, meeting faces cut along H). A dim of fewer
@@ -98,4 +87,4 @@ def move_to_dim(x: ShardedTensor, new_dim: int, spec: ShardSpec | None = None) -
     local = all_to_all_v(
         x.local, list(new.sizes), list(x.spec.sizes), new_dim, x.shard_dim, group=x.transport
     )
-    return ShardedTensor(local, new, new_dim, m)
+    return x.like(local, new_dim, new)

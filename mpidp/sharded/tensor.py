@@ -6,6 +6,11 @@ GLOBAL shape, so a model written for one process sees the sizes it expects; ever
 function called on it goes through :func:`mpidp.sharded.dispatch.dispatch`, which computes the
 band of the serial result or raises.
 
+Imports run one way: this module sits below the modules that give the types their behaviour
+(the dispatcher and its handlers build ShardedTensors). The two ways up are registrations made
+once, when :mod:`mpidp.sharded` is imported (its ``__init__``): :func:`use_dispatcher` names
+the dispatcher, and :func:`on_first` adds what the first ShardedTensor turns on.
+
 Gradients, the rule (docs/sharded_tensor.md):
 
 * a ShardedTensor's gradient is the gradient of its own rows, exact;
@@ -22,10 +27,11 @@ Gradients, the rule (docs/sharded_tensor.md):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from mpidp.comm import Transport
@@ -34,7 +40,10 @@ from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.ops.functions import _call, _Shard
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
-from mpidp.sharded.where import track
+from mpidp.sharded import layout as pl
+from mpidp.sharded.layout import chunk_spec  # also mpidp.sharded.tensor.chunk_spec, as before
+from mpidp.sharded.rows import move_to_dim, to_spec
+from mpidp.sharded.walk import holds
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 
@@ -44,12 +53,37 @@ META_METHODS: set[Any] = set()
 META_GETTERS: set[str] = set()
 
 #: What the first ShardedTensor of a process turns on, once: the module-stack tracking that
-#: names the module of a refused op (:func:`mpidp.sharded.where.track`) and the bridge that runs
-#: a user's ``torch.autograd.Function`` on ShardedTensors (:mod:`mpidp.sharded.function`
-#: adds its ``install`` through :func:`on_first`). A program that imports mpidp and never
-#: shards runs torch as it is.
-_ON_FIRST: list[Any] = [track]
+#: names the module of a refused op (:func:`mpidp.sharded.where.track`, added by
+#: ``mpidp/sharded/__init__.py``) and the bridge that runs a user's ``torch.autograd.Function``
+#: on ShardedTensors (:mod:`mpidp.sharded.function` adds its ``install``), each through
+#: :func:`on_first`. A program that imports mpidp and never shards runs torch as it is.
+_ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
+
+Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _not_ready(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    raise MpidpError(
+        f"internal error: {func} ran on a ShardedTensor before mpidp.sharded finished "
+        f"importing (its dispatcher is set at the end of mpidp/sharded/__init__.py)"
+    )
+
+
+#: Where every torch function on a ShardedTensor or Replicated value goes:
+#: :func:`mpidp.sharded.dispatch.dispatch`, set by :func:`use_dispatcher`
+_DISPATCHER: list[Dispatcher] = [_not_ready]
+
+
+def use_dispatcher(dispatch: Dispatcher) -> None:
+    """Send every torch function on a ShardedTensor to ``dispatch`` (called once, by
+    ``mpidp/sharded/__init__.py``: the dispatcher sits above this module)."""
+    _DISPATCHER[0] = dispatch
+
+
+def has_sharded(args: Any, kwargs: Any) -> bool:
+    """Whether a ShardedTensor is among a call's arguments."""
+    return holds(args, ShardedTensor) or holds(kwargs, ShardedTensor)
 
 
 def on_first(turn_on: Any) -> None:
@@ -226,8 +260,6 @@ class ShardedTensor(torch.Tensor):
         ShardTensor's ``sharding_shapes`` (``{0: [shape per rank]}``, or ``"chunk"`` with
         ``global_shape``: torch.chunk's cut, no communication), else learned in one small
         all-gather (``"infer"``; collective)."""
-        from mpidp.sharded import placements as pl
-
         if isinstance(device_mesh, int):
             raise ConfigError(
                 f"from_local(band, {device_mesh}): the second argument is the device mesh; "
@@ -236,24 +268,16 @@ class ShardedTensor(torch.Tensor):
         m = pl.manager_of(device_mesh, manager)
         if placements is not None:
             p = pl.one_placement(placements, "from_local", m.rank)
-            if isinstance(p, pl.Replicate):
+            if isinstance(p, Replicate):
                 return replicated(local, m.transport(None, local.device))
-            if isinstance(p, pl.Partial):
-                return pl.partial_value(local, p, m)
+            if isinstance(p, Partial):
+                return replicated(pl.partial_sum_of(local, p, m), m.transport(None, local.device))
             dim = cast(Any, p).dim
-        d = _dim(local, -2 if dim is None else dim)
+        d = pl.normal_dim(local, -2 if dim is None else dim)
         if spec is None:
-            spec = pl.spec_from_shapes(sharding_shapes, d, local.size(d), m, global_shape)
-        if spec is None:
-            t = m.transport(None, local.device)
-            spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([local.size(d)])))
-            if sharding_shapes == "chunk" and spec != chunk_spec(spec.total, spec.parts):
-                raise ConfigError(
-                    f"rank {m.rank}: from_local(sharding_shapes='chunk'): the parts are "
-                    f"{list(spec.sizes)}, not torch.chunk's cut of {spec.total}; use 'infer'"
-                )
+            spec = pl.spec_of_band(sharding_shapes, d, local, m, global_shape)
         spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-        _check_spec(spec, m, local.size(d), "from_local")
+        pl.check_spec(spec, m, local.size(d), "from_local")
         return cls(local, spec, d, m)
 
     def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
@@ -270,8 +294,6 @@ class ShardedTensor(torch.Tensor):
     def placements(self) -> tuple[Any, ...]:
         """DTensor's placements on :attr:`device_mesh`: ``(Shard(shard_dim),)``, or
         ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band."""
-        from torch.distributed.tensor import Shard
-
         if self._blocks == 1:
             return (Shard(self._dim),)
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -316,9 +338,6 @@ class ShardedTensor(torch.Tensor):
         of the same dim) and ``dim`` (sharded along another dim). Only the rows that change
         owner travel (one ``all_to_all_v``). ``async_op`` is accepted for DTensor's signature;
         the move completes before the call returns. Collective."""
-        from mpidp.sharded import placements as pl
-        from mpidp.sharded.rows import move_to_dim, to_spec
-
         del async_op
         if (
             device_mesh is not None
@@ -332,9 +351,9 @@ class ShardedTensor(torch.Tensor):
             raise ConfigError(f"rank {self.rank}: redistribute(spec): pass it as spec=")
         if placements is not None:
             p = pl.one_placement(placements, "redistribute", self.rank)
-            if isinstance(p, pl.Replicate):
+            if isinstance(p, Replicate):
                 return self.full_tensor()
-            if isinstance(p, pl.Partial):
+            if isinstance(p, Partial):
                 raise ConfigError(
                     f"rank {self.rank}: redistribute to Partial: a band is a value, not a "
                     f"summand; reduce it (x.sum(dim)) or keep Shard/Replicate"
@@ -342,8 +361,8 @@ class ShardedTensor(torch.Tensor):
             dim = cast(Any, p).dim
             spec = self._manager.partition if spec is None else spec
         x = self
-        if dim is not None and _dim(self._local, dim) != self._dim:
-            x = move_to_dim(self, _dim(self._local, dim))
+        if dim is not None and pl.normal_dim(self._local, dim) != self._dim:
+            x = move_to_dim(self, pl.normal_dim(self._local, dim))
         if spec is None:
             return x
         n, p_ = x.spec.total, x.spec.parts
@@ -365,7 +384,7 @@ class ShardedTensor(torch.Tensor):
         ``torch.chunk`` does (``ceil(n / P)`` rows per rank, the last ranks short or empty) and
         its uneven ``from_local`` is not reliable, so the rows first move to exactly that cut
         (only boundary rows travel); differentiable. Collective."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         n, p = self._spec.total, self._spec.parts
         x = self.redistribute(spec=chunk_spec(n, p))
@@ -376,7 +395,7 @@ class ShardedTensor(torch.Tensor):
             [Shard(self._dim)],
             run_check=False,
             shape=self.shape,
-            stride=_contiguous_strides(tuple(self.shape)),
+            stride=pl.contiguous_strides(tuple(self.shape)),
         )
 
     @classmethod
@@ -386,8 +405,6 @@ class ShardedTensor(torch.Tensor):
         """The ShardedTensor of a DTensor ``Shard(d)`` on a 1-D mesh over the domain group,
         moved to ``spec`` (a ShardSpec, sizes or policy; default: the manager's policy).
         Differentiable. Collective."""
-        from torch.distributed.tensor import Shard
-
         m = manager if manager is not None else get_manager()
         placements = tuple(dt.placements)
         if len(placements) != 1 or not isinstance(placements[0], Shard):
@@ -412,9 +429,7 @@ class ShardedTensor(torch.Tensor):
         ):  # global metadata (shape, dim(), dtype): the wrapper's own, without the registry
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        from mpidp.sharded.dispatch import dispatch
-
-        return dispatch(func, tuple(args), kwargs or {})
+        return _DISPATCHER[0](func, tuple(args), kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -439,8 +454,6 @@ class Replicated(torch.Tensor):
     @property
     def placements(self) -> tuple[Any, ...]:
         """``(Replicate(),)``."""
-        from torch.distributed.tensor import Replicate
-
         return (Replicate(),)
 
     def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
@@ -459,10 +472,8 @@ class Replicated(torch.Tensor):
         cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        from mpidp.sharded.dispatch import dispatch, has_sharded
-
         if has_sharded(args, kwargs):
-            return dispatch(func, tuple(args), kwargs)
+            return _DISPATCHER[0](func, tuple(args), kwargs)
         t = _first_transport(args, kwargs)
         if func not in _NO_SHARES and torch.is_grad_enabled():
             args, kwargs = tree_map(lambda a: _share(a, t), (args, kwargs))
@@ -540,16 +551,14 @@ def shard(
     m = manager if manager is not None else get_manager()
     whole = isinstance(x, Replicated)  # its gradient must come back whole: all-gathered
     if whole:
-        from mpidp.sharded.partial import summed
-
-        x = summed(x).as_subclass(torch.Tensor)
-    d = _dim(x, dim)
+        x = x.as_subclass(torch.Tensor)  # a partial value sums itself here (PartialSum.as_subclass)
+    d = pl.normal_dim(x, dim)
     n = x.size(d)
     if spec is None:
         s = m.partition.spec(n, m.domain_world_size)
     else:
         s = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-    _check_spec(s, m, None, "shard")
+    pl.check_spec(s, m, None, "shard")
     if s.total != n:
         raise ConfigError(
             f"rank {m.rank}: shard: spec {list(s.sizes)} covers {s.total} rows, the tensor has "
@@ -563,41 +572,3 @@ def shard(
         band = x.narrow(d, s.start(r), s.sizes[r])
         band = band if x.requires_grad else band.clone(memory_format=torch.contiguous_format)
     return ShardedTensor(band, s, d, m)
-
-
-def chunk_spec(n: int, parts: int) -> ShardSpec:
-    """``torch.chunk``'s (and DTensor's) cut of ``n`` rows: ``ceil(n / parts)`` each, the
-    remainder on the last non-empty rank, empty ranks after it."""
-    size = -(-n // parts) if n else 0
-    return ShardSpec(tuple(max(0, min(size, n - i * size)) for i in range(parts)))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _dim(x: torch.Tensor, dim: int) -> int:
-    if not -x.dim() <= dim < max(x.dim(), 1):
-        raise ConfigError(f"dim {dim} is out of range for a {x.dim()}-d tensor {tuple(x.shape)}")
-    return dim % x.dim()
-
-
-def _check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: str) -> None:
-    if spec.parts != m.domain_world_size:
-        raise ConfigError(
-            f"rank {m.rank}: {what}: spec {list(spec.sizes)} has {spec.parts} parts but the "
-            f"domain group has {m.domain_world_size} ranks; pass one size per rank"
-        )
-    if rows is not None and spec.sizes[m.domain_rank] != rows:
-        me, sizes = m.domain_rank, list(spec.sizes)
-        lo = sum(sizes[:me])
-        raise ConfigError(
-            f"rank {m.rank}: {what}: the band has {rows} rows but spec {sizes} "
-            f"({sum(sizes)} rows) gives domain rank {me} {sizes[me]}; fix: pass this rank rows "
-            f"{lo}..{lo + sizes[me] - 1} of the field (its band of that spec), or the spec of "
-            f"the partition this band belongs to, or none (then it is learned from the bands)"
-        )

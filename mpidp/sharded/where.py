@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from mpidp.sharded.tensor import ShardedTensor
+
 __all__ = ["entered", "locate", "location", "module_path", "relocated", "running", "track"]
 
 _STACK: list[nn.Module] = []
@@ -22,8 +24,6 @@ _ON: list[Any] = []
 
 
 def _sharded_args(args: Any) -> bool:
-    from mpidp.sharded.tensor import ShardedTensor
-
     return any(isinstance(a, ShardedTensor) for a in args)
 
 

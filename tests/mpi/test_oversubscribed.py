@@ -10,7 +10,8 @@ import pytest
 from mpi4py import MPI
 
 import mpidp
-import mpidp.runtime.manager
+import mpidp.runtime.oversubscribed
+import mpidp.runtime.world
 from mpidp.errors import OversubscribedWarning
 
 pytestmark = pytest.mark.mpi
@@ -22,8 +23,8 @@ RANK = MPI.COMM_WORLD.Get_rank()
 def warnings_of_two_managers(monkeypatch, cpus, **env):
     """The OversubscribedWarnings of two managers built one after the other in this process,
     each rank seeing ``cpus(rank)`` as its affinity."""
-    monkeypatch.setattr(mpidp.runtime.manager, "_usable_cpus", lambda: cpus(RANK))
-    monkeypatch.setattr(mpidp.runtime.manager, "_warned_oversubscribed", False)
+    monkeypatch.setattr(mpidp.runtime.world, "usable_cpus", lambda: cpus(RANK))
+    monkeypatch.setattr(mpidp.runtime.oversubscribed, "_warned_oversubscribed", False)
     monkeypatch.delenv("MPIDP_WARN_OVERSUBSCRIBED", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpidp.runtime.manager import oversubscribed_message
+from mpidp.runtime.oversubscribed import oversubscribed_message
 
 
 def test_the_message_names_only_the_fixes_not_in_effect():

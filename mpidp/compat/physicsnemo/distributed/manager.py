@@ -74,9 +74,9 @@ def _launch_transport() -> str:
     --mpi=none``: every task an MPI singleton), which PhysicsNeMo initialises from SLURM's
     variables alone; else mpidp's choice (``"auto"``). Local: the same answer on every task."""
     from mpidp.runtime.bootstrap import detect_launch
-    from mpidp.runtime.manager import _mpi_world
+    from mpidp.runtime.world import mpi_world
 
-    comm = _mpi_world()
+    comm = mpi_world()
     launched = detect_launch(dict(os.environ)).world_size
     return "torch" if launched > 1 and (comm is None or comm.Get_size() == 1) else "auto"
 

@@ -1,0 +1,192 @@
+"""The write paths that :func:`~mpidp.io.writer.write_sharded` and
+:class:`~mpidp.io.rollout.RolloutWriter` share: the checks of the method and format asked
+for, ranks taking turns on one HDF5 file (or writing it at once through MPI-IO), a Zarr
+store's metadata consolidated, and the CF attributes of the coordinates written.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from mpidp.comm import Transport
+from mpidp.io import zarr_writer as zw
+from mpidp.io._common import (
+    ensure_space,
+)
+from mpidp.runtime.partition import balanced_sizes
+
+__all__ = [
+    "COORDINATE_ATTRS",
+    "METHODS",
+    "as_numpy",
+    "choose_method",
+    "consolidated",
+    "in_turns",
+    "parallel_hdf5_available",
+    "whose_band",
+    "writes_zarr",
+]
+
+METHODS = ("auto", "mpio", "ordered")
+
+#: CF attributes of the coordinate variables a rollout writes (time: when it has units).
+COORDINATE_ATTRS = {
+    "time": {"standard_name": "time", "long_name": "time"},
+    "latitude": {"units": "degrees_north", "standard_name": "latitude", "long_name": "latitude"},
+    "longitude": {
+        "units": "degrees_east",
+        "standard_name": "longitude",
+        "long_name": "longitude",
+    },
+}
+
+
+def parallel_hdf5_available() -> bool:
+    """Whether this h5py was built with MPI (the ``mpio`` driver)."""
+    return bool(h5py.get_config().mpi)
+
+
+def mpi_comm(t: Transport | None) -> Any:
+    return getattr(t, "comm", None)
+
+
+def choose_method(method: str, t: Transport | None, problems: list[str]) -> str:
+    if method not in METHODS:
+        problems.append(f"method={method!r} is not one of {', '.join(METHODS)}")
+        return "ordered"
+    mpio_ok = parallel_hdf5_available() and mpi_comm(t) is not None
+    if method == "mpio" and not mpio_ok:
+        problems.append(
+            "method='mpio' needs an h5py built with MPI (scripts/setup-phdf5.sh) and a job "
+            "launched by MPI; use method='ordered'"
+        )
+    if method == "auto":
+        return "mpio" if mpio_ok else "ordered"
+    return method
+
+
+def writes_zarr(
+    path: Path,
+    format: str,
+    method: str,
+    zarr_format: int,
+    chunk_rows: int | None,
+    problems: list[str],
+) -> bool:
+    """Whether ``path`` is written as a Zarr store; what is wrong with the Zarr options goes
+    to ``problems``."""
+    if format not in zw.FORMATS:
+        problems.append(f"format={format!r} is not one of {', '.join(zw.FORMATS)}")
+        return False
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        problems.append(f"chunk_rows={chunk_rows!r}: pass a whole number of rows, 1 or more")
+    if not zw.is_zarr_target(path, format):
+        return False
+    from mpidp.io.zarr_reader import _zarr_problem
+
+    missing = _zarr_problem()
+    if missing:
+        problems.append(f"writing the Zarr store {path}: {missing}")
+    if method != "auto":
+        problems.append(
+            f"method={method!r} chooses how an HDF5 file is written; every rank writes a Zarr "
+            f"store at once: leave method='auto'"
+        )
+    if zarr_format not in (2, 3):
+        problems.append(f"zarr_format={zarr_format!r}: Zarr formats 2 and 3 are written")
+    return True
+
+
+def as_numpy(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return np.ascontiguousarray(x.numpy())
+    return np.ascontiguousarray(x)
+
+
+def in_turns(
+    t: Transport | None,
+    method: str,
+    tmp: Path,
+    create: Callable[[h5py.File], None],
+    prepare: Callable[[h5py.File], Callable[[], None]],
+    need: int,
+) -> BaseException | None:
+    """Run ``create`` (metadata: collective in mpio, rank 0 alone otherwise), then
+    ``prepare`` (this rank's local part, which may fail) and the write it returns, on the
+    temporary file. Returns this rank's error instead of raising, so that every rank reaches
+    the agreement that follows. In mpio the ranks agree that every one prepared before any
+    enters the collective write: a rank that failed alone would leave the others waiting.
+    ``need``: the bytes this rank writes; a disk without that much room is an error before
+    HDF5 touches the file (:func:`ensure_space`)."""
+    if method == "mpio":
+        error: BaseException | None = None
+        try:
+            ensure_space(tmp, need)
+        except OSError as err:
+            error = err
+        if t is not None and not all(row[0] for row in t.all_gather_ints([error is None])):
+            return error or OSError(errno.ENOSPC, "another rank's disk is full")
+        try:
+            with h5py.File(tmp, "a", driver="mpio", comm=mpi_comm(t)) as f:
+                create(f)
+                try:
+                    run = prepare(f)
+                except Exception as err:
+                    error, run = err, None
+                ready = t is None or all(row[0] for row in t.all_gather_ints([error is None]))
+                if ready and run is not None:
+                    run()
+        except Exception as err:
+            error = error or err
+        return error
+    error = None
+    size, me = (1, 0) if t is None else (t.size, t.rank)
+    for turn in range(size):
+        if turn == me:
+            try:
+                ensure_space(tmp, need)
+                with h5py.File(tmp, "a") as f:
+                    if me == 0:
+                        create(f)
+                    prepare(f)()
+            except Exception as err:
+                error = err
+        if t is not None:
+            t.barrier()  # the token: the next rank opens the file once this one closed it
+    return error
+
+
+def consolidated(t: Transport | None, tmp: Path, error: BaseException | None) -> Any:
+    """``error``; on rank 0 without one, the store's metadata consolidated first (the
+    metadata is complete once rank 0 created it: the other ranks write chunks only; the
+    agreement that follows tells whether they failed)."""
+    if error is None and (t is None or t.rank == 0):
+        try:
+            zw.consolidate(tmp)
+        except Exception as err:
+            return err
+    return error
+
+
+def whose_band(sizes: Sequence[int], rows: int) -> str:
+    """Which ranks' bands differ from a balanced split of ``rows`` (the usual partition), as a
+    parenthesis; nothing when that split does not exist or every band differs."""
+    if rows < len(sizes):
+        return ""
+    want = balanced_sizes(rows, len(sizes))
+    off = [
+        f"rank {r} holds {n} rows where a balanced split of {rows} gives it {k}"
+        for r, (n, k) in enumerate(zip(sizes, want, strict=True))
+        if n != k
+    ]
+    return f" ({'; '.join(off)})" if 0 < len(off) < len(sizes) else ""

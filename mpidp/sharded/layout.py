@@ -1,0 +1,151 @@
+"""The layout words a ShardedTensor is built from, below the tensor type itself: the manager
+of a device mesh, the one placement of a 1-D domain mesh, ``torch.chunk``'s cut, the partition
+``from_local`` is told or learns, and the checks of a partition against the domain group.
+
+These need no ShardedTensor, so :mod:`mpidp.sharded.tensor` imports them and
+:mod:`mpidp.sharded.placements` (which builds ShardedTensors) re-exports the public ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from mpidp.errors import ConfigError
+from mpidp.ops.collectives import reduce_from
+from mpidp.runtime.adopt import manager_for
+from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.partition import ShardSpec
+
+__all__ = [
+    "check_spec",
+    "chunk_spec",
+    "contiguous_strides",
+    "manager_of",
+    "normal_dim",
+    "one_placement",
+    "partial_sum_of",
+    "spec_from_shapes",
+    "spec_of_band",
+]
+
+
+def manager_of(
+    device_mesh: Any, manager: DistributedManager | None = None, gradients: str | None = None
+) -> DistributedManager:
+    """The manager whose domain group ``device_mesh`` (a 1-D DeviceMesh, or a process group)
+    is, adopted when mpidp did not build it (:func:`mpidp.runtime.adopt.manager_for`); None:
+    ``manager`` or the default one."""
+    return manager_for(manager if device_mesh is None else device_mesh, gradients=gradients)
+
+
+def one_placement(placements: Sequence[Placement] | None, what: str, rank: int) -> Placement:
+    """The one placement of a 1-D domain mesh."""
+    if placements is None or len(placements) != 1:
+        raise ConfigError(
+            f"rank {rank}: {what}: placements={placements!r}; a ShardedTensor lives on the "
+            f"1-D domain mesh: pass one placement, e.g. [Shard(2)] or [Replicate()]"
+        )
+    p = placements[0]
+    if not isinstance(p, (Shard, Replicate, Partial)):
+        raise ConfigError(f"rank {rank}: {what}: unknown placement {p!r}")
+    return p
+
+
+def partial_sum_of(local: torch.Tensor, p: Partial, m: DistributedManager) -> torch.Tensor:
+    """The value whose summands the ranks hold (``Partial("sum")`` or ``"avg"``), on every
+    rank: one all-reduce now (gradient: the value's, whole, to every summand). Collective
+    over the domain group."""
+    t = m.transport(None, local.device)
+    op = getattr(p, "reduce_op", "sum")
+    if op not in ("sum", "avg"):
+        raise ConfigError(f"rank {m.rank}: Partial({op!r}): only sum and avg partials reduce")
+    whole = reduce_from(local, t)
+    return whole / t.size if op == "avg" else whole
+
+
+def chunk_spec(n: int, parts: int) -> ShardSpec:
+    """``torch.chunk``'s (and DTensor's) cut of ``n`` rows: ``ceil(n / parts)`` each, the
+    remainder on the last non-empty rank, empty ranks after it."""
+    size = -(-n // parts) if n else 0
+    return ShardSpec(tuple(max(0, min(size, n - i * size)) for i in range(parts)))
+
+
+def spec_of_band(
+    sharding_shapes: Any, d: int, local: torch.Tensor, m: DistributedManager, global_shape: Any
+) -> ShardSpec:
+    """The partition of the bands ``local`` along ``d`` that ``from_local`` is told, or learns
+    (:func:`spec_from_shapes`). Collective when it learns (one small all-gather)."""
+    spec = spec_from_shapes(sharding_shapes, d, m, global_shape)
+    if spec is not None:
+        return spec
+    t = m.transport(None, local.device)
+    spec = ShardSpec(tuple(row[0] for row in t.all_gather_ints([local.size(d)])))
+    if sharding_shapes == "chunk" and spec != chunk_spec(spec.total, spec.parts):
+        raise ConfigError(
+            f"rank {m.rank}: from_local(sharding_shapes='chunk'): the parts are "
+            f"{list(spec.sizes)}, not torch.chunk's cut of {spec.total}; use 'infer'"
+        )
+    return spec
+
+
+def spec_from_shapes(
+    sharding_shapes: Any, d: int, m: DistributedManager, global_shape: Any
+) -> ShardSpec | None:
+    """The partition ``from_local`` is told (``"chunk"`` with ``global_shape``, or ShardTensor's
+    ``{mesh_dim: [shape per rank]}``); None: learn it (``"infer"``, or ``"chunk"`` without a
+    global shape, which is then checked to be torch.chunk's cut)."""
+    if isinstance(sharding_shapes, dict):
+        shapes = sharding_shapes.get(0)
+        if shapes is None or len(shapes) != m.domain_world_size:
+            raise ConfigError(
+                f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass "
+                f"{{0: [shape of each of the {m.domain_world_size} ranks' parts]}}"
+            )
+        return ShardSpec(tuple(int(s[d]) for s in shapes))
+    if sharding_shapes == "chunk" and global_shape is not None:
+        return chunk_spec(int(global_shape[d]), m.domain_world_size)
+    if sharding_shapes not in ("infer", "chunk"):
+        raise ConfigError(
+            f"rank {m.rank}: from_local: sharding_shapes={sharding_shapes!r}; pass 'infer', "
+            f"'chunk' or a dict of shapes"
+        )
+    return None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def normal_dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` of ``x`` counted from 0."""
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ConfigError(f"dim {dim} is out of range for a {x.dim()}-d tensor {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: str) -> None:
+    """``spec`` has one part per domain rank and, given ``rows``, this rank's part is that
+    long."""
+    if spec.parts != m.domain_world_size:
+        raise ConfigError(
+            f"rank {m.rank}: {what}: spec {list(spec.sizes)} has {spec.parts} parts but the "
+            f"domain group has {m.domain_world_size} ranks; pass one size per rank"
+        )
+    if rows is not None and spec.sizes[m.domain_rank] != rows:
+        me, sizes = m.domain_rank, list(spec.sizes)
+        lo = sum(sizes[:me])
+        raise ConfigError(
+            f"rank {m.rank}: {what}: the band has {rows} rows but spec {sizes} "
+            f"({sum(sizes)} rows) gives domain rank {me} {sizes[me]}; fix: pass this rank rows "
+            f"{lo}..{lo + sizes[me] - 1} of the field (its band of that spec), or the spec of "
+            f"the partition this band belongs to, or none (then it is learned from the bands)"
+        )
