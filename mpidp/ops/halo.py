@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -378,10 +378,10 @@ def start_halo_exchange(
 
 def halo_exchange(
     x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int = -2,
-    spec: ShardSpec | Sequence[int] | None = None,
+    before: Widths | tuple[Widths, Widths],
+    after: Widths | tuple[Widths, Widths],
+    dim: int | tuple[int, int] = -2,
+    spec: Any = None,
     manager: DistributedManager | None = None,
     boundary: Any = "zeros",
     *,
@@ -389,6 +389,11 @@ def halo_exchange(
     roll_dim: int = -1,
 ) -> torch.Tensor:
     """This rank's band extended by ``before`` rows at its low end and ``after`` at its high end.
+
+    With two dims, ``dim=(lat, lon)``, this rank's latitude x longitude block extended along
+    both (corners and the polar fold included): :func:`mpidp.ops.block_halo.block_halo_exchange`,
+    where ``before``, ``after`` and ``boundary`` are ``(latitude, longitude)`` pairs and ``spec``
+    a :class:`~mpidp.runtime.grid.BlockSpec`.
 
     Parameters
     ----------
@@ -423,8 +428,15 @@ def halo_exchange(
     spec. Bad arguments on any rank raise the same :class:`~mpidp.CommError` (or, for widths
     the partition cannot serve, :class:`~mpidp.ConfigError`) on every rank.
     """
+    if not isinstance(dim, int):
+        from mpidp.ops.block_halo import block_halo_exchange  # it builds on this module
+
+        if group is not None:
+            raise ConfigError("halo_exchange on blocks runs over the manager's grid: pass manager")
+        return block_halo_exchange(x, before, after, dim, spec, manager, boundary)
+    b, a = cast(Widths, before), cast(Widths, after)
     return start_halo_exchange(
-        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
+        x, b, a, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
     ).wait()
 
 

@@ -13,6 +13,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
+from mpidp.ops.blocks import gather_blocks, shard_blocks
 from mpidp.ops.functions import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import Balanced, PartitionPolicy, as_sizes
@@ -52,9 +53,9 @@ def _spec_for(
 
 def shard_tensor(
     x: torch.Tensor,
-    dim: int = -2,
+    dim: int | tuple[int, int] = -2,
     manager: DistributedManager | None = None,
-    spec: Sizes | None = None,
+    spec: Any = None,
     *,
     group: Any = None,
 ) -> torch.Tensor:
@@ -64,7 +65,13 @@ def shard_tensor(
     ``x.size(dim)``. The backward all-gathers the band gradients, so a replicated ``x`` gets
     its full gradient on every rank. ``group`` (default: the domain group) may be any group
     :func:`mpidp.ops.collectives.resolve_transport` accepts.
+
+    With two dims, ``dim=(lat, lon)``, this rank's latitude x longitude block of the manager's
+    grid (:func:`mpidp.ops.blocks.shard_blocks`; ``spec`` a BlockSpec).
     """
+    if not isinstance(dim, int):
+        _no_group(group)
+        return shard_blocks(x, dim, manager, spec)
     policy, t = _domain(manager, x.device, group)
     d = dim % max(x.dim(), 1)
     sizes = _spec_for(policy, t, x.size(d), spec, dim)
@@ -73,10 +80,10 @@ def shard_tensor(
 
 def gather_tensor(
     x: torch.Tensor,
-    dim: int = -2,
+    dim: int | tuple[int, int] = -2,
     manager: DistributedManager | None = None,
     *,
-    spec: Sizes | None = None,
+    spec: Any = None,
     replicated: bool = True,
     group: Any = None,
 ) -> torch.Tensor:
@@ -87,8 +94,14 @@ def gather_tensor(
     same thing from the result; backward keeps this rank's slice): the inverse of
     :func:`shard_tensor`. ``replicated=False`` gives :func:`all_gather_v`'s partial downstream.
 
+    With two dims, ``dim=(lat, lon)``, the whole tensor from every rank's block of the
+    manager's grid (:func:`mpidp.ops.blocks.gather_blocks`; ``spec`` a BlockSpec).
+
     Collective over the domain group.
     """
+    if not isinstance(dim, int):
+        _no_group(group)
+        return gather_blocks(x, dim, manager, spec, replicated=replicated)
     _, t = _domain(manager, x.device, group)
     d = dim % max(x.dim(), 1)
     if spec is not None:
@@ -97,6 +110,14 @@ def gather_tensor(
         sizes = [int(s) for s in t.all_gather_object(x.size(d))] if t.size > 1 else [x.size(d)]
     fn = _AllGatherVReplicated if replicated else _AllGatherV
     return _call(fn, x, t, sizes, d)
+
+
+def _no_group(group: Any) -> None:
+    if group is not None:
+        raise ConfigError(
+            "blocks are cut over the manager's grid (its latitude columns and longitude rows): "
+            "pass manager=..., not group=..."
+        )
 
 
 def shard_batch(

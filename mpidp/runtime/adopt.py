@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
 from mpidp.runtime.bootstrap import LaunchInfo
+from mpidp.runtime.grid import AXES, axis_transport
 from mpidp.runtime.manager import (
     DEFAULT_TIMEOUT,
     MESH_MANAGERS,
@@ -208,6 +209,8 @@ class AdoptedManager(DistributedManager):
         """The transport over the adopted group (or the world) for tensors on ``device``:
         MPI for CPU tensors when MPI runs the job, else the group's own torch backend."""
         key = self._group_key(group)
+        if key in AXES:  # bands: the latitude column is the group, the longitude row this rank
+            return axis_transport(self, key, device)
         dev = torch.device(device) if device is not None else self.device
         if key == "world":
             if self._base is not None:

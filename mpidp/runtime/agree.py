@@ -1,5 +1,5 @@
 """What the ranks must agree on before a manager builds anything: the same arguments and
-environment everywhere, a domain size that divides the world, and checks that may fail on some
+environment everywhere (the domain grid that divides the world: mpidp.runtime.grid), and checks that may fail on some
 ranks only, turned into the same error on every rank (so that no rank waits for a peer that
 raised).
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from mpidp.errors import BackendError, ConfigError, LaunchError
 
-__all__ = ["agree", "check_layout", "same_everywhere"]
+__all__ = ["agree", "same_everywhere"]
 
 
 def same_everywhere(table: list[dict[str, Any]], rank: int) -> None:
@@ -31,22 +31,6 @@ def same_everywhere(table: list[dict[str, Any]], rank: int) -> None:
             f"initialised mpidp with different arguments or environment ({'; '.join(lines)}); "
             f"pass the same values on every rank"
         )
-
-
-def check_layout(rank: int, world_size: int, domain: int) -> int:
-    """``domain`` (domain_parallel_size), checked to be an integer >= 1 dividing the world."""
-    if not isinstance(domain, int) or isinstance(domain, bool) or domain < 1:
-        raise ConfigError(
-            f"rank {rank}: domain_parallel_size must be an integer >= 1, got {domain!r}"
-        )
-    if world_size % domain:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"rank {rank}: world size {world_size} is not divisible by "
-            f"domain_parallel_size {domain}; use one of {divisors} or launch a multiple of "
-            f"{domain} ranks"
-        )
-    return domain
 
 
 def agree(world: Any, step: Callable[..., Any], *args: Any) -> Any:

@@ -18,7 +18,7 @@ import datetime
 import gc
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any, NamedTuple
 
@@ -28,9 +28,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import BackendError, ConfigError
-from mpidp.runtime.agree import agree, check_layout, same_everywhere
+from mpidp.runtime.agree import agree, same_everywhere
 from mpidp.runtime.bootstrap import detect_launch
 from mpidp.runtime.device import BACKENDS, choose_device
+from mpidp.runtime.grid import AXES, BlockSpec, GridAxes, axis_transport, block_spec, grid_shape
 from mpidp.runtime.oversubscribed import oversubscribed_message as oversubscribed_message
 from mpidp.runtime.oversubscribed import warn_if_oversubscribed
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
@@ -70,6 +71,8 @@ class DistributedManager:
     ----------
     domain_parallel_size:
         Ranks that share one sample (P). The world must be a multiple of it; dp = world / P.
+        A pair ``(P_lat, P_lon)`` makes the domain group a grid of latitude x longitude
+        blocks (:mod:`mpidp.runtime.grid`; P = P_lat * P_lon); an int is bands, ``(P, 1)``.
     backend:
         ``"nccl"``, ``"gloo"`` or ``"mpi"``; default NCCL when CUDA is available, else gloo.
     shard_dim:
@@ -97,7 +100,7 @@ class DistributedManager:
 
     def __init__(
         self,
-        domain_parallel_size: int = 1,
+        domain_parallel_size: int | tuple[int, int] = 1,
         backend: str | None = None,
         shard_dim: int = -2,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
@@ -154,7 +157,8 @@ class DistributedManager:
         self.rank, self.world_size = info.rank, info.world_size
         self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
         self.host = info.host
-        self.domain_world_size = check_layout(self.rank, self.world_size, domain_parallel_size)
+        self._grid = grid_shape(domain_parallel_size, self.world_size, self.rank)
+        self.domain_world_size = self._grid[0] * self._grid[1]
         self.dp_world_size = self.world_size // self.domain_world_size
         self.dp_rank, self.domain_rank = divmod(self.rank, self.domain_world_size)
         first = self.dp_rank * self.domain_world_size
@@ -185,6 +189,9 @@ class DistributedManager:
         self._transports: dict[tuple[str, str], Transport] = {}
         self._on_shutdown: list[Callable[[], None]] = []  # e.g. ParallelMesh.close
         self._closed = False
+        self._grid_axes = GridAxes.build(self)
+        if self._grid_axes is not None:
+            self._on_shutdown.append(self._grid_axes.close)
         self._warn_if_oversubscribed(env)
 
     # -- construction steps -------------------------------------------------------------------
@@ -254,6 +261,19 @@ class DistributedManager:
         return self.domain_rank == self.domain_world_size - 1
 
     @property
+    def grid(self) -> tuple[int, int]:
+        """``(P_lat, P_lon)``: the domain group as a grid of blocks; bands are ``(P, 1)``."""
+        return getattr(self, "_grid", (self.domain_world_size, 1))
+
+    @property
+    def grid_coords(self) -> tuple[int, int]:
+        """``(i_lat, i_lon)``: this rank's place in the grid (domain rank = i_lat * P_lon +
+        i_lon); its latitude column is ``transport("lat")``, its longitude row
+        ``transport("lon")``."""
+        i_lat, i_lon = divmod(self.domain_rank, self.grid[1])
+        return i_lat, i_lon
+
+    @property
     def domain_mesh(self) -> DeviceMesh:
         """The 1-D device mesh of this rank's domain group."""
         return self.mesh["domain"]
@@ -280,7 +300,15 @@ class DistributedManager:
         except ConfigError as err:
             raise ConfigError(f"rank {self.rank}: {err}") from None
 
+    def block_spec(self, shape: Sequence[int], dims: Sequence[int] = (-2, -1)) -> BlockSpec:
+        """The blocks of a tensor of global ``shape``: its ``dims`` (latitude, longitude) cut
+        by this manager's policy over :attr:`grid` (bands: the longitude over one rank)."""
+        extents = [shape[d] for d in dims]
+        return block_spec(self.partition, extents, self.grid, dims, self.rank)
+
     def _group_key(self, group: Any) -> str:
+        if isinstance(group, str) and group in AXES:
+            return group
         if group is None or group == "domain" or group is self.domain_group:
             return "domain"
         if group in ("dp", "data_parallel") or group is self.data_parallel_group:
@@ -289,7 +317,7 @@ class DistributedManager:
             return "world"
         raise ConfigError(
             f"rank {self.rank}: unknown group {group!r}; pass manager.domain_group, "
-            f"manager.data_parallel_group, 'domain', 'dp' or 'world'"
+            f"manager.data_parallel_group, 'domain', 'dp', 'world', 'lat' or 'lon'"
         )
 
     def transport(self, group: Any = None, device: str | torch.device | None = None) -> Transport:
@@ -300,6 +328,8 @@ class DistributedManager:
         the job, unless ``transport`` was forced at construction.
         """
         key = self._group_key(group)
+        if key in AXES:  # the latitude column or longitude row of a grid
+            return axis_transport(self, key, device)
         dev = torch.device(device) if device is not None else self.device
         if dev.type == "meta":  # shapes only (mpidp explain): objects go through the CPU one
             from mpidp.comm.meta import MetaTransport
@@ -454,7 +484,7 @@ def _caller_level() -> int:
 
 
 def init(
-    domain_parallel_size: int = 1,
+    domain_parallel_size: int | tuple[int, int] = 1,
     backend: str | None = None,
     shard_dim: int = -2,
     timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
