@@ -240,6 +240,34 @@ def run_case(case_name, m, group=None):
     return result
 
 
+def dry_run(case_name, m, group=None):
+    """What ``mpidp plan`` (and so ``validate_sharding_constraints``, the same dry run over
+    simulated ranks) says of the case at ``m``'s domain size, as a dict: ``ok``, the problems,
+    the notes (where it could not look) and the bytes each rank sends."""
+    from mpidp.preflight.plan import plan_model
+
+    group = group or os.environ.get("ZOO_GROUP", "pnm")
+    spec, model, ins = build(__import__(f"cases_{group}").CASES[case_name], torch.float32)
+    x = ins[spec.get("shard", 0)]
+    if spec.get("shard", 0) != 0 or "call" in spec:
+        return {"ok": None, "why": "the dry run takes the sharded input first and model(*inputs)"}
+    priced = plan_model(
+        model,
+        tuple(x.shape),
+        m.domain_world_size,
+        partition=m.partition,
+        extra_inputs=ins[1:],
+        input_dim=spec["dim"] - x.dim(),
+    )
+    report = priced.report
+    return {
+        "ok": report.ok,
+        "problems": list(report.problems),
+        "notes": list(report.notes),
+        "send_bytes": [r.send_bytes for r in priced.ranks],
+    }
+
+
 if __name__ == "__main__":
     from mpi4py import MPI
 

@@ -44,6 +44,7 @@ from mpidp.preflight.validate import (
     LayerSharding,
     ShardingReport,
     _meta_inputs,
+    needs_values,
     validate_sharding_constraints,
 )
 from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
@@ -318,6 +319,9 @@ def _saved_bytes(
     try:
         with base.torch_path(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             meta(*args)
+    except Exception as err:  # what was saved up to there (the report's notes say where)
+        if not needs_values(err) and report.ok:
+            raise
     finally:
         for hook in hooks:
             hook.remove()
@@ -334,12 +338,14 @@ def plan_model(
     shard_dim: int = -2,
     extra_inputs: Sequence[Any] = (),
     progress: Callable[[str], None] | None = None,
+    input_dim: int | None = None,
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
     ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
     that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
     balanced). ``progress`` is called with the name of each of its two stages as it begins
-    (``mpidp plan`` shows them on big models). Local: no communication, no data."""
+    (``mpidp plan`` shows them on big models); ``input_dim`` as for
+    :func:`~mpidp.validate_sharding_constraints`. Local: no communication, no data."""
     policy = partition if partition is not None else Balanced()
     if progress is not None:
         progress("checking how each layer cuts")
@@ -349,6 +355,7 @@ def plan_model(
         partition=policy,
         shard_dim=shard_dim,
         example_inputs=[tuple(global_shape), *extra_inputs],
+        input_dim=input_dim,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks = []

@@ -114,6 +114,8 @@ class ShardingReport:
     problems: tuple[str, ...]
     #: every halo exchange of the model's graphs in each rank's forward (mpidp.graph)
     graph_exchanges: tuple[GraphExchange, ...] = ()
+    #: where the dry run could not look (an op that needs tensor values): not problems
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -130,6 +132,7 @@ class ShardingReport:
                 f"{_rows(layer.rows_out):<22}{halo}"
             )
         lines += [f"problem: {p}" for p in self.problems] or ["no problems"]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -195,13 +198,14 @@ def _simulated(
     partition: PartitionPolicy,
     shard_dim: int,
     exchanges: list[GraphExchange],
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """Every rank's forward of ``converted`` on meta ShardedTensors, in turn in this process
     (:func:`~mpidp.preflight.explain.simulate`, the engine of a real run): its first refusal
-    (op, module path, fix), or the error the model's own code raises; each graph's halo
-    exchanges logged in ``exchanges``."""
+    (op, module path, fix), or the error the model's own code raises, and where the run
+    stopped short (a call that needs tensor values: a note); each graph's halo exchanges
+    logged in ``exchanges``."""
     if not any(isinstance(t, torch.Tensor) and t.dim() >= 1 - shard_dim for t in inputs):
-        return []  # nothing to cut: the first check says why
+        return [], []  # nothing to cut: the first check says why
     paths: dict[int, str] = {}
 
     def make() -> nn.Module:
@@ -214,12 +218,26 @@ def _simulated(
             run = simulate(
                 make, *inputs, parts=parts, dim=shard_dim, partition=partition, bands=True
             )
+    except ConfigError as err:  # the input itself cannot be cut (the data's partition)
+        return [f"the inputs cut along dim {shard_dim} over {parts} ranks: {err}"], []
     except Exception as err:  # the model's own code fails on bands
-        return [
-            f"the model's forward fails on bands of {parts} ranks at {_where(err)}: "
-            f"{type(err).__name__}: {err}"
-        ]
-    return [run.refused] if run.refused else []
+        failed = f"the model's forward fails on bands of {parts} ranks at {_where(err)}"
+        return [f"{failed}: {type(err).__name__}: {err}"], []
+    return [run.refused] if run.refused else [], [run.stopped] if run.stopped else []
+
+
+def needs_values(err: BaseException) -> bool:
+    """Whether ``err`` is a meta run's limit, not the model's: an op that needs tensor values
+    (``.item()``, a data-dependent shape) or a tensor the model's code made on a device."""
+    text = str(err)
+    return isinstance(err, NotImplementedError) or (
+        isinstance(err, RuntimeError) and ("meta" in text or "data-dependent" in text)
+    )
+
+
+def _values(err: BaseException) -> str:
+    first = (str(err).splitlines() or [""])[0]
+    return f"it needs tensor values or devices ({type(err).__name__} at {_where(err)}: {first})"
 
 
 def _where(err: BaseException) -> str:
@@ -244,12 +262,15 @@ def validate_sharding_constraints(
     partition: PartitionPolicy | None = None,
     shard_dim: int = -2,
     example_inputs: Sequence[Any] | None = None,
+    input_dim: int | None = None,
 ) -> ShardingReport:
     """Check, by shape arithmetic, how ``model`` (serial or converted) shards an input of
     ``global_shape`` over ``parts`` domain ranks (default: the manager's domain size) cut by
     ``partition`` (default: the manager's policy). ``example_inputs`` instead: every input of a
     model whose ``forward`` takes several (tensors or shapes, global; 4-D and 5-D), also what
-    the probe of unknown modules runs on. Local: no communication, no data."""
+    the probe of unknown modules runs on. ``shard_dim`` is the layers' sharded dim (from the end
+    of 4-D/5-D activations); ``input_dim`` the inputs' when it differs (channels-last inputs,
+    as for :func:`~mpidp.convert_to_domain_parallel`). Local: no communication, no data."""
     if parts is None or partition is None:
         m = manager or get_manager()
         parts = parts if parts is not None else m.domain_world_size
@@ -273,23 +294,34 @@ def validate_sharding_constraints(
     converted = None
     try:  # what conversion would refuse (pure: nothing moves)
         converted = convert_to_domain_parallel(
-            copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs
+            copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs, input_dim=input_dim
         )
     except ConfigError as err:
         problems.append(str(err))
     exchanges: list[GraphExchange] = []
-    out_global: Any = None
+    notes: list[str] = []
+    runs = False
     with base.torch_path():
         try:
-            out_global = meta(*inputs)
-        except Exception as err:  # the serial model itself rejects the shapes
+            meta(*inputs)
+            runs = True
+        except Exception as err:
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs if isinstance(t, torch.Tensor))
-            problems.append(f"the model does not run on {shapes}: {err}")
+            if needs_values(err):  # the real run gets past it
+                runs = True
+                notes.append(f"the dry run of the model on {shapes} stops where {_values(err)}")
+            else:  # the serial model itself rejects the shapes
+                problems.append(f"the model does not run on {shapes}: {err}")
         finally:
             for hook in hooks:
                 hook.remove()
-    if out_global is not None and converted is not None:  # refusals are the same at 1 rank
-        problems += _simulated(converted, inputs, parts, partition, shard_dim, exchanges)
+    if runs and converted is not None:  # refusals are the same at 1 rank
+        if input_dim is None:  # the dim the converted model cuts its inputs along
+            band = converted.__dict__.get("_mpidp_band")
+            input_dim = band[1] if band is not None and isinstance(band[1], int) else shard_dim
+        found, stopped = _simulated(converted, inputs, parts, partition, input_dim, exchanges)
+        problems += found
+        notes += stopped
     layers = []
     for path, module, shape_in, shape_out in seen:
         dim_in, dim_out = _dims(module, shard_dim)
@@ -319,7 +351,9 @@ def validate_sharding_constraints(
                     )
                 )
                 continue
-            spec_in = partition.spec(h_in, parts)
+            # a layer's input is a length the model derived (its first layer's, the model's
+            # input, is cut by the policy itself: the simulated run checks that one)
+            spec_in = partition.derived(h_in, parts)
             spec_out = partition.derived(h_out, parts)
         except Exception as err:
             problems.append(f"{path} ({kind}): {err}")
@@ -356,4 +390,4 @@ def validate_sharding_constraints(
                 form,
             )
         )
-    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges))
+    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))

@@ -5,7 +5,8 @@ float64 1e-9 relative where the model runs in float64, float32 1e-4 otherwise.
 Each package lives in an environment of its own (bench/zoo/setup.sh); scripts/test-zoo.sh runs
 this file under ``mpiexec -n P`` in each, at P = 2 and 3. A case whose package is not installed
 skips with the reason. The cases are bench/zoo/cases_*.py (constructors, input shapes, the
-sharded dim); bench/zoo/harness.py makes the comparison.
+sharded dim); bench/zoo/harness.py makes the comparison. The dry run (``mpidp plan``, which is
+``validate_sharding_constraints`` priced) agrees: no problem in a model whose real run matches.
 """
 
 from __future__ import annotations
@@ -44,3 +45,20 @@ def test_an_unchanged_third_party_model_equals_serial(m, group, name):
         k: result.get(k)
         for k in ("status", "errors", "problems", "message", "traceback", "worst_params")
     }
+
+
+@pytest.mark.parametrize("group,name", CASES, ids=[c for _, c in CASES])
+def test_the_dry_run_agrees_with_the_real_run(m, group, name):
+    """``mpidp plan`` / ``validate_sharding_constraints`` (every rank simulated in one process,
+    issue 45) finds no problem in a model whose real run above equals serial."""
+    pytest.importorskip(PACKAGE[group], reason=f"{PACKAGE[group]} is not installed here")
+    # local and the same on every rank: rank 0 runs it (the others would repeat it on the
+    # same cores), every rank checks it
+    dry = None
+    if m.rank == 0:
+        try:
+            dry = harness.dry_run(name, m, group)
+        except Exception as err:  # every rank fails the test, none waits in the broadcast
+            dry = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    dry = MPI.COMM_WORLD.bcast(dry)
+    assert dry["ok"] is True, dry
