@@ -79,7 +79,7 @@ class Transport(abc.ABC):
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
-        #: halo fetches started over this transport (mpidp.ops.halo numbers its exchanges by it)
+        #: halo fetches started over this transport (mpidp.ops.halo_band numbers exchanges by it)
         self.fetches = 0
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ from mpidp.errors import DataError
 from mpidp.io._common import check_everywhere, describe_error
 from mpidp.io.source import FieldSource, PartInfo, ReadFailure
 from mpidp.ops.geometry import HaloSpec
-from mpidp.ops.halo import place_piece
+from mpidp.ops.halo_band import place_piece
 from mpidp.ops.halo_plan import Boundary, Piece
 from mpidp.ops.halo_plan import plan as plan_for
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized

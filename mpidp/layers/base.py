@@ -25,6 +25,7 @@ from mpidp.ops.bands import (
     torch_path,
 )
 from mpidp.ops.geometry import HaloSpec
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_spec
 
@@ -205,7 +206,10 @@ class DomainParallel:
         return self.shard_dim - 1 if self.channels_last_in else self.shard_dim
 
     def _manager(self) -> DistributedManager:
-        return bound(self.dp_manager)
+        m = bound(self.dp_manager)
+        if m._blocks:  # every layer computes on bands through here
+            raise blocks_refused(m, f"the converted layer {type(self).__name__}")
+        return m
 
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the

@@ -4,8 +4,8 @@ A rank owns rows ``[s, e)`` and columns ``[c, d)`` of an ``H x W`` field. The ex
 rows ``[s - before_lat, e + after_lat)`` by columns ``[c - before_lon, d + after_lon)`` of the
 field padded the way the serial model pads it: **latitude first** (its boundary, the polar
 fold included, on the ``W`` columns of the circle), **then longitude** on the latitude-extended
-field. Three steps, each :func:`mpidp.halo_exchange` over one axis group (multi-hop when blocks
-are thinner than the halo, as on bands):
+field. Three steps, each the 1-D range fetch of :mod:`mpidp.ops.halo_band` over one axis group
+(multi-hop when blocks are thinner than the halo, as on bands):
 
 1. *latitude*, within the latitude column: the rows beyond a pole are mirrored (``reflect`` for
    ``"polar"``, ``symmetric`` for ``"polar_half"``) but not yet rolled;
@@ -29,15 +29,13 @@ import torch
 
 from mpidp.errors import ConfigError
 from mpidp.ops.blocks import SpecLike, as_block_spec, block_dims, grid_transports
-from mpidp.ops.halo import halo_exchange
+from mpidp.ops.halo_band import Widths, band_halo_exchange
 from mpidp.ops.halo_plan import Boundary
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["block_halo_exchange", "block_boundaries"]
-
-Widths = int | Sequence[int]
 
 #: the mirror a polar kind makes before its roll
 _UNROLLED = {"polar": "reflect", "polar_half": "symmetric"}
@@ -130,11 +128,11 @@ def block_halo_exchange(
             f"odd; rows across a pole are rolled by half the circle, which needs an even size"
         )
     plain = Boundary(_UNROLLED.get(b_lat.low, b_lat.low), _UNROLLED.get(b_lat.high, b_lat.high))
-    y = halo_exchange(x, bw_lat, aw_lat, d[0], bs.lat, boundary=plain, group=t_lat)
+    y = band_halo_exchange(x, bw_lat, aw_lat, d[0], bs.lat, boundary=plain, group=t_lat)
     if b_lat.polar:
         i = t_lat.rank
         y = _fold(y, bs, d, b_lat, i, (_mine(bw_lat, i), _mine(aw_lat, i)), t_lon)
-    return halo_exchange(y, bw_lon, aw_lon, d[1], bs.lon, boundary=b_lon, group=t_lon)
+    return band_halo_exchange(y, bw_lon, aw_lon, d[1], bs.lon, boundary=b_lon, group=t_lon)
 
 
 def _fold(
@@ -159,7 +157,7 @@ def _fold(
     rows = y.size(d[0])
 
     def rolled(strip: torch.Tensor) -> torch.Tensor:
-        return halo_exchange(
+        return band_halo_exchange(
             strip, w // 2, -(w // 2), d[1], bs.lon, boundary="circular", group=t_lon
         )
 

@@ -13,6 +13,10 @@ downstream decide which adjoint is right:
 ``group`` accepts what the manager exposes: None (the default manager's domain group),
 ``"domain"``, ``"dp"``, ``"world"``, ``manager.domain_group`` / ``manager.data_parallel_group``,
 a :class:`~mpidp.DistributedManager` (its domain group) or a :class:`~mpidp.comm.Transport`.
+On a grid of blocks (``P_lon > 1``) the v-collectives, which cut or join along one dim, refuse
+the domain group when it is only implied (None or a manager): a :class:`~mpidp.ConfigError` on
+every rank, since the ranks are no bands; pass the group, e.g. ``manager.transport("lat")``.
+The reductions (``all_reduce``, ``reduce_from``, ``copy_to``) are the same on bands and blocks.
 The transport follows the manager's rule: MPI for CPU tensors when MPI runs the job,
 torch.distributed otherwise.
 
@@ -51,6 +55,7 @@ from mpidp.ops.functions import (
     _ReduceScatterV,
     _ScatterV,
     _shape_facts,
+    band_transport,
     debug_enabled,
     resolve_transport,
 )
@@ -126,7 +131,7 @@ def _gather_to_all(
     group: Any,
     debug: bool | None,
 ) -> torch.Tensor:
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, name)
     sz = as_sizes(sizes)
     if debug_enabled(debug):
         _check_agreement(
@@ -157,7 +162,7 @@ def reduce_scatter_v(
     """
     if op not in ("sum", "avg"):
         raise NotImplementedError(f"reduce_scatter_v with op={op!r} has no adjoint; use sum/avg")
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, "reduce_scatter_v")
     sz = as_sizes(sizes)
     if debug_enabled(debug):
         _check_agreement(
@@ -190,7 +195,7 @@ def scatter_v(
     Collective over ``group``.
     """
     device = tensor.device if tensor is not None else None
-    t = resolve_transport(group, device)
+    t = band_transport(group, device, "scatter_v")
     sz = as_sizes(sizes)
     src_tensor = tensor if t.rank == src else None
     problems = []
@@ -255,7 +260,7 @@ def gather_v(
 
     Collective over ``group``.
     """
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, "gather_v")
     sz = as_sizes(sizes)
     if debug_enabled(debug):
         _check_agreement(
@@ -289,7 +294,7 @@ def all_to_all_v(
 
     Collective over ``group``.
     """
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, "all_to_all_v")
     ss, cs = as_sizes(split_sizes), as_sizes(cat_sizes)
     sd = _ndim_dim(tensor, split_dim)
     cd = sd if cat_dim is None else _ndim_dim(tensor, cat_dim)
@@ -340,7 +345,7 @@ def indexed_all_to_all_v(
 
     Collective over ``group``.
     """
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, "indexed_all_to_all_v")
     if len(indices) != t.size:
         raise CommError(
             f"{t._where()}: expecting {t.size} index tensors, one per rank, got {len(indices)}"
@@ -381,7 +386,7 @@ def repartition(
     through the transport. Sharded in, sharded out; the backward is the reverse move.
 
     Collective over ``group`` (every rank calls it, even when nothing moves on it)."""
-    t = resolve_transport(group, tensor.device)
+    t = band_transport(group, tensor.device, "repartition")
     old, new = ShardSpec.from_sizes(as_sizes(sizes)), ShardSpec.from_sizes(as_sizes(new_sizes))
     if old.total != new.total or old.parts != t.size or new.parts != t.size:
         raise CommError(
@@ -453,7 +458,7 @@ def fetch_global_rows(
     rank (each rank computes it from the spec), so one ``all_to_all_v`` moves exactly the
     rows asked for, and none when every rank asks for its own. The backward is the reverse
     exchange and an index-add. Collective over ``group``."""
-    t = resolve_transport(group, local.device)
+    t = band_transport(group, local.device, "fetch_global_rows")
     me, p = t.rank, t.size
     bad = [(q, a, b) for q in range(p) for a, b in wanted[q] if not 0 <= a <= b <= spec.total]
     if bad:

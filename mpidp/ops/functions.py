@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mpidp.comm import Transport
 from mpidp.errors import CommError
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import ShardSpec
 
@@ -36,6 +37,21 @@ def resolve_transport(group: Any = None, device: torch.device | str | None = Non
 
         return manager_for(group).transport(None, device)
     return get_manager().transport(group, device)
+
+
+def band_transport(group: Any, device: torch.device | str | None, op: str) -> Transport:
+    """:func:`resolve_transport` for a primitive that cuts or joins along one dim (``op``):
+    ``group`` None or a manager names the domain group, whose ranks are bands only while the
+    grid does not cut the longitude; on blocks it raises :func:`blocks_refused` (a group
+    passed explicitly, such as an axis transport of the grid, is used as it is)."""
+    if isinstance(group, Transport):
+        return group
+    if group is None or isinstance(group, DistributedManager):
+        m = get_manager() if group is None else group
+        if m._blocks:
+            raise blocks_refused(m, f"{op} over the domain group")
+        return m.transport(None, device)
+    return resolve_transport(group, device)
 
 
 def _knows(group: Any) -> bool:

@@ -1,41 +1,26 @@
-"""Halo exchange as a range fetch: each rank's band, extended by rows that other ranks own.
+"""Halo exchange, the public entry: each rank's band (one dim) or block (two dims), extended by
+rows and columns that other ranks own.
 
-Rank r owns global rows ``[s, e)`` of a field of ``H`` rows (a :class:`~mpidp.ShardSpec`).
-``halo_exchange(x, before, after)`` returns global rows ``[s - before, e + after)``, taken from
-whichever ranks own them, several ranks away when shards are thinner than the halo. Negative
-widths trim. Rows outside ``[0, H)`` are filled by the boundary rule of the serial layer
-(:class:`Boundary`). Widths are one int for every rank, or one entry per rank.
-
-Data moves point to point only: every rank computes the same plan from global facts (sizes,
-widths, boundary; :mod:`mpidp.ops.halo_plan`), so each message has a sender and a receiver that
-agree on it without any negotiation. The backward is the exact adjoint, *halo accumulate*:
-every halo row's gradient goes back to the rank that owns the row and is added there (through
-the boundary's mirror and roll, and summed over replicated rows). Fetch and accumulate are
-each other's backward, so double backward works.
-
-Nothing here names an axis: ``dim`` is the sharded dimension and, for the polar boundary,
-``roll_dim`` the one rolled by half its size.
+:func:`halo_exchange` with one ``dim`` is the range fetch of :mod:`mpidp.ops.halo_band` (the
+engine: plan, autograd Functions, :func:`start_halo_exchange`, :class:`PendingHalo`,
+:func:`halo_strips`, re-exported here); with two dims ``(lat, lon)`` it is the block exchange of
+:mod:`mpidp.ops.block_halo`, built on that engine. :class:`HaloExchange` is its module form.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 
-from mpidp.comm import PendingExchange, Transport
-from mpidp.errors import CommError, ConfigError
-from mpidp.ops.collectives import resolve_transport
-from mpidp.ops.functions import _call
+from mpidp.errors import ConfigError
+from mpidp.ops.block_halo import block_halo_exchange
 from mpidp.ops.geometry import HaloSpec
-from mpidp.ops.halo_plan import BOUNDARY_KINDS, Boundary, Layout, Piece, Plan
-from mpidp.ops.halo_plan import layout as layout_for
-from mpidp.ops.halo_plan import plan as plan_for
+from mpidp.ops.halo_band import PendingHalo, Widths, halo_strips, start_halo_exchange
+from mpidp.ops.halo_plan import BOUNDARY_KINDS, Boundary
 from mpidp.runtime.manager import DistributedManager
-from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "BOUNDARY_KINDS",
@@ -46,334 +31,6 @@ __all__ = [
     "halo_strips",
     "start_halo_exchange",
 ]
-
-Widths = int | Sequence[int]
-
-
-def place_piece(
-    out: torch.Tensor, src: torch.Tensor, p: Piece, dim: int, roll_dim: int, half: int
-) -> None:
-    """Copy ``src`` (the piece's source rows) to rows ``[p.at, p.at + p.span)`` of ``out``
-    along ``dim``: flipped, rolled by ``half`` along ``roll_dim``, or one row repeated, as the
-    piece says. Local."""
-    v = src.flip(dim) if p.flip else src
-    dst = out.narrow(dim, p.at, p.span)
-    if p.roll:  # the roll as two copies into place (torch.roll would copy once more)
-        w = v.size(roll_dim)
-        dst.narrow(roll_dim, half, w - half).copy_(v.narrow(roll_dim, 0, w - half))
-        dst.narrow(roll_dim, 0, half).copy_(v.narrow(roll_dim, w - half, half))
-        return
-    dst.copy_(
-        v.expand(tuple(p.repeat if i == dim % v.dim() else s for i, s in enumerate(v.shape)))
-        if p.repeat
-        else v
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Op:
-    """A resolved exchange: transport, plan, output layout, dims."""
-
-    t: Transport
-    plan: Plan
-    layout: Layout
-    dim: int
-    roll_dim: int
-    half: int  # roll by this many entries along roll_dim (polar)
-
-    def rows(self, shape: torch.Size, n: int) -> tuple[int, ...]:
-        return tuple(n if i == self.dim else s for i, s in enumerate(shape))
-
-    def place(self, out: torch.Tensor, src: torch.Tensor, p: Piece) -> None:
-        place_piece(out, src, p, self.dim, self.roll_dim, self.half)
-
-    def unplace(self, g: torch.Tensor, p: Piece) -> torch.Tensor:
-        """Adjoint of :meth:`place`: the gradient of the piece's source rows."""
-        v = g.narrow(self.dim, p.at, p.span)
-        if p.repeat:
-            v = v.sum(self.dim, keepdim=True)
-        if p.roll:
-            v = v.roll(-self.half, self.roll_dim)
-        return v.flip(self.dim) if p.flip else v
-
-
-_Started = tuple[PendingExchange, list[torch.Tensor], list[torch.Tensor], int]
-
-
-def _start_fetch(op: _Op, x: torch.Tensor) -> _Started:
-    """Allocate the outputs, post the messages (each received in place where it can be).
-
-    Every rank of the group starts the same fetches in the same order, so the count of them
-    names each one alike on every rank: its messages carry 2 x that count in their tags, the
-    backward's (:func:`_accumulate`) one more. A rank that skipped a backward its peer runs
-    never feeds the peer another exchange's rows, and the two waits are told apart (and the
-    job ended at once) by :mod:`mpidp.comm.alarm`."""
-    op.t.fetches += 1
-    number = 2 * op.t.fetches
-    plan, lay = op.plan, op.layout
-    outs = [op.t.scratch(op.rows(x.shape, n), x.dtype, x.device) for n in lay.rows]
-    bufs = [
-        outs[d[0]].narrow(op.dim, d[1], hi - lo)
-        if d is not None
-        else op.t.scratch(op.rows(x.shape, hi - lo), x.dtype, x.device)
-        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
-    ]
-    sends = [(peer, x.narrow(op.dim, lo, hi - lo)) for peer, lo, hi in plan.send]
-    recvs = [(peer, buf) for (peer, _, _), buf in zip(plan.recv, bufs, strict=True)]
-    return op.t.start_exchange(sends, recvs, number), bufs, outs, number
-
-
-def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> list[torch.Tensor]:
-    pending, bufs, outs, _ = started
-    lay = op.layout
-    for i, at, n in lay.zeros:
-        outs[i].narrow(op.dim, at, n).zero_()
-    for i, p in lay.local:  # the band itself: copied while the messages travel
-        op.place(outs[i], x.narrow(op.dim, p.lo, p.rows), p)
-    pending.wait()
-    for m, i, p in lay.arrive:
-        op.place(outs[i], bufs[m].narrow(op.dim, p.lo - op.plan.recv[m][1], p.rows), p)
-    return outs
-
-
-def _accumulate(
-    op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size, number: int = 0
-) -> torch.Tensor:
-    plan, lay, g0 = op.plan, op.layout, gs[0]
-    back = [
-        gs[d[0]].narrow(op.dim, d[1], hi - lo)  # a plain piece: its gradient as it is
-        if d is not None
-        else g0.new_zeros(op.rows(g0.shape, hi - lo))
-        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
-    ]
-    for m, i, p in lay.arrive:
-        back[m].narrow(op.dim, p.lo - plan.recv[m][1], p.rows).add_(op.unplace(gs[i], p))
-    bufs = [g0.new_empty(op.rows(g0.shape, hi - lo)) for _, lo, hi in plan.send]
-    pending = op.t.start_exchange(
-        [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
-        [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
-        number + 1 if number else 0,
-    )
-    n = x_shape[op.dim]
-    local = list(lay.local)
-    band = next((k for k, (_, p) in enumerate(local) if _is_band(p, n)), None)
-    if band is not None:  # the band's own gradient, copied once instead of zeros + add
-        i, p = local.pop(band)
-        out = op.unplace(gs[i], p).clone(memory_format=torch.contiguous_format)
-    else:
-        out = g0.new_zeros(op.rows(g0.shape, n))
-    for i, p in local:
-        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
-    pending.wait()
-    for (_, lo, hi), buf in zip(plan.send, bufs, strict=True):
-        out.narrow(op.dim, lo, hi - lo).add_(buf)
-    return out
-
-
-def _is_band(p: Piece, n: int) -> bool:
-    """A piece that is this rank's whole band, as it is."""
-    return p.lo == 0 and p.hi == n and not (p.flip or p.roll or p.repeat)
-
-
-def _one_or_tuple(outs: list[torch.Tensor]) -> Any:
-    return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-class _HaloFetch(torch.autograd.Function):
-    """The extended band (or its strips); backward is halo accumulate (gradients added where
-    the rows live)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, op: _Op, started: _Started | None) -> Any:
-        started = started if started is not None else _start_fetch(op, x)
-        ctx.op, ctx.x_shape, ctx.number = op, x.shape, started[3]
-        return _one_or_tuple(_finish_fetch(op, x, started))
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor) -> Any:
-        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, ctx.number, *gs), None, None
-
-
-class _HaloAccumulate(torch.autograd.Function):
-    """Adjoint of the fetch: every fetched row's value added to the row it came from."""
-
-    @staticmethod
-    def forward(ctx: Any, op: _Op, x_shape: torch.Size, number: int, *gs: torch.Tensor) -> Any:
-        ctx.op = op
-        return _accumulate(op, gs, x_shape, number)
-
-    @staticmethod
-    def backward(ctx: Any, gg: torch.Tensor) -> Any:
-        outs = _HaloFetch.apply(gg, ctx.op, None)
-        return None, None, None, *(outs if isinstance(outs, tuple) else (outs,))
-
-
-# -- arguments: checked on every rank, agreed in one small all-gather -----------------------
-
-
-def _widths(w: Widths, p: int, what: str, problems: list[str]) -> tuple[int, ...]:
-    try:
-        return (operator.index(w),) * p  # type: ignore[arg-type]
-    except TypeError:
-        pass
-    try:
-        out = tuple(int(v) for v in w)  # type: ignore[union-attr]
-    except TypeError:
-        problems.append(f"{what}={w!r} is neither an int nor one int per rank")
-        return (0,) * p
-    if len(out) != p:
-        problems.append(f"{what} has {len(out)} entries {list(out)}, expecting one per rank ({p})")
-        return (0,) * p
-    return out
-
-
-def _local_problems(
-    x: torch.Tensor, dim: int, spec: ShardSpec | None, b: Boundary, t: Transport
-) -> tuple[list[str], int, int]:
-    problems = []
-    nd = x.dim()
-    d = dim % nd if -nd <= dim < nd else None
-    if d is None:
-        problems.append(f"dim {dim} is out of range for shape {tuple(x.shape)}")
-    if spec is not None and d is not None:
-        if spec.parts != t.size:
-            problems.append(f"spec {spec} has {spec.parts} shards for a group of {t.size} ranks")
-        elif x.size(d) != spec.sizes[t.rank]:
-            problems.append(
-                f"tensor of shape {tuple(x.shape)} has {x.size(d)} rows along dim {d} but the "
-                f"spec gives this rank {spec.sizes[t.rank]} ({spec})"
-            )
-    rd = b.roll_dim % nd if -nd <= b.roll_dim < nd else None
-    if b.polar:
-        if rd is None or rd == d:
-            problems.append(
-                f"polar boundary: roll_dim {b.roll_dim} must be a dim of shape {tuple(x.shape)} "
-                f"other than the sharded dim {dim}"
-            )
-        elif x.size(rd) % 2:
-            problems.append(
-                f"polar boundary: the extent along roll_dim {rd} is {x.size(rd)}, odd; rows "
-                f"across a pole are rolled by half the circle, which needs an even size"
-            )
-    return problems, (d if d is not None else 0), (rd if rd is not None else 0)
-
-
-_FACTS = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
-
-
-def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) -> list[int]:
-    """Every rank's local size; raises one CommError on every rank when any rank found a
-    problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
-    table, lines = t.agree(problems, dict(zip(_FACTS, facts, strict=True)), [n])
-    if not lines:
-        return [row[0] for row in table]
-    raise CommError(
-        f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
-        + "\n  ".join(lines)
-        + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
-        "extent along dim is its own shard size"
-    )
-
-
-def _resolve(
-    x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int,
-    spec: ShardSpec | Sequence[int] | None,
-    manager: DistributedManager | None,
-    boundary: Any,
-    group: Any,
-    roll_dim: int,
-    strips: bool = False,
-) -> _Op:
-    t = resolve_transport(group if group is not None else manager, x.device)
-    if spec is not None and not isinstance(spec, ShardSpec):
-        spec = ShardSpec.from_sizes(spec)
-    b = Boundary.of(boundary, roll_dim)
-    problems, d, rd = _local_problems(x, dim, spec, b, t)
-    bw = _widths(before, t.size, "before", problems)
-    aw = _widths(after, t.size, "after", problems)
-    grad = torch.is_grad_enabled() and x.requires_grad
-    others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
-    if spec is not None and not problems and known_for(x, d) == spec:
-        # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
-        # (kept on the real transport: a counting wrapper around it shares what was agreed)
-        agreed = getattr(t, "inner", t).__dict__.setdefault("_halo_agreed", set())
-        if facts not in agreed:
-            _agree(t, x.size(d), problems, facts)
-            if len(agreed) > 4096:
-                agreed.clear()
-            agreed.add(facts)
-        sizes = list(spec.sizes)
-    else:
-        sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
-    plan = plan_for(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
-    if not strips:
-        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
-    elif min(bw + aw) < 0:
-        raise ConfigError(
-            f"halo strips need widths >= 0 on every rank, got before={bw}, after={aw}; use "
-            f"halo_exchange for widths that trim"
-        )
-    else:
-        me = t.rank
-        windows = ((0, bw[me]), (plan.length - aw[me], aw[me]))
-    layout = layout_for(plan, windows)
-    return _Op(t, plan, layout, d, rd, x.size(rd) // 2 if b.polar else 0)
-
-
-# -- public API -----------------------------------------------------------------------------
-
-
-class PendingHalo:
-    """A halo exchange in flight (:func:`start_halo_exchange`): compute, then :meth:`wait`.
-
-    The messages are posted when this object is made. Until :meth:`wait` the input tensor must
-    not be modified in place. Every rank must start its exchanges in the same order (messages
-    between two ranks match in posting order) and call :meth:`wait` on each, in any order.
-    """
-
-    def __init__(self, x: torch.Tensor, op: _Op) -> None:
-        self._x, self._op = x, op
-        self._started: _Started | None = _start_fetch(op, x)
-
-    @property
-    def length(self) -> int:
-        """Rows of the extended band along the sharded dim."""
-        return self._op.plan.length
-
-    def wait(self) -> Any:
-        """The extended band, or the ``(low, high)`` strips when started with ``strips=True``
-        (differentiable, as :func:`halo_exchange`). Call once."""
-        if self._started is None:
-            raise CommError("PendingHalo.wait() was already called; it returns the band once")
-        started, self._started = self._started, None
-        return _call(_HaloFetch, self._x, self._op, started)
-
-
-def start_halo_exchange(
-    x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int = -2,
-    spec: ShardSpec | Sequence[int] | None = None,
-    manager: DistributedManager | None = None,
-    boundary: Any = "zeros",
-    *,
-    group: Any = None,
-    roll_dim: int = -1,
-    strips: bool = False,
-) -> PendingHalo:
-    """:func:`halo_exchange` (or with ``strips=True`` :func:`halo_strips`) in two halves: post
-    the messages now, ``.wait()`` for the result.
-
-    Between the two the caller computes what needs no halo (a convolution's interior rows).
-    The checks and the agreement all-gather happen here, before anything is posted.
-    """
-    op = _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim, strips)
-    return PendingHalo(x, op)
 
 
 def halo_exchange(
@@ -429,8 +86,6 @@ def halo_exchange(
     the partition cannot serve, :class:`~mpidp.ConfigError`) on every rank.
     """
     if not isinstance(dim, int):
-        from mpidp.ops.block_halo import block_halo_exchange  # it builds on this module
-
         if group is not None:
             raise ConfigError("halo_exchange on blocks runs over the manager's grid: pass manager")
         return block_halo_exchange(x, before, after, dim, spec, manager, boundary)
@@ -438,32 +93,6 @@ def halo_exchange(
     return start_halo_exchange(
         x, b, a, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
     ).wait()
-
-
-def halo_strips(
-    x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int = -2,
-    spec: ShardSpec | Sequence[int] | None = None,
-    manager: DistributedManager | None = None,
-    boundary: Any = "zeros",
-    *,
-    group: Any = None,
-    roll_dim: int = -1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the rows :func:`halo_exchange` would add: ``(low, high)``, global rows
-    ``[start - before, start)`` and ``[stop, stop + after)``, without copying the band itself.
-
-    For layers that compute their interior from the band directly and only the edge rows from
-    the strips (the band copy costs far more than the exchange on large fields). Widths must be
-    >= 0. Same arguments, errors and adjoint as :func:`halo_exchange`; collective likewise.
-    """
-    pending = start_halo_exchange(
-        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim, strips=True
-    )
-    low, high = pending.wait()
-    return low, high
 
 
 class HaloExchange(torch.nn.Module):

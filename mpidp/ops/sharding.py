@@ -15,6 +15,7 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.ops.blocks import gather_blocks, shard_blocks
 from mpidp.ops.functions import Sizes, _AllGatherV, _AllGatherVReplicated, _call, _Shard
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import Balanced, PartitionPolicy, as_sizes
 
@@ -33,6 +34,8 @@ def _domain(
     m = manager if manager is not None else get_manager()
     if isinstance(group, Transport):
         return m.partition, group
+    if group is None and m._blocks:
+        raise blocks_refused(m, "shard_tensor / gather_tensor with one dim over the domain group")
     return m.partition, m.transport(m.domain_group if group is None else group, device)
 
 

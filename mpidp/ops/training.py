@@ -21,6 +21,7 @@ from mpidp.errors import CommError, ConfigError
 from mpidp.ops.bands import learn_spec
 from mpidp.ops.collectives import reduce_from
 from mpidp.runtime import rng
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec
 
@@ -155,14 +156,15 @@ def latitude_weights(
         lat_t = torch.as_tensor(lat, dtype=torch.float64).flatten()
     w = torch.cos(torch.deg2rad(lat_t)).clamp(min=0.0)
     w = w / w.mean()
-    if spec is None:
-        m = manager or get_manager()
-        spec = m.spec(w.numel())
-        rank = m.domain_rank
+    spec = spec if spec is None or isinstance(spec, ShardSpec) else ShardSpec.from_sizes(spec)
+    if spec is not None and spec.parts == 1:  # the whole column (a ShardedTensor loss cuts it)
+        rank = 0
     else:
-        spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_sizes(spec)
-        # one part: the whole column (a ShardedTensor loss cuts it to the bands itself)
-        rank = 0 if spec.parts == 1 else (manager or get_manager()).domain_rank
+        m = manager or get_manager()
+        if m._blocks:  # the rows of a block are its latitude column's cut, not the domain's
+            raise blocks_refused(m, "latitude_weights of this rank's rows")
+        spec = m.spec(w.numel()) if spec is None else spec
+        rank = m.domain_rank
     if spec.total != w.numel():
         raise ConfigError(
             f"latitude_weights: {w.numel()} latitudes but the partition covers {spec.total} rows"
@@ -332,6 +334,8 @@ def mean_share(
     m = manager or get_manager()
     if m.domain_world_size == 1:
         return band
+    if m._blocks:
+        raise blocks_refused(m, "mean_share")
     d = dim % band.dim()
     spec = learn_spec(band, d, m.transport(None, band.device))
     if spec.total == 0:

@@ -1,7 +1,7 @@
 """What the ranks must agree on before a manager builds anything: the same arguments and
-environment everywhere (the domain grid that divides the world: mpidp.runtime.grid), and checks that may fail on some
-ranks only, turned into the same error on every rank (so that no rank waits for a peer that
-raised).
+environment everywhere (the domain grid that divides the world: mpidp.runtime.grid), and checks
+that may fail on some ranks only, turned into the same error on every rank (so that no rank
+waits for a peer that raised).
 
 Collective over the world where MPI spans the job (one ``allgather`` a check).
 """

@@ -35,7 +35,15 @@ from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 if TYPE_CHECKING:
     from mpidp.runtime.manager import DistributedManager
 
-__all__ = ["AXES", "BlockSpec", "GridAxes", "axis_transport", "block_spec", "grid_shape"]
+__all__ = [
+    "AXES",
+    "BlockSpec",
+    "GridAxes",
+    "axis_transport",
+    "block_spec",
+    "blocks_refused",
+    "grid_shape",
+]
 
 #: the axis groups of a grid, as ``group=`` names them
 AXES = ("lat", "lon")
@@ -83,6 +91,25 @@ def grid_shape(domain: Any, world_size: int, rank: int) -> tuple[int, int]:
             f"{p_lat * p_lon} ranks"
         )
     return p_lat, p_lon
+
+
+def blocks_refused(m: DistributedManager, what: str) -> ConfigError:
+    """The error for band code (``what``) met with a manager whose grid cuts the longitude
+    (``P_lon > 1``): it would take each rank's block for a band and compute a wrong result.
+
+    Raised by the entry points of band code (converted layers and models, ShardedTensors, the
+    1-D halo exchange and the v-collectives over the domain group) on every rank alike, before
+    any message: every rank's manager has the same grid. Local."""
+    p_lat, p_lon = m.grid
+    return ConfigError(
+        f"rank {m.rank}: {what} works on bands, but the domain group is the grid "
+        f"({p_lat}, {p_lon}) of latitude x longitude blocks: it would take each rank's block "
+        f"for a band and give a wrong result. On blocks so far: halo_exchange(x, ..., "
+        f"dim=(-2, -1)), shard_tensor / gather_tensor(x, dim=(-2, -1)) and "
+        f"manager.block_spec(shape). fix: mpidp.init(domain_parallel_size={p_lat * p_lon}) for "
+        f"bands, or for a 1-D collective along one axis pass its group: "
+        f"group=manager.transport('lat') or group=manager.transport('lon')"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

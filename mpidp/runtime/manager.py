@@ -97,6 +97,8 @@ class DistributedManager:
     #: the gradient convention of plain tensors used on bands (mpidp.runtime.adopt): this rank's
     #: share
     gradients = "shares"
+    #: the grid cuts the longitude (P_lon > 1): band code refuses (runtime.grid.blocks_refused)
+    _blocks = False
 
     def __init__(
         self,
@@ -159,6 +161,7 @@ class DistributedManager:
         self.host = info.host
         self._grid = grid_shape(domain_parallel_size, self.world_size, self.rank)
         self.domain_world_size = self._grid[0] * self._grid[1]
+        self._blocks = self._grid[1] > 1
         self.dp_world_size = self.world_size // self.domain_world_size
         self.dp_rank, self.domain_rank = divmod(self.rank, self.domain_world_size)
         first = self.dp_rank * self.domain_world_size

@@ -30,6 +30,7 @@ from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_for
 from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
@@ -258,6 +259,8 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             calls.append(None)
             return None
         m = bound(manager)
+        if m._blocks:  # before any message: its plain inputs would be taken for bands
+            raise blocks_refused(m, f"the converted model {type(module).__name__}")
         if m.domain_world_size > 1 and module.training and rng.draws(module):
             _check_rng(m, args, kwargs)
         args, kwargs = _wrap_bands(args, kwargs, dim, m)

@@ -38,6 +38,7 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.ops.functions import _call, _Shard
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded import layout as pl
@@ -118,6 +119,8 @@ class ShardedTensor(torch.Tensor):
         manager: DistributedManager,
         blocks: int = 1,
     ) -> ShardedTensor:
+        if manager._blocks:  # every ShardedTensor is made here: mpidp.shard, from_local, ...
+            raise blocks_refused(manager, "a ShardedTensor (mpidp.shard, from_local)")
         shape = list(local.shape)
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(

@@ -381,3 +381,95 @@ def test_halo_refusals(gm):
         mpidp.halo_exchange(x, 1, 1, (-2, -1), manager=gm, boundary=("zeros", "polar"))
     with pytest.raises(ConfigError, match=r"pass two distinct dims"):
         mpidp.halo_exchange(x, 1, 1, (-1, 3), manager=gm)
+
+
+# -- band code refuses a grid that cuts the longitude --------------------------------------------
+
+
+def _refusal(call):
+    """The ConfigError message ``call`` raised on this rank, or None."""
+    try:
+        call()
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def _band_calls(m):
+    """Each entry point where band code meets the manager: a converted layer and model, a
+    ShardedTensor, the 1-D halo exchange and a v-collective over the domain group, and what each
+    must name."""
+    p = m.domain_world_size
+    x = rand((1, 2, 8, 12), 11)
+    conv = torch.nn.Conv2d(2, 2, 3, padding=1).double()
+    conv = mpidp.convert_to_domain_parallel(conv, manager=m)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.ReLU()).double()
+    model = mpidp.convert_to_domain_parallel(model, manager=m)
+    return {
+        "converted conv": (lambda: conv(x), "the converted layer DomainParallelConv2d"),
+        "converted model": (lambda: model(x), "the converted model Sequential"),
+        "mpidp.shard": (lambda: mpidp.shard(x, -2, manager=m), "a ShardedTensor"),
+        "1-D halo": (
+            lambda: mpidp.halo_exchange(x, 1, 1, -2, manager=m),
+            "halo_exchange with one dim over the domain group",
+        ),
+        "all_gather_v": (
+            lambda: mpidp.all_gather_v(x, [8] * p, -2, group=m),
+            "all_gather_v over the domain group",
+        ),
+        "shard_tensor": (
+            lambda: mpidp.shard_tensor(x.repeat(1, 1, p, 1), -2, manager=m),
+            "shard_tensor / gather_tensor with one dim",
+        ),
+    }
+
+
+def test_band_code_refuses_blocks(gm):
+    """On a grid with P_lon > 1 every band entry point raises the same ConfigError on every
+    rank before any message (no hang), naming the rank, the grid, what works on blocks and the
+    fix; on bands (P_lon = 1) none refuses."""
+    calls = _band_calls(gm)
+    got = {name: _refusal(call) for name, (call, _) in calls.items()}
+    p_lat, p_lon = gm.grid
+    if p_lon == 1:
+        checks = [(f"{name} refused on bands: {msg}", msg is None) for name, msg in got.items()]
+    else:
+        must = [
+            f"rank {gm.rank}: ",
+            f"grid ({p_lat}, {p_lon})",
+            "halo_exchange(x, ..., dim=(-2, -1))",
+            "gather_tensor(x, dim=(-2, -1))",
+            "manager.block_spec(shape)",
+            f"domain_parallel_size={p_lat * p_lon}",
+            "group=manager.transport('lat') or group=manager.transport('lon')",
+        ]
+        checks = [
+            (f"{name}: {msg}", msg is not None and all(s in msg for s in [what, *must]))
+            for (name, msg), (_, what) in zip(got.items(), calls.values(), strict=True)
+        ]
+    verdicts = MPI.COMM_WORLD.allgather(failed(checks))
+    assert not any(verdicts), verdicts
+
+
+def test_axis_groups_pass_the_guard(gm):
+    """The 1-D primitives over an axis group of the grid (what the block code runs on) and the
+    reductions over the domain group (the same on bands and blocks) are not refused."""
+    full = rand((2, 8, 12), 12)
+    bs = gm.block_spec(full.shape)
+    rs, cs = bs.block(gm.domain_rank)
+    block = full[..., rs, cs]
+    lat, lon = gm.transport("lat"), gm.transport("lon")
+    rows = mpidp.all_gather_v(block, list(bs.lat.sizes), -2, group=lat)
+    halo = mpidp.halo_exchange(block, 1, 1, -1, bs.lon, boundary="circular", group=lon)
+    whole = torch.nn.functional.pad(full[..., rs, :], (1, 1), mode="circular")
+    c0, c1 = cs.start, cs.stop + 2
+    total = mpidp.global_sum(block, manager=gm)
+    mean = mpidp.global_mean(block, manager=gm)
+    checks = [
+        ("all_gather_v over lat", torch.equal(rows, full[..., :, cs])),
+        ("halo over lon", torch.equal(halo, whole[..., c0:c1])),
+        ("global_sum", close(total, full.sum(), 1e-12)),
+        ("global_mean", close(mean, full.mean(), 1e-12)),
+    ]
+    verdicts = MPI.COMM_WORLD.allgather(failed(checks))
+    assert not any(verdicts), verdicts
