@@ -3,8 +3,8 @@ price a model's cut per rank before submitting, trace it op by op, write the sam
 
 Run info under the launcher of the job to check, e.g. mpiexec -n 4 mpidp info -d 2: rank 0
 prints one table (or, with --json, one JSON document) describing every rank. plan needs no
-MPI and no data; explain starts its own ranks when no launcher did. python -m mpidp is the
-same command. mpidp SUBCOMMAND --help describes each.
+MPI and no data; neither does explain, which simulates its ranks when no launcher started
+them. python -m mpidp is the same command. mpidp SUBCOMMAND --help describes each.
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ _EXPLAIN = """Run a model's forward once on meta tensors cut over N domain ranks
 module path, each op's result layout and the bytes it sends, and the first op mpidp would
 refuse, with its fix.
 
-Without a launcher it starts its N ranks with the mpiexec next to this Python (or on PATH);
-under a launcher it uses the job's ranks. Rank 0 prints. Exits 1 when an op is refused.
+Without a launcher it simulates its N ranks in turn in this one process (no MPI needed: each
+rank's forward on its meta band, collectives answering with shapes; the same table a job of N
+ranks prints); under a launcher it uses the job's ranks and rank 0 prints. Exits 1 when an op
+is refused.
 """
 _SAMPLE = """Write the built-in synthetic ERA5-like data set to PATH (HDF5 that netCDF-4 reads,
 with --format zarr a Zarr store in xarray's layout, with --format anemoi one in anemoi-datasets'
@@ -270,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "explain":
-        return _explain(args, list(argv) if argv is not None else sys.argv[1:])
+        return _explain(args)
     if args.command == "sample-data":
         return _sample_data(args) if first_rank() else 0
     if args.command == "plan":
@@ -357,14 +359,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 1 if result.report.problems else 0
 
 
-def _explain(args: argparse.Namespace, argv: list[str]) -> int:
-    import os
-    import shutil
-    import subprocess
-
+def _explain(args: argparse.Namespace) -> int:
     import torch
 
     from mpidp.errors import MpidpError
+    from mpidp.preflight.explain import explain, simulate
+    from mpidp.preflight.plan import build_model
     from mpidp.runtime.manager import DistributedManager
 
     try:
@@ -378,27 +378,24 @@ def _explain(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    world = DistributedManager.world_from_launcher()
-    if world == 1 and args.ranks > 1:  # start the ranks: this environment's MPI, or PATH's
-        here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        mpiexec = here if os.path.exists(here) else shutil.which("mpiexec")
-        if mpiexec is None:
-            print(
-                "mpidp explain: no mpiexec next to this Python or on PATH; run it under "
-                f"your launcher: mpiexec -n {args.ranks} mpidp explain ...",
-                file=sys.stderr,
-            )
-            return 2
-        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "mpi4py", "-m", "mpidp", *argv]
-        return subprocess.run(cmd, check=False).returncode
-    from mpidp.preflight.explain import explain
-    from mpidp.preflight.plan import build_model
-
     dtype = getattr(torch, args.dtype)
+
+    def make() -> torch.nn.Module:
+        model = build_model(args.model, shapes[0][1], shapes[0][2:])  # type: ignore[arg-type]
+        return model.to(dtype)
+
+    world = DistributedManager.world_from_launcher()
+    if world == 1 and args.ranks > 1:  # every rank simulated in turn here: nothing to launch
+        try:
+            result = simulate(make, *shapes, parts=args.ranks, dim=args.dim, dtype=dtype)
+        except MpidpError as err:
+            print(f"mpidp explain: {err}", file=sys.stderr)
+            return 2
+        print(result.to_json() if args.json else result)
+        return 1 if result.refused else 0
     with DistributedManager(domain_parallel_size=world) as manager:
         try:
-            model = build_model(args.model, shapes[0][1], shapes[0][2:])  # type: ignore[arg-type]
-            result = explain(model.to(dtype), *shapes, dim=args.dim, manager=manager, dtype=dtype)
+            result = explain(make(), *shapes, dim=args.dim, manager=manager, dtype=dtype)
         except MpidpError as err:
             if manager.rank == 0:
                 print(f"mpidp explain: {err}", file=sys.stderr)

@@ -124,10 +124,10 @@ def test_info_table_one_process_without_launcher():
     assert "single" in res.stdout
 
 
-def test_explain_starts_its_ranks_and_prints_the_layouts_and_bytes():
-    """``mpidp explain -d 3`` from a shell (no launcher): it starts 3 ranks under this
-    environment's MPI; rank 0 prints the table once; a refusal exits 1. ``-n``, the spelling of
-    the previous release, still works."""
+def test_explain_simulates_its_ranks_and_prints_the_layouts_and_bytes():
+    """``mpidp explain -d 3`` from a shell (no launcher): it simulates 3 ranks in its one
+    process (tests/mpi/test_explain.py: the same table as a job of 3 ranks) and prints the table
+    once; a refusal exits 1. ``-n``, the spelling of the previous release, still works."""
     res = run([str(BIN / "mpidp"), "explain", "--model", "unet", "--shape", "1x3x29x16", "-d", "3"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("mpidp explain: WeatherUNet on (1, 3, 29, 16), 3 ranks") == 1
