@@ -38,6 +38,7 @@ from mpidp.runtime.manager import (
     is_initialized,
 )
 from mpidp.runtime.partition import Balanced
+from mpidp.runtime.transports import built_transport
 
 __all__ = ["AdoptedManager", "GRADIENTS", "group_ranks", "manager_for", "release"]
 
@@ -217,26 +218,14 @@ class AdoptedManager(DistributedManager):
                 return self._base.transport("world", dev)
             world = cast(Any, dist.group.WORLD)
             return self._remember(("world", dev.type), TorchTransport(world, dev))
-        if dev.type == "meta":
-            from mpidp.comm.meta import MetaTransport
-
-            cached = self._transports.get(("domain", "meta"))
-            return cached or self._remember(("domain", "meta"), MetaTransport(self.transport()))
-        kind = self.transport_policy
-        if kind == "auto":
-            kind = "mpi" if dev.type == "cpu" and self.mpi_available else "torch"
-        cached = self._transports.get(("domain", kind + dev.type))
-        if cached is not None:
-            return cached
-        made: Transport
-        if kind == "mpi" and self.mpi_available:
-            from mpidp.comm.mpi import MPITransport, deadline_seconds
-
-            seconds = deadline_seconds(self.timeout.total_seconds())
-            made = MPITransport(self._comm(), timeout=seconds)
-        else:
-            made = TorchTransport(self.domain_group, dev)
-        return self._remember(("domain", kind + dev.type), made)
+        return built_transport(
+            self,
+            "domain",
+            dev,
+            cpu=self.transport,
+            mpi_comm=self._comm,
+            torch_group=lambda: self.domain_group,
+        )
 
     def _remember(self, key: tuple[str, str], made: Transport) -> Transport:
         made.whole = self.gradients == "whole"

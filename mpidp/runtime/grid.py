@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mpidp.comm import TorchTransport, Transport
+from mpidp.comm import Transport
 from mpidp.comm.single import SelfTransport
 from mpidp.errors import ConfigError
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
+from mpidp.runtime.transports import built_transport
 
 if TYPE_CHECKING:
     from mpidp.runtime.manager import DistributedManager
@@ -249,28 +250,14 @@ def axis_transport(
             made = m._transports[(axis, "self")] = SelfTransport()
         return made
     dev = torch.device(device) if device is not None else m.device
-    kind = m.transport_policy
-    if kind == "auto":
-        kind = "mpi" if dev.type == "cpu" and m.mpi_available else "torch"
-    if dev.type == "meta":
-        kind = "meta"
-    cached = m._transports.get((axis, kind + dev.type))
-    if cached is not None:
-        return cached
     axes: GridAxes | None = getattr(m, "_grid_axes", None)
     if axes is None:
         raise ConfigError(f"rank {m.rank}: the {axis} group of grid {m.grid} was never made")
-    made_t: Transport
-    if kind == "meta":
-        from mpidp.comm.meta import MetaTransport
-
-        made_t = MetaTransport(axis_transport(m, axis, "cpu"))
-    elif kind == "mpi":
-        from mpidp.comm.mpi import MPITransport, deadline_seconds
-
-        seconds = deadline_seconds(m.timeout.total_seconds())
-        made_t = MPITransport(axes.comms[axis], timeout=seconds)
-    else:
-        made_t = TorchTransport(axes.groups[axis], dev)
-    m._transports[(axis, kind + dev.type)] = made_t
-    return made_t
+    return built_transport(
+        m,
+        axis,
+        dev,
+        cpu=lambda: axis_transport(m, axis, "cpu"),
+        mpi_comm=lambda: axes.comms[axis],
+        torch_group=lambda: axes.groups[axis],
+    )

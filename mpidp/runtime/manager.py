@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mpidp.comm import TorchTransport, Transport
+from mpidp.comm import Transport
 from mpidp.errors import BackendError, ConfigError
 from mpidp.runtime.agree import agree, same_everywhere
 from mpidp.runtime.bootstrap import detect_launch
@@ -36,6 +36,7 @@ from mpidp.runtime.oversubscribed import oversubscribed_message as oversubscribe
 from mpidp.runtime.oversubscribed import warn_if_oversubscribed
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
 from mpidp.runtime.rendezvous import Rendezvous, init_process_group
+from mpidp.runtime.transports import built_transport
 from mpidp.runtime.world import install_alarm, mpi_library, mpi_world, resolve_ranks
 
 __all__ = ["DistributedManager", "Neighbors", "init", "get_manager", "is_initialized"]
@@ -334,45 +335,30 @@ class DistributedManager:
         if key in AXES:  # the latitude column or longitude row of a grid
             return axis_transport(self, key, device)
         dev = torch.device(device) if device is not None else self.device
-        if dev.type == "meta":  # shapes only (mpidp explain): objects go through the CPU one
-            from mpidp.comm.meta import MetaTransport
+        return built_transport(
+            self,
+            key,
+            dev,
+            # the manager's own CPU transport (not a counting wrapper a caller installed)
+            cpu=lambda: DistributedManager.transport(self, group, "cpu"),
+            mpi_comm=lambda: self._mpi_comm_of(key),
+            torch_group=lambda: self._torch_group_of(key),
+        )
 
-            meta = self._transports.get((key, "meta"))
-            if meta is None:
-                # the manager's own CPU transport (not a counting wrapper a caller installed)
-                cpu = DistributedManager.transport(self, group, "cpu")
-                meta = self._transports[(key, "meta")] = MetaTransport(cpu)
-            return meta
-        kind = self.transport_policy
-        if kind == "auto":
-            kind = "mpi" if dev.type == "cpu" and self.mpi_available else "torch"
-        if kind == "mpi" and not self.mpi_available:
-            raise BackendError(
-                f"rank {self.rank}: the MPI transport needs a job launched by MPI (this one: "
-                f"{self.launch_info.launcher}); use transport='torch'"
-            )
-        cached = self._transports.get((key, kind + dev.type))
-        if cached is not None:
-            return cached
-        made: Transport
-        if kind == "mpi":
-            from mpi4py import MPI
+    def _mpi_comm_of(self, key: str) -> Any:
+        comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
+        if comm is not None:
+            return comm
+        from mpi4py import MPI
 
-            from mpidp.comm.mpi import MPITransport, deadline_seconds
+        return MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF
 
-            comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
-            made = MPITransport(
-                comm
-                if comm is not None
-                else (MPI.COMM_WORLD if self._mpi_runs_job() else MPI.COMM_SELF),
-                timeout=deadline_seconds(self.timeout.total_seconds()),
-            )
-        else:
-            pg = {"domain": self.domain_group, "dp": self.data_parallel_group}.get(key)
-            world = dist.group.WORLD
-            assert world is not None  # the manager initialised or adopted the default group
-            made = TorchTransport(pg if pg is not None else world, dev)
-        self._transports[(key, kind + dev.type)] = made
+    def _torch_group_of(self, key: str) -> Any:
+        group = {"domain": self.domain_group, "dp": self.data_parallel_group}.get(key)
+        return group if group is not None else dist.group.WORLD
+
+    def _remember(self, key: tuple[str, str], made: Transport) -> Transport:
+        self._transports[key] = made
         return made
 
     def describe(self) -> dict[str, Any]:

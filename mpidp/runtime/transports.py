@@ -1,0 +1,60 @@
+"""The transport of a group for tensors on a device, made once and kept by its manager: the one
+rule for a manager's own groups, an adopted group (:mod:`mpidp.runtime.adopt`) and the axes of
+a grid of blocks (:mod:`mpidp.runtime.grid`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mpidp.comm import TorchTransport, Transport
+from mpidp.errors import BackendError
+
+if TYPE_CHECKING:
+    from mpidp.runtime.manager import DistributedManager
+
+__all__ = ["built_transport"]
+
+
+def built_transport(
+    m: DistributedManager,
+    key: str,
+    dev: torch.device,
+    *,
+    cpu: Callable[[], Transport],
+    mpi_comm: Callable[[], Any],
+    torch_group: Callable[[], Any],
+) -> Transport:
+    """The transport of ``m``'s group ``key`` for tensors on ``dev``, made the first time and
+    kept in ``m``. Meta tensors (mpidp explain): shapes only, objects through ``cpu()``. Else
+    ``m``'s transport policy; ``"auto"``: MPI (over ``mpi_comm()``) for CPU tensors when MPI
+    runs the job, torch.distributed (over ``torch_group()``) otherwise. Local."""
+    if dev.type == "meta":
+        from mpidp.comm.meta import MetaTransport
+
+        meta = m._transports.get((key, "meta"))
+        return meta if meta is not None else m._remember((key, "meta"), MetaTransport(cpu()))
+    kind = m.transport_policy
+    if kind == "auto":
+        kind = "mpi" if dev.type == "cpu" and m.mpi_available else "torch"
+    if kind == "mpi" and not m.mpi_available:
+        raise BackendError(
+            f"rank {m.rank}: the MPI transport needs a job launched by MPI (this one: "
+            f"{m.launch_info.launcher}); use transport='torch'"
+        )
+    cached = m._transports.get((key, kind + dev.type))
+    if cached is not None:
+        return cached
+    made: Transport
+    if kind == "mpi":  # mpi4py loads when a job first uses it
+        from mpidp.comm.mpi import MPITransport, deadline_seconds
+
+        made = MPITransport(mpi_comm(), timeout=deadline_seconds(m.timeout.total_seconds()))
+    else:
+        group = torch_group()
+        assert group is not None  # the manager initialised or adopted the default group
+        made = TorchTransport(group, dev)
+    return m._remember((key, kind + dev.type), made)
