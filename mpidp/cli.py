@@ -43,12 +43,27 @@ def _table(ranks: list[dict[str, Any]]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     first = ranks[0]
+    p_lat, p_lon = first.get("grid", (first["mesh_shape"][1], 1))
+    blocks = f" (a {p_lat} x {p_lon} grid of latitude x longitude blocks)" if p_lon > 1 else ""
     head = (
         f"mpidp: {first['world_size']} ranks, mesh dp x domain = "
-        f"{first['mesh_shape'][0]} x {first['mesh_shape'][1]}, torch {first['torch']}\n"
+        f"{first['mesh_shape'][0]} x {first['mesh_shape'][1]}{blocks}, torch {first['torch']}\n"
         f"MPI: {first['mpi_library'] or 'not loaded'}"
     )
     return head + "\n" + "\n".join(lines)
+
+
+def _domain_size(text: str) -> int | tuple[int, int]:
+    """``-d 4`` (bands) or ``-d 2x2`` (a grid of blocks)."""
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use N or LATxLON, e.g. 4 or 2x2") from None
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise argparse.ArgumentTypeError(f"{text!r}: use N or LATxLON, e.g. 4 or 2x2")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -66,6 +81,7 @@ def _info(args: argparse.Namespace) -> int:
                 doc = {
                     "world_size": manager.world_size,
                     "mesh": {"dp": manager.dp_world_size, "domain": manager.domain_world_size},
+                    "grid": list(manager.grid),
                     "ranks": ranks,
                 }
                 print(json.dumps(doc, indent=2))
@@ -132,10 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-d",
         "--domain",
         dest="domain_parallel_size",
-        type=int,
+        type=_domain_size,
         default=1,
         metavar="N",
-        help="ranks per domain group",
+        help="ranks per domain group: N (latitude bands) or LATxLON (a grid of blocks, e.g. 2x2)",
     )
     info.add_argument(  # the spelling of earlier releases, kept for one more (hidden)
         "--domain-parallel-size",

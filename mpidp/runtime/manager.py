@@ -378,6 +378,8 @@ class DistributedManager:
             "torch": torch.__version__,
             "mesh_shape": [self.dp_world_size, self.domain_world_size],
             "mesh_coords": [self.dp_rank, self.domain_rank],
+            "grid": list(self.grid),
+            "grid_coords": list(self.grid_coords),
             "dp_rank": self.dp_rank,
             "domain_rank": self.domain_rank,
         }

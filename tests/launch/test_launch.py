@@ -153,6 +153,17 @@ def test_info_rejects_bad_domain_size_on_every_rank():
         assert f"rank {rank}: world size 3 is not divisible by domain_parallel_size 2" in res.stderr
 
 
+def test_info_shows_a_grid_of_blocks():
+    """``mpidp info -d 2x2``: the domain group as a 2 x 2 grid, each rank's place in it."""
+    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "mpidp", "info", "-d", "2x2"]
+    res = run(cmd)
+    assert res.returncode == 0, res.stderr
+    assert "1 x 4 (a 2 x 2 grid of latitude x longitude blocks)" in res.stdout
+    doc = json.loads(run([*cmd, "--json"]).stdout)
+    assert doc["grid"] == [2, 2]
+    assert [r["grid_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+
+
 def test_two_jobs_at_once_do_not_collide():
     """Two 2-rank jobs started together on one node both initialise (no fixed port)."""
     procs = [
