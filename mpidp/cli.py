@@ -114,8 +114,15 @@ _PLAN = """Price a domain-parallel run of a model on a grid before submitting it
 rows it owns, the halo rows every layer fetches, the bytes its halo exchanges move in one
 training step and the activation memory its bands hold.
 
-No MPI and no data: shape arithmetic on meta tensors. Exits 1 when the model cannot be cut
-this way (the problems are printed). Big models show their stages on stderr.
+No MPI and no data: shape arithmetic on meta tensors, and every rank's forward simulated on
+meta ShardedTensors. Exits 1 when the model cannot be cut this way (the problems are printed).
+Big models show their stages on stderr.
+
+--scaling instead predicts the busiest rank's step time (compute, communication, the fixed
+cost of the calls), its speed-up and efficiency and its memory at P = 1, 2, 4, ... up to
+1024 (or the grid's rows) from the model's serial step (timed here, or --step-seconds) and a
+latency/bandwidth model of the network (--network, or --alpha and --beta);
+bench/scaling_model.py measures this machine's and checks the predictions against real steps.
 """
 _EXPLAIN = """Run a model's forward once on meta tensors cut over N domain ranks and print, per
 module path, each op's result layout and the bytes it sends, and the first op mpidp would
@@ -211,6 +218,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="a further input of the model's forward, e.g. 1x3x721x1440 (repeatable)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON document, not a table")
+    plan.add_argument(
+        "--scaling", action="store_true", help="predict the step at P = 1 to 1024 (see above)"
+    )
+    plan.add_argument(
+        "--network",
+        default="infiniband-hdr",
+        choices=("infiniband-hdr", "slingshot", "ethernet-25g"),
+        help="with --scaling: the interconnect's assumed latency and bandwidth",
+    )
+    plan.add_argument("--alpha", type=float, default=None, help="with --scaling: seconds/message")
+    plan.add_argument("--beta", type=float, default=None, help="with --scaling: bytes/second")
+    plan.add_argument(
+        "--step-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --scaling: the serial forward + backward (default: timed here once)",
+    )
+    plan.add_argument(
+        "--per-call",
+        type=float,
+        default=3e-4,
+        metavar="S",
+        help="with --scaling: a converted layer's call over torch's (bench/percall.py)",
+    )
     explain = sub.add_parser(
         "explain",
         help="trace a model op by op over N ranks, on meta tensors",
@@ -351,6 +383,8 @@ def _plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.scaling:
+        return _scaling(args, grid)
     # three stages, shown on stderr (stdout holds the result) once they take over 2 s
     stages = Progress(
         3, label="stage", prefix="mpidp plan: ", rate=False, every=1, stream=sys.stderr, delay=2
@@ -373,6 +407,68 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     print(to_json(result) if args.json else result)
     return 1 if result.report.problems else 0
+
+
+def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
+    import dataclasses
+
+    import torch
+
+    from mpidp.errors import MpidpError
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import (
+        NETWORKS,
+        as_dicts,
+        predict_scaling,
+        serial_step_seconds,
+        table,
+    )
+
+    if args.partition != "balanced":
+        print(
+            "mpidp plan: --scaling prices balanced cuts (weights are per rank count)",
+            file=sys.stderr,
+        )
+        return 2
+    shape = (args.batch, args.channels, *grid)
+    dtype = getattr(torch, args.dtype)
+    network = NETWORKS[args.network]
+    if args.alpha is not None or args.beta is not None:
+        network = dataclasses.replace(
+            network,
+            name="given",
+            alpha=args.alpha if args.alpha is not None else network.alpha,
+            beta=args.beta if args.beta is not None else network.beta,
+            source="--alpha/--beta",
+        )
+    try:
+        model = build_model(args.model, args.channels, grid)  # type: ignore[arg-type]
+        step = args.step_seconds
+        if step is None:
+            print("mpidp plan: timing one serial step of the model here", file=sys.stderr)
+            step = serial_step_seconds(model, shape, dtype=dtype)
+        points = predict_scaling(
+            model,
+            shape,
+            [2**k for k in range(11)],
+            serial_step=step,
+            network=network,
+            per_call=args.per_call,
+            dtype=dtype,
+        )
+    except MpidpError as err:
+        print(f"mpidp plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = {
+            "serial_step": step,
+            "network": dataclasses.asdict(network),
+            "points": as_dicts(points),
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        print(table(points, step, network))
+    return 0
 
 
 def _explain(args: argparse.Namespace) -> int:

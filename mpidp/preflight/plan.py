@@ -339,12 +339,13 @@ def plan_model(
     extra_inputs: Sequence[Any] = (),
     progress: Callable[[str], None] | None = None,
     input_dim: int | None = None,
+    simulate: bool = True,
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
     ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
     that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
     balanced). ``progress`` is called with the name of each of its two stages as it begins
-    (``mpidp plan`` shows them on big models); ``input_dim`` as for
+    (``mpidp plan`` shows them on big models); ``input_dim`` and ``simulate`` as for
     :func:`~mpidp.validate_sharding_constraints`. Local: no communication, no data."""
     policy = partition if partition is not None else Balanced()
     if progress is not None:
@@ -356,6 +357,7 @@ def plan_model(
         shard_dim=shard_dim,
         example_inputs=[tuple(global_shape), *extra_inputs],
         input_dim=input_dim,
+        simulate=simulate,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
     ranks = []

@@ -90,6 +90,8 @@ class LayerSharding:
     #: the band form of the layer's module type when it prices its own transposes
     #: (layers/base.DomainParallel.transpose_bytes), None for torch's layers
     form: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: the points of the layer's window (a 3x3 conv: 9; 1 for layers without one)
+    kernel: int = 1
 
     def row_elements(self, which: str = "in") -> int:
         """Elements of one row along the sharded dim of the input (``"in"``) or output."""
@@ -263,6 +265,7 @@ def validate_sharding_constraints(
     shard_dim: int = -2,
     example_inputs: Sequence[Any] | None = None,
     input_dim: int | None = None,
+    simulate: bool = True,
 ) -> ShardingReport:
     """Check, by shape arithmetic, how ``model`` (serial or converted) shards an input of
     ``global_shape`` over ``parts`` domain ranks (default: the manager's domain size) cut by
@@ -270,7 +273,9 @@ def validate_sharding_constraints(
     model whose ``forward`` takes several (tensors or shapes, global; 4-D and 5-D), also what
     the probe of unknown modules runs on. ``shard_dim`` is the layers' sharded dim (from the end
     of 4-D/5-D activations); ``input_dim`` the inputs' when it differs (channels-last inputs,
-    as for :func:`~mpidp.convert_to_domain_parallel`). Local: no communication, no data."""
+    as for :func:`~mpidp.convert_to_domain_parallel`). ``simulate=False``: the layer table
+    alone, without the simulated ranks' run (no check of the model's own code: what prices a
+    model at many rank counts, ``mpidp plan --scaling``). Local: no communication, no data."""
     if parts is None or partition is None:
         m = manager or get_manager()
         parts = parts if parts is not None else m.domain_world_size
@@ -315,7 +320,7 @@ def validate_sharding_constraints(
         finally:
             for hook in hooks:
                 hook.remove()
-    if runs and converted is not None:  # refusals are the same at 1 rank
+    if runs and converted is not None and simulate:  # refusals are the same at 1 rank
         if input_dim is None:  # the dim the converted model cuts its inputs along
             band = converted.__dict__.get("_mpidp_band")
             input_dim = band[1] if band is not None and isinstance(band[1], int) else shard_dim
@@ -372,6 +377,8 @@ def validate_sharding_constraints(
         before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
         modes = form.modes_of(module, shape_in, parts, partition) if form is not None else ()
         window = form.window_of(module, d) if form is not None else ()
+        geos = [_geometry(module, i) for i in range(n_spatial)]
+        kernel = math.prod(g[0] for g in geos if g is not None)
         layers.append(
             LayerSharding(
                 path,
@@ -388,6 +395,7 @@ def validate_sharding_constraints(
                 modes,
                 window,
                 form,
+                kernel,
             )
         )
     return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))

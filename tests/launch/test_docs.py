@@ -79,6 +79,7 @@ MODULES = [
     "mpidp.io",
     "mpidp.parallel",
     "mpidp.preflight.plan",
+    "mpidp.preflight.scaling",
     "mpidp.models",
     "mpidp.testing",
     "mpidp.runtime.bootstrap",

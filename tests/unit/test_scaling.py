@@ -1,0 +1,39 @@
+"""The scaling model (mpidp/preflight/scaling.py) against its formula on a model small enough to
+price by hand: one 3x3 conv over 9 rows at P = 2."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from mpidp.preflight.plan import plan_model
+from mpidp.preflight.scaling import Network, predict_scaling
+
+
+def test_one_conv_at_two_ranks_is_its_formula():
+    model = nn.Conv2d(2, 2, 3, padding=1)
+    shape = (1, 2, 9, 8)
+    net = Network("test", alpha=1e-3, beta=1e6)
+    one, two = predict_scaling(model, shape, [1, 2], serial_step=1.0, network=net, per_call=1e-4)
+    assert (one.step, one.comm, one.calls) == (1.0, 0.0, 0.0)
+    priced = plan_model(model, shape, 2, simulate=False)
+    busiest = priced.ranks[0]  # 5 of the 9 rows
+    params = sum(p.numel() for p in model.parameters()) * 4
+    # compute: 5 of 9 rows; halo: one message each way per step (forward and backward);
+    # gradient all-reduce: 2 log2(2) latencies and 2 (P - 1) / P of the parameter bytes
+    halo = 2 * net.alpha + max(busiest.send_bytes, busiest.recv_bytes) / net.beta
+    grads = 2 * net.alpha + params / net.beta
+    assert two.rows == 5
+    assert two.compute == pytest.approx(5 / 9)
+    assert two.comm == pytest.approx(halo + grads)
+    assert two.calls == pytest.approx(2 * 1e-4)
+    assert two.step == pytest.approx(5 / 9 + halo + grads + 2e-4)
+    assert two.memory == 4 * params + busiest.activation_bytes
+
+
+def test_rank_counts_beyond_the_rows_are_left_out():
+    points = predict_scaling(
+        nn.Conv2d(1, 1, 3, padding=1), (1, 1, 5, 4), [1, 2, 4, 8], serial_step=1.0,
+        network=Network("test", 0.0, 1e9),
+    )  # fmt: skip
+    assert [p.parts for p in points] == [1, 2, 4]
