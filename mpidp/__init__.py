@@ -90,6 +90,7 @@ if TYPE_CHECKING:
         is_initialized,
     )
     from mpidp.runtime.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
+    from mpidp.runtime.rebalance import rebalance
     from mpidp.sharded import Replicated, ShardedTensor, shard
     from mpidp.sharded.placements import scatter_tensor
 
@@ -161,6 +162,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "is_initialized",
     ),
     "mpidp.runtime.partition": ("Aligned", "Balanced", "PartitionPolicy", "ShardSpec", "Weighted"),
+    "mpidp.runtime.rebalance": ("rebalance",),
     "mpidp.sharded": ("Replicated", "ShardedTensor", "shard"),
     "mpidp.sharded.placements": ("scatter_tensor",),
     "mpidp.ops.sharding": ("gather_tensor", "shard_batch", "shard_tensor"),
@@ -259,6 +261,7 @@ __all__ = [
     "is_initialized",
     "latitude_weights",
     "reduce_from",
+    "rebalance",
     "reduce_scatter_v",
     "repartition",
     "scatter_v",

@@ -35,6 +35,7 @@ from mpidp.runtime.grid import AXES, BlockSpec, GridAxes, axis_transport, block_
 from mpidp.runtime.oversubscribed import oversubscribed_message as oversubscribed_message
 from mpidp.runtime.oversubscribed import warn_if_oversubscribed
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
+from mpidp.runtime.rebalance import set_partition
 from mpidp.runtime.rendezvous import Rendezvous, init_process_group
 from mpidp.runtime.transports import built_transport
 from mpidp.runtime.world import install_alarm, mpi_library, mpi_world, resolve_ranks
@@ -303,6 +304,13 @@ class DistributedManager:
             return self.partition.spec(n, self.domain_world_size)
         except ConfigError as err:
             raise ConfigError(f"rank {self.rank}: {err}") from None
+
+    def set_partition(self, policy: PartitionPolicy, rows: int | None = None) -> None:
+        """Cut every length by ``policy`` from now on (call it between steps; see
+        :mod:`mpidp.runtime.rebalance`). Collective over the domain group: every rank passes
+        the same policy, which must cut ``rows`` (the input's length) when given; otherwise the
+        same ConfigError everywhere and the partition is unchanged."""
+        set_partition(self, policy, rows)
 
     def block_spec(self, shape: Sequence[int], dims: Sequence[int] = (-2, -1)) -> BlockSpec:
         """The blocks of a tensor of global ``shape``: its ``dims`` (latitude, longitude) cut

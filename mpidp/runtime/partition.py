@@ -253,19 +253,35 @@ class Aligned(PartitionPolicy):
     """Band boundaries on multiples of ``multiple``, as even as possible: the ``n // multiple``
     whole blocks are cut by the balanced rule and the last rank also takes the ``n % multiple``
     rows left over. Pixel shuffles by ``multiple`` (and windows of that height) then need no
-    rows from other ranks."""
+    rows from other ranks. With ``weights`` (one per rank) the whole blocks are cut in
+    proportion to them instead (as :class:`Weighted` cuts rows): aligned and uneven, what
+    :func:`mpidp.rebalance` returns for an aligned policy."""
 
     multiple: int
     allow_empty: bool = False
+    weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.multiple < 1:
             raise ConfigError(f"Aligned(multiple={self.multiple}): use a multiple of 1 or more")
+        if self.weights is not None:
+            object.__setattr__(self, "weights", tuple(self.weights))
+            _weighted_bounds(self.weights, len(self.weights), True)  # validates the weights
+
+    def _blocks(self, blocks: int, parts: int) -> tuple[int, ...]:
+        if self.weights is None:
+            return balanced_sizes(blocks, parts, self.allow_empty)
+        return ShardSpec.from_weights(self.weights, blocks, self.allow_empty).sizes
 
     def spec(self, n: int, parts: int) -> ShardSpec:
+        if self.weights is not None and parts != len(self.weights):
+            raise ConfigError(
+                f"aligned partition has {len(self.weights)} weights {self.weights} but the "
+                f"group has {parts} ranks; give one weight per rank"
+            )
         blocks, rest = divmod(n, self.multiple)
         try:
-            sizes = [b * self.multiple for b in balanced_sizes(blocks, parts, self.allow_empty)]
+            sizes = [b * self.multiple for b in self._blocks(blocks, parts)]
         except ConfigError:
             raise ConfigError(
                 f"cannot cut {n} rows into {parts} bands on multiples of {self.multiple} "

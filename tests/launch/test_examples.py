@@ -212,6 +212,11 @@ def test_uneven_shards_experiment_reproduces_serial():
     assert "weighted 2,1,1" in out and "reversed 1,1,2" in out
 
 
+def test_rebalance_experiment_moves_rows_off_the_slow_rank():
+    out = launch(2, str(ROOT / "examples" / "rebalance.py"), "--steps", "2", "--row-ms", "2")
+    assert "balanced cut   [23, 22]" in out and "rebalanced cut [30, 15]" in out, out
+
+
 def torchrun(nproc: int, *args: str) -> None:
     """``launchers/torchrun.sh examples/train.py ARGS`` with ``nproc`` processes."""
     res = subprocess.run(

@@ -38,7 +38,7 @@ def parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield f"mpidp {name}", sub
-    for name in ("train", "inference", "uneven_shards", "demo"):
+    for name in ("train", "inference", "uneven_shards", "demo", "rebalance"):
         yield f"examples/{name}.py", example_parser(name)
 
 
