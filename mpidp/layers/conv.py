@@ -6,6 +6,8 @@ applied to the output length, asks :func:`mpidp.input_ranges` which input rows i
 need, fetches them with :func:`mpidp.halo_exchange` (the padding beyond the field filled by
 the halo boundary that matches ``padding_mode``) and runs the torch convolution without padding
 along the sharded dim. The other spatial dims are padded locally exactly as torch pads them.
+On latitude x longitude blocks the longitude is a cut dim too: the same steps run per cut dim
+(:meth:`~mpidp.layers.base.DomainParallel._axes`) and one block halo exchange fetches both.
 
 A transposed convolution scatters input rows into output rows: the layer fetches the input rows
 whose scatter reaches its output rows, runs the torch layer without padding along the sharded
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.ops.halo import halo_exchange
@@ -103,25 +105,24 @@ class _Conv(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
-        d, k = _spatial(conv, x, self._n, self.shard_dim)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
+        _spatial(conv, x, self._n, self.shard_dim)
+        first = x.dim() - self._n  # the tensor dim of the first spatial dim
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
-        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
-        n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
-        out_spec = self._out_spec(n_out)
-        halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
-        ext = halo_exchange(
-            x,
-            halo.before,
-            halo.after,
-            dim=d,
-            spec=spec,
-            boundary=_BOUNDARY[conv.padding_mode],
-            group=t,
-        )
-        ext = with_rows(ext, d, dil * (kernel - 1) + 1)  # a rank without output rows
-        pads[k] = (0, 0)
+        cuts, outs = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k = axis.dim - first
+            spec = learn_spec(x, axis.dim, axis.transport)
+            kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+            n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
+            out_spec = self._out_spec(n_out, axis.transport)
+            cuts.append(
+                (axis, spec, HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil))
+            )
+            outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
+            pads[k] = (0, 0)
+        ext = fetch_halo(self, x, cuts, _BOUNDARY[conv.padding_mode])
+        for axis, _, need in outs:
+            ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
             padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
         else:
@@ -132,7 +133,9 @@ class _Conv(DomainParallel):
         y = _CONV[self._n](
             ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
         )
-        return y.narrow(d, 0, out_spec.sizes[t.rank])
+        for axis, rows, _ in outs:
+            y = y.narrow(axis.dim, 0, rows)
+        return y
 
 
 class DomainParallelConv1d(_Conv, nn.Conv1d):
@@ -143,15 +146,19 @@ class DomainParallelConv1d(_Conv, nn.Conv1d):
 
 
 class DomainParallelConv2d(_Conv, nn.Conv2d):
-    """:class:`torch.nn.Conv2d` sharded along H. Collective over the domain group."""
+    """:class:`torch.nn.Conv2d` sharded along H (on blocks along H and W). Collective over
+    the domain group."""
 
     _n = 2
+    on_blocks = True
 
 
 class DomainParallelConv3d(_Conv, nn.Conv3d):
-    """:class:`torch.nn.Conv3d` sharded along H of (B, C, T, H, W). Collective."""
+    """:class:`torch.nn.Conv3d` sharded along H of (B, C, T, H, W) (on blocks along H and W).
+    Collective."""
 
     _n = 3
+    on_blocks = True
 
 
 class _ConvTranspose(DomainParallel):
