@@ -27,7 +27,6 @@ from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.ops.halo import halo_exchange
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
@@ -196,24 +195,27 @@ class _ConvTranspose(DomainParallel):
             )
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
-        d, k = _spatial(conv, x, self._n, self.shard_dim)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
-        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
-        pad, out_pad = conv.padding[k], conv.output_padding[k]
-        assert isinstance(pad, int)
-        geometry = dict(transposed=True, output_padding=out_pad)
-        n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
-        out_spec = self._out_spec(n_out)
-        ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
-        halo = HaloSpec.from_ranges(spec, ranges)
-        ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
-        lo = ranges[t.rank][0]
-        ext = with_rows(ext, d, 1)  # no input may reach this rank's rows: one zero row
+        _spatial(conv, x, self._n, self.shard_dim)
+        first_dim = x.dim() - self._n  # the tensor dim of the first spatial dim
         padding = [int(p) for p in conv.padding]  # ints for transposed layers
-        padding[k] = 0
         output_padding = list(conv.output_padding)
-        output_padding[k] = 0
+        cuts, outs = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k, r = axis.dim - first_dim, axis.transport.rank
+            spec = learn_spec(x, axis.dim, axis.transport)
+            kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+            pad, out_pad = padding[k], output_padding[k]
+            geometry = dict(transposed=True, output_padding=out_pad)
+            n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+            out_spec = self._out_spec(n_out, axis.transport)
+            ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+            cuts.append((axis, spec, HaloSpec.from_ranges(spec, ranges)))
+            # output row o of the serial layer is row o + pad - lo * stride of y
+            outs.append((axis, out_spec.start(r) + pad - ranges[r][0] * stride, out_spec.sizes[r]))
+            padding[k] = output_padding[k] = 0
+        ext = fetch_halo(self, x, cuts, "none")
+        for axis, _, _ in outs:
+            ext = with_rows(ext, axis.dim, 1)  # no input may reach this rank's rows: a zero row
         y = _CONV_T[self._n](
             ext,
             conv.weight,
@@ -224,9 +226,8 @@ class _ConvTranspose(DomainParallel):
             conv.groups,
             conv.dilation,
         )
-        # Output row o of the serial layer is row o + pad - lo * stride of y.
-        first = out_spec.start(t.rank) + pad - lo * stride
-        y = _rows(y, d, first, out_spec.sizes[t.rank])
+        for axis, first, count in outs:
+            y = _rows(y, axis.dim, first, count)
         if conv.bias is not None:
             y = y + conv.bias.view(-1, *([1] * self._n))
         return y
@@ -259,15 +260,19 @@ class DomainParallelConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
 
 
 class DomainParallelConvTranspose2d(_ConvTranspose, nn.ConvTranspose2d):
-    """:class:`torch.nn.ConvTranspose2d` sharded along H. Collective over the domain group."""
+    """:class:`torch.nn.ConvTranspose2d` sharded along H (on blocks along H and W). Collective
+    over the domain group."""
 
     _n = 2
+    on_blocks = True
 
 
 class DomainParallelConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
-    """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W). Collective."""
+    """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W) (on blocks along H
+    and W). Collective."""
 
     _n = 3
+    on_blocks = True
 
 
 for _t, _l in (

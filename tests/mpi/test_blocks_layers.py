@@ -100,6 +100,24 @@ def test_conv2d(gm, mode):
     assert not bad
 
 
+def test_conv_transpose(gm):
+    """Transposed convolutions: stride 2 with output_padding, a kernel wider than the stride,
+    dilation and groups, a kernel and stride that differ per dim, a 3-D one."""
+    bad = []
+    for i, args in enumerate(
+        [
+            dict(kernel_size=3, stride=2, padding=1, output_padding=1),
+            dict(kernel_size=4, stride=2, padding=1, groups=2, bias=False),
+            dict(kernel_size=3, stride=1, padding=2, dilation=2),
+            dict(kernel_size=(3, 5), stride=(1, 3), padding=(0, 2), output_padding=(0, 1)),
+        ]
+    ):
+        bad += layer_case(gm, nn.ConvTranspose2d(4, 2, **args), seed=80 + i)
+    conv = nn.ConvTranspose3d(3, 2, 3, (1, 2, 2), 1, output_padding=(0, 1, 1))
+    bad += layer_case(gm, conv, (1, 3, 3, 9, 13), seed=90)
+    assert not bad
+
+
 def test_conv3d_and_pointwise(gm):
     """A Conv3d (T padded locally, H and W cut) and convolutions local along one axis only: a
     kernel (1, 3) conv is local along H but not W, so on blocks it is converted."""
@@ -170,7 +188,7 @@ def test_not_yet_on_blocks_refuses(gm):
     message; on bands they run."""
     x = mpidp.shard_tensor(rand(SHAPE, 50), dim=(-2, -1), manager=gm)
     layers = {
-        "DomainParallelConvTranspose2d": nn.ConvTranspose2d(4, 2, 3, 2, 1),
+        "DomainParallelInterpolate": nn.Upsample(scale_factor=2, mode="bilinear"),
         "DomainParallelAdaptiveAvgPool2d": nn.AdaptiveAvgPool2d(3),
     }
     got = {}
