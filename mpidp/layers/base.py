@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,14 +26,17 @@ from mpidp.ops.bands import (
     torch_path,
 )
 from mpidp.ops.geometry import HaloSpec
-from mpidp.runtime.grid import blocks_refused
+from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_spec
 
 __all__ = [
+    "Axis",
     "DomainParallel",
     "band_call",
     "band_forward",
+    "fetch_halo",
     "in_torch_path",
     "not_a_band",
     "LayoutMismatch",
@@ -56,6 +60,40 @@ def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
     shape = list(ext.shape)
     shape[dim] = short
     return torch.cat([ext, ext.new_zeros(shape)], dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """A dim of a layer's input cut over ``transport``'s ranks (a band's rows, or one axis of
+    a block)."""
+
+    dim: int
+    transport: Transport
+
+
+def fetch_halo(
+    layer: DomainParallel,
+    x: torch.Tensor,
+    cuts: Sequence[tuple[Axis, ShardSpec, HaloSpec]],
+    boundary: str,
+) -> torch.Tensor:
+    """``x`` extended by each cut axis's halo (``boundary`` along each): the 1-D exchange on
+    bands, the block exchange (corners included) on blocks. Collective over the domain group."""
+    if len(cuts) == 1:
+        axis, spec, halo = cuts[0]
+        return halo_exchange(
+            x, halo.before, halo.after, axis.dim, spec, boundary=boundary, group=axis.transport
+        )
+    (lat, s_lat, h_lat), (lon, s_lon, h_lon) = cuts
+    return halo_exchange(
+        x,
+        (h_lat.before, h_lon.before),
+        (h_lat.after, h_lon.after),
+        (lat.dim, lon.dim),
+        BlockSpec(s_lat, s_lon, (lat.dim, lon.dim)),
+        layer._manager(),
+        (boundary, boundary),
+    )
 
 
 def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,6 +157,9 @@ class DomainParallel:
 
     shard_dim: int = -2
     dp_manager: DistributedManager | None = None
+    #: exact on latitude x longitude blocks too (its band code runs per axis of :meth:`_axes`);
+    #: a layer without it refuses a grid that cuts the longitude
+    on_blocks: bool = False
 
     # -- what the pre-flight tools (mpidp.preflight: validate, plan) ask of a layer's class,
     # for the serial module it replaces; torch's own layer types are read by validate itself
@@ -207,20 +248,34 @@ class DomainParallel:
 
     def _manager(self) -> DistributedManager:
         m = bound(self.dp_manager)
-        if m._blocks:  # every layer computes on bands through here
+        if m._blocks and not self.on_blocks:  # it would take its block for a band
             raise blocks_refused(m, f"the converted layer {type(self).__name__}")
         return m
+
+    def _axes(self, x: torch.Tensor) -> list[Axis]:
+        """The dims of ``x`` this rank's part is cut along, with the transport of each: the
+        sharded dim over the latitude column (on bands the domain group itself) and, on blocks,
+        the dim after it (the longitude) over the longitude row. A layer computes the same per
+        axis on both."""
+        m = self._manager()
+        d = x.dim() + self.shard_dim
+        if not m._blocks:  # the latitude column is the domain group
+            return [Axis(d, m.transport(None, x.device))]
+        if self.shard_dim > -2:  # cut along its last dim: a 1-D layer has no longitude
+            raise blocks_refused(m, f"the converted layer {type(self).__name__} (1-D)")
+        return [Axis(d, m.transport("lat", x.device)), Axis(d + 1, m.transport("lon", x.device))]
 
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the
         same function, computed by torch's own kernels; no halo, no statistics to merge)."""
         return _TORCH_PATH.get() or self._manager().domain_world_size == 1
 
-    def _out_spec(self, n: int) -> ShardSpec:
-        """The partition of this layer's output (``n`` rows) by the manager's policy."""
+    def _out_spec(self, n: int, t: Transport | None = None) -> ShardSpec:
+        """The partition of this layer's output (``n`` rows) by the manager's policy, over the
+        ranks of ``t`` (an axis of :meth:`_axes`; default the domain group)."""
         manager = self._manager()
         try:
-            spec = manager.partition.derived(n, manager.domain_world_size)
+            spec = manager.partition.derived(n, t.size if t else manager.domain_world_size)
         except ConfigError as err:
             raise ConfigError(
                 f"rank {manager.rank}: {type(self).__name__} {self!r} gives {n} output rows "

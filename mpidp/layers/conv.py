@@ -6,6 +6,8 @@ applied to the output length, asks :func:`mpidp.input_ranges` which input rows i
 need, fetches them with :func:`mpidp.halo_exchange` (the padding beyond the field filled by
 the halo boundary that matches ``padding_mode``) and runs the torch convolution without padding
 along the sharded dim. The other spatial dims are padded locally exactly as torch pads them.
+On latitude x longitude blocks the longitude is a cut dim too: the same steps run per cut dim
+(:meth:`~mpidp.layers.base.DomainParallel._axes`) and one block halo exchange fetches both.
 
 A transposed convolution scatters input rows into output rows: the layer fetches the input rows
 whose scatter reaches its output rows, runs the torch layer without padding along the sharded
@@ -22,10 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.ops.halo import halo_exchange
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
@@ -103,25 +104,24 @@ class _Conv(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
-        d, k = _spatial(conv, x, self._n, self.shard_dim)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
+        _spatial(conv, x, self._n, self.shard_dim)
+        first = x.dim() - self._n  # the tensor dim of the first spatial dim
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
-        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
-        n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
-        out_spec = self._out_spec(n_out)
-        halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
-        ext = halo_exchange(
-            x,
-            halo.before,
-            halo.after,
-            dim=d,
-            spec=spec,
-            boundary=_BOUNDARY[conv.padding_mode],
-            group=t,
-        )
-        ext = with_rows(ext, d, dil * (kernel - 1) + 1)  # a rank without output rows
-        pads[k] = (0, 0)
+        cuts, outs = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k = axis.dim - first
+            spec = learn_spec(x, axis.dim, axis.transport)
+            kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+            n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
+            out_spec = self._out_spec(n_out, axis.transport)
+            cuts.append(
+                (axis, spec, HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil))
+            )
+            outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
+            pads[k] = (0, 0)
+        ext = fetch_halo(self, x, cuts, _BOUNDARY[conv.padding_mode])
+        for axis, _, need in outs:
+            ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
             padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
         else:
@@ -132,7 +132,9 @@ class _Conv(DomainParallel):
         y = _CONV[self._n](
             ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
         )
-        return y.narrow(d, 0, out_spec.sizes[t.rank])
+        for axis, rows, _ in outs:
+            y = y.narrow(axis.dim, 0, rows)
+        return y
 
 
 class DomainParallelConv1d(_Conv, nn.Conv1d):
@@ -143,15 +145,19 @@ class DomainParallelConv1d(_Conv, nn.Conv1d):
 
 
 class DomainParallelConv2d(_Conv, nn.Conv2d):
-    """:class:`torch.nn.Conv2d` sharded along H. Collective over the domain group."""
+    """:class:`torch.nn.Conv2d` sharded along H (on blocks along H and W). Collective over
+    the domain group."""
 
     _n = 2
+    on_blocks = True
 
 
 class DomainParallelConv3d(_Conv, nn.Conv3d):
-    """:class:`torch.nn.Conv3d` sharded along H of (B, C, T, H, W). Collective."""
+    """:class:`torch.nn.Conv3d` sharded along H of (B, C, T, H, W) (on blocks along H and W).
+    Collective."""
 
     _n = 3
+    on_blocks = True
 
 
 class _ConvTranspose(DomainParallel):
@@ -189,24 +195,27 @@ class _ConvTranspose(DomainParallel):
             )
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
-        d, k = _spatial(conv, x, self._n, self.shard_dim)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
-        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
-        pad, out_pad = conv.padding[k], conv.output_padding[k]
-        assert isinstance(pad, int)
-        geometry = dict(transposed=True, output_padding=out_pad)
-        n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
-        out_spec = self._out_spec(n_out)
-        ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
-        halo = HaloSpec.from_ranges(spec, ranges)
-        ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
-        lo = ranges[t.rank][0]
-        ext = with_rows(ext, d, 1)  # no input may reach this rank's rows: one zero row
+        _spatial(conv, x, self._n, self.shard_dim)
+        first_dim = x.dim() - self._n  # the tensor dim of the first spatial dim
         padding = [int(p) for p in conv.padding]  # ints for transposed layers
-        padding[k] = 0
         output_padding = list(conv.output_padding)
-        output_padding[k] = 0
+        cuts, outs = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k, r = axis.dim - first_dim, axis.transport.rank
+            spec = learn_spec(x, axis.dim, axis.transport)
+            kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+            pad, out_pad = padding[k], output_padding[k]
+            geometry = dict(transposed=True, output_padding=out_pad)
+            n_out = conv_output_size(spec.total, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+            out_spec = self._out_spec(n_out, axis.transport)
+            ranges = input_ranges(spec, out_spec, kernel, stride, pad, dil, **geometry)  # type: ignore[arg-type]
+            cuts.append((axis, spec, HaloSpec.from_ranges(spec, ranges)))
+            # output row o of the serial layer is row o + pad - lo * stride of y
+            outs.append((axis, out_spec.start(r) + pad - ranges[r][0] * stride, out_spec.sizes[r]))
+            padding[k] = output_padding[k] = 0
+        ext = fetch_halo(self, x, cuts, "none")
+        for axis, _, _ in outs:
+            ext = with_rows(ext, axis.dim, 1)  # no input may reach this rank's rows: a zero row
         y = _CONV_T[self._n](
             ext,
             conv.weight,
@@ -217,9 +226,8 @@ class _ConvTranspose(DomainParallel):
             conv.groups,
             conv.dilation,
         )
-        # Output row o of the serial layer is row o + pad - lo * stride of y.
-        first = out_spec.start(t.rank) + pad - lo * stride
-        y = _rows(y, d, first, out_spec.sizes[t.rank])
+        for axis, first, count in outs:
+            y = _rows(y, axis.dim, first, count)
         if conv.bias is not None:
             y = y + conv.bias.view(-1, *([1] * self._n))
         return y
@@ -252,15 +260,19 @@ class DomainParallelConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
 
 
 class DomainParallelConvTranspose2d(_ConvTranspose, nn.ConvTranspose2d):
-    """:class:`torch.nn.ConvTranspose2d` sharded along H. Collective over the domain group."""
+    """:class:`torch.nn.ConvTranspose2d` sharded along H (on blocks along H and W). Collective
+    over the domain group."""
 
     _n = 2
+    on_blocks = True
 
 
 class DomainParallelConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
-    """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W). Collective."""
+    """:class:`torch.nn.ConvTranspose3d` sharded along H of (B, C, T, H, W) (on blocks along H
+    and W). Collective."""
 
     _n = 3
+    on_blocks = True
 
 
 for _t, _l in (

@@ -266,6 +266,7 @@ class DomainParallelGroupNorm(DomainParallel, nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` with statistics over the whole field. Collective."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # statistics over the domain group: every block
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,6 +280,7 @@ class _InstanceNorm(DomainParallel):
     """InstanceNorm2d/3d: per (sample, channel) statistics over the whole field."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # statistics over the domain group: every block
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -331,6 +333,7 @@ class _BatchNorm(DomainParallel):
     group; data-parallel replicas keep their own, as torch's BatchNorm under DDP)."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # statistics over the domain group: every block
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,31 +365,46 @@ class DomainParallelLayerNorm(DomainParallel, nn.LayerNorm):
     over the whole field; each rank applies its rows of the (replicated) weight and bias, so
     their gradients are partial until :func:`mpidp.sync_gradients` sums them. Collective."""
 
+    on_blocks = True
+
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = len(self.normalized_shape)
-        d = x.dim() + self.shard_dim
-        if self._alone() or d < x.dim() - k:  # not normalising over the sharded dim: local
+        if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
-        j = d - (x.dim() - k)  # the sharded dim within normalized_shape
-        if spec.total != self.normalized_shape[j]:
-            raise ConfigError(
-                f"rank {t.rank}: {type(self).__name__}{tuple(self.normalized_shape)} normalises "
-                f"{self.normalized_shape[j]} rows along the sharded dim but the field has "
-                f"{spec.total}"
-            )
-        dims = tuple(range(x.dim() - k, x.dim()))
+        k = len(self.normalized_shape)
+        first = x.dim() - k  # the first normalised dim
+        axes = self._axes(x)
+        cut = [a for a in axes if a.dim >= first]
+        if not cut:  # not normalising over a sharded dim: local
+            return super().forward(x)
+        # the statistics span every rank holding a part of the normalised dims: the domain
+        # group when they include every cut dim, else the longitude row (over W alone)
+        t = self._transport(x) if len(cut) == len(axes) else cut[0].transport
+        weight: torch.Tensor | None = self.weight
+        bias: torch.Tensor | None = self.bias
+        for axis in cut:
+            spec = learn_spec(x, axis.dim, axis.transport)
+            j = axis.dim - first  # the cut dim within normalized_shape
+            if spec.total != self.normalized_shape[j]:
+                raise ConfigError(
+                    f"rank {t.rank}: {type(self).__name__}{tuple(self.normalized_shape)} "
+                    f"normalises {self.normalized_shape[j]} rows along the sharded dim but the "
+                    f"field has {spec.total}"
+                )
+            r = axis.transport.rank
+            if weight is not None:
+                weight = weight.narrow(j, spec.start(r), spec.sizes[r])
+            if bias is not None:
+                bias = bias.narrow(j, spec.start(r), spec.sizes[r])
+        dims = tuple(range(first, x.dim()))
         mean, var, _ = global_moments(x, t, dims)
         shape = (*mean.shape, *([1] * k))
         rstd = (var + self.eps).rsqrt()
         y = torch.addcmul((-mean * rstd).view(shape).to(x.dtype), x, rstd.view(shape).to(x.dtype))
-        rows = slice(spec.start(t.rank), spec.stop(t.rank))
-        if self.weight is not None:
-            y = y * self.weight.narrow(j, rows.start, rows.stop - rows.start)
-        if self.bias is not None:
-            y = y + self.bias.narrow(j, rows.start, rows.stop - rows.start)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
         return y
 
 

@@ -13,6 +13,9 @@ along the sharded dim):
   ``ceil_mode`` windows running past the end, ``divisor_override``);
 * **along the other dims** torch pools with the module's own arguments.
 
+On latitude x longitude blocks the longitude is pooled by mpidp too, the same way (Max/AvgPool;
+the adaptive pools are bands only).
+
 The output length along the sharded dim is torch's own (asked of torch on a meta tensor), so
 ``ceil_mode`` gives what torch gives. An adaptive pool whose output has fewer rows than the
 domain has ranks (``AdaptiveAvgPool2d(1)`` of a squeeze-excitation block) returns the whole,
@@ -30,7 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, note_replicated, with_rows
+from mpidp.layers.base import (
+    DomainParallel,
+    band_forward,
+    fetch_halo,
+    learn_spec,
+    note_replicated,
+    with_rows,
+)
 from mpidp.layers.registry import register_layer
 from mpidp.ops.collectives import all_gather_v, all_reduce
 from mpidp.ops.geometry import HaloSpec
@@ -74,19 +84,25 @@ def _tuple(v: Any, n: int) -> list[Any]:
     return [v] * n
 
 
+def _inside(spec: ShardSpec, ranges: list[tuple[int, int]]) -> HaloSpec:
+    """The halo that fetches every rank's rows ``ranges[rank]`` clipped to the field."""
+    h = spec.total
+    inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
+    before = [spec.start(r) - lo for r, (lo, _) in enumerate(inside)]
+    after = [hi - spec.stop(r) for r, (_, hi) in enumerate(inside)]
+    return HaloSpec(tuple(before), tuple(after))
+
+
 def _fetch_rows(
     x: torch.Tensor, d: int, ranges: list[tuple[int, int]], spec: ShardSpec, layer: DomainParallel
 ) -> tuple[torch.Tensor, int, int]:
     """This rank's rows ``ranges[rank]`` of the field along ``d`` (clipped to it) and how many
     rows of its range lie beyond the low and high edges."""
     t = layer._transport(x)
-    h = spec.total
-    inside = [(min(max(lo, 0), h), max(min(hi, h), min(max(lo, 0), h))) for lo, hi in ranges]
-    before = [spec.start(r) - lo for r, (lo, _) in enumerate(inside)]
-    after = [hi - spec.stop(r) for r, (_, hi) in enumerate(inside)]
-    ext = halo_exchange(x, before, after, dim=d, spec=spec, boundary="none", group=t)
+    halo = _inside(spec, ranges)
+    ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
     lo, hi = ranges[t.rank]
-    return ext, max(0, -lo), max(0, hi - h) if hi > lo else 0
+    return ext, max(0, -lo), max(0, hi - spec.total) if hi > lo else 0
 
 
 def _window_ranges(
@@ -126,21 +142,22 @@ def _avg1d_sums(
 def _other_extents(
     x: torch.Tensor,
     n: int,
-    k: int,
+    cut: list[int],
     kernel: list[int],
     stride: list[int],
     padding: list[int],
     pool: Any,
 ) -> torch.Tensor | float:
-    """Torch's divisor along the spatial dims other than the sharded one (its window's extent
+    """Torch's divisor along the spatial dims other than the ``cut`` ones (its window's extent
     there, ``count_include_pad`` and ``ceil_mode`` as torch counts them), shaped to broadcast:
-    window sums of ones over the average of ones, on a field one row high."""
-    if n == 1:
+    window sums of ones over the average of ones, on a field one row high along each cut dim."""
+    if n == len(cut):
         return 1.0
-    shape = [1, 1] + [1 if i == k else x.size(x.dim() - n + i) for i in range(n)]
+    shape = [1, 1] + [1 if i in cut else x.size(x.dim() - n + i) for i in range(n)]
     ones = torch.ones(shape, dtype=torch.float64, device=x.device)
     kernel, stride = list(kernel), list(stride)
-    kernel[k] = stride[k] = 1
+    for k in cut:
+        kernel[k] = stride[k] = 1
     args = (kernel, stride, padding, pool.ceil_mode, pool.count_include_pad)
     real = _AVG[n](ones, *args, 1)
     mean = _AVG[n](ones, *args)
@@ -189,43 +206,57 @@ class _Pool(DomainParallel):
     _n: int
     _max: bool
 
+    on_blocks = True  # per cut axis: the rows, and on blocks the columns too
+
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         pool: Any = self
-        n, d = self._n, _checked_dim(self, x)
-        k = n + self.shard_dim  # the sharded dim's index among the spatial dims
+        n = self._n
+        first = _checked_dim(self, x) - n - self.shard_dim  # the first spatial dim
         kernel = _tuple(pool.kernel_size, n)
         stride = _tuple(pool.stride or pool.kernel_size, n)
         padding = _tuple(pool.padding, n)
         dilation = _tuple(getattr(pool, "dilation", 1), n)
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
-        kh, sh, ph, dh = kernel[k], stride[k], padding[k], dilation[k]
-        n_out = self._torch_rows(spec.total, kh, sh, ph, dh)
-        out_spec = self._out_spec(n_out)
-        rows = out_spec[t.rank]
-        ranges = _window_ranges(spec, out_spec, kh, sh, ph, dh)
-        ext, lo, hi = _fetch_rows(x, d, ranges, spec, self)
-        if rows == 0:  # no windows here: one window of zeros, dropped after
-            ext, lo, hi = with_rows(ext, d, dh * (kh - 1) + 1), 0, 0
-        ext = _pad_rows(ext, d, lo, hi, -math.inf if self._max else 0.0)
+        cuts, plans = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k, t = axis.dim - first, axis.transport
+            spec = learn_spec(x, axis.dim, t)
+            kh, sh, ph, dh = kernel[k], stride[k], padding[k], dilation[k]
+            out_spec = self._out_spec(self._torch_rows(spec.total, kh, sh, ph, dh), t)
+            ranges = _window_ranges(spec, out_spec, kh, sh, ph, dh)
+            cuts.append((axis, spec, _inside(spec, ranges)))
+            plans.append((axis, k, spec, out_spec, ranges[t.rank], ph))
+        ext = fetch_halo(self, x, cuts, "none")
+        for axis, k, spec, out_spec, (lo, hi), _ in plans:
+            if out_spec.sizes[axis.transport.rank] == 0:  # no windows: one of zeros, dropped
+                ext = with_rows(ext, axis.dim, dilation[k] * (kernel[k] - 1) + 1)
+            else:
+                fill = -math.inf if self._max else 0.0
+                ext = _pad_rows(ext, axis.dim, max(0, -lo), max(0, hi - spec.total), fill)
+            padding[k] = 0
         # one torch call over the whole window (torch's own order of sums and its choice among
-        # equal maxima): no padding along the sharded dim (ext spans exactly this rank's
+        # equal maxima): no padding along the cut dims (ext spans exactly this rank's
         # windows), the module's own arguments along the others
-        padding[k] = 0
         if self._max:
             y = _MAX[n](ext, kernel, stride, padding, dilation, pool.ceil_mode)
-            return y.narrow(d, 0, rows)
-        sums = _AVG[n] if n > 1 else _avg1d_sums
-        y = sums(ext, kernel, stride, padding, pool.ceil_mode, pool.count_include_pad, 1)
-        y = y.narrow(d, 0, rows)
+        else:
+            sums = _AVG[n] if n > 1 else _avg1d_sums
+            y = sums(ext, kernel, stride, padding, pool.ceil_mode, pool.count_include_pad, 1)
+        for axis, _, _, out_spec, _, _ in plans:
+            y = y.narrow(axis.dim, 0, out_spec.sizes[axis.transport.rank])
+        if self._max:
+            return y
         override = getattr(pool, "divisor_override", None)
         if override:
             return y / override
-        along_h = self._extent(out_spec, t.rank, spec.total, kh, sh, ph, y, d)
-        return y / (along_h * _other_extents(x, n, k, kernel, stride, padding, pool))
+        divisor = _other_extents(x, n, [p[1] for p in plans], kernel, stride, padding, pool)
+        for axis, k, spec, out_spec, _, ph in plans:
+            rank = axis.transport.rank
+            along = self._extent(out_spec, rank, spec.total, kernel[k], stride[k], ph, y, axis.dim)
+            divisor = along * divisor
+        return y / divisor
 
     def _torch_rows(self, h: int, k: int, s: int, p: int, dil: int) -> int:
         """Torch's own output length along the sharded dim (ceil_mode's rule included)."""

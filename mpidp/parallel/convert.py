@@ -102,6 +102,8 @@ def _local_along(module: nn.Module, axis: int) -> bool:
     kernel 1, stride 1, no padding (a 1x1 conv, or a conv along W only). Exact on a band."""
     if not isinstance(module, nn.modules.conv._ConvNd) or isinstance(module, PeriodicConv2d):
         return False
+    if not 0 <= axis < len(module.kernel_size):
+        return False
     pad = module.padding
     if isinstance(pad, str):
         return module.kernel_size[axis] == 1
@@ -177,6 +179,10 @@ def _plan(
     safe_types = tuple(s for s in safe if isinstance(s, type))
     safe_paths = {s for s in safe if isinstance(s, str)}
     shapes = _seen_shapes(model, example_inputs)
+    known = manager if manager is not None else (get_manager() if is_initialized() else None)
+    # on blocks the dim after the sharded one (the longitude) is cut too: a module is local
+    # only if it is local along both
+    inner = shard_dim + 1 if known is not None and known._blocks else shard_dim
     plan: list[tuple[nn.Module | None, str, nn.Module]] = []
     verdicts: list[Verdict] = []
     bands: list[tuple[Any, ...]] = []
@@ -228,7 +234,7 @@ def _plan(
             return op_by_op(child, where, on_bands, "one mask per channel for the whole field")
         if isinstance(child, _UNSAFE):
             return op_by_op(child, where, on_bands, _why(child))
-        if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, shard_dim):
+        if isinstance(child, SAFE_MODULES) or _layer_norm_is_local(child, inner):
             verdict(child, where, "left", "acts on each position alone")
             k = len(child.normalized_shape) if isinstance(child, nn.LayerNorm) else 1
             bands.append((child, ("before", k), False))
@@ -270,7 +276,8 @@ def _plan(
         axis_dim = -1 if issubclass(kind, _ONE_D) else shard_dim
         if isinstance(child, nn.modules.conv._ConvNd):
             n = len(child.kernel_size)
-            if _local_along(child, n + axis_dim):
+            cut = {n + axis_dim, n + inner} if axis_dim == shard_dim else {n + axis_dim}
+            if all(_local_along(child, k) for k in cut):
                 verdict(child, where, "left", "kernel 1 and stride 1 along the sharded dim")
                 bands.append((child, ("at", axis_dim), False))
                 return child

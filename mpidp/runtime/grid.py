@@ -106,9 +106,12 @@ def blocks_refused(m: DistributedManager, what: str) -> ConfigError:
         f"rank {m.rank}: {what} works on bands, but the domain group is the grid "
         f"({p_lat}, {p_lon}) of latitude x longitude blocks: it would take each rank's block "
         f"for a band and give a wrong result. On blocks so far: halo_exchange(x, ..., "
-        f"dim=(-2, -1)), shard_tensor / gather_tensor(x, dim=(-2, -1)) and "
-        f"manager.block_spec(shape). fix: mpidp.init(domain_parallel_size={p_lat * p_lon}) for "
-        f"bands, or for a 1-D collective along one axis pass its group: "
+        f"dim=(-2, -1)), shard_tensor / gather_tensor(x, dim=(-2, -1)), "
+        f"manager.block_spec(shape) and the converted Conv2d/3d, ConvTranspose2d/3d, "
+        f"Max/AvgPool2d/3d, GroupNorm, InstanceNorm2d/3d, BatchNorm2d/3d and LayerNorm called "
+        f"on this rank's block. fix: "
+        f"mpidp.init(domain_parallel_size={p_lat * p_lon}) for bands, or for a 1-D collective "
+        f"along one axis pass its group: "
         f"group=manager.transport('lat') or group=manager.transport('lon')"
     )
 

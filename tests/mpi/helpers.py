@@ -8,7 +8,17 @@ import contextlib
 import torch
 
 import mpidp
+from mpidp.errors import ConfigError
 from mpidp.sharded import Replicated, ShardedTensor, shard
+
+
+def refusal(call):
+    """The ConfigError message ``call`` raised on this rank, or None."""
+    try:
+        call()
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def rand(shape, seed, dtype=torch.float64):

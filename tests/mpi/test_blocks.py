@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import gradcheck_global, rand
+from helpers import gradcheck_global, rand, refusal
 from mpi4py import MPI
 
 import mpidp
@@ -386,27 +386,19 @@ def test_halo_refusals(gm):
 # -- band code refuses a grid that cuts the longitude --------------------------------------------
 
 
-def _refusal(call):
-    """The ConfigError message ``call`` raised on this rank, or None."""
-    try:
-        call()
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
 def _band_calls(m):
     """Each entry point where band code meets the manager: a converted layer and model, a
     ShardedTensor, the 1-D halo exchange and a v-collective over the domain group, and what each
     must name."""
     p = m.domain_world_size
     x = rand((1, 2, 8, 12), 11)
-    conv = torch.nn.Conv2d(2, 2, 3, padding=1).double()
+    # a layer without a block form yet (tests/mpi/test_blocks_layers.py: those with one)
+    conv = torch.nn.Upsample(scale_factor=2, mode="bilinear")
     conv = mpidp.convert_to_domain_parallel(conv, manager=m)
     model = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.ReLU()).double()
     model = mpidp.convert_to_domain_parallel(model, manager=m)
     return {
-        "converted conv": (lambda: conv(x), "the converted layer DomainParallelConv2d"),
+        "converted conv": (lambda: conv(x), "the converted layer DomainParallelInterpolate"),
         "converted model": (lambda: model(x), "the converted model Sequential"),
         "mpidp.shard": (lambda: mpidp.shard(x, -2, manager=m), "a ShardedTensor"),
         "1-D halo": (
@@ -429,7 +421,7 @@ def test_band_code_refuses_blocks(gm):
     rank before any message (no hang), naming the rank, the grid, what works on blocks and the
     fix; on bands (P_lon = 1) none refuses."""
     calls = _band_calls(gm)
-    got = {name: _refusal(call) for name, (call, _) in calls.items()}
+    got = {name: refusal(call) for name, (call, _) in calls.items()}
     p_lat, p_lon = gm.grid
     if p_lon == 1:
         checks = [(f"{name} refused on bands: {msg}", msg is None) for name, msg in got.items()]
