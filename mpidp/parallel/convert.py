@@ -27,6 +27,7 @@ from mpidp.layers.periodic import PeriodicConv2d
 from mpidp.layers.pool import ONE_D_POOLS
 from mpidp.layers.registry import layer_for
 from mpidp.parallel.probe import probe_band_locality
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.sharded.modules import enter_module, leave_module
 
@@ -61,6 +62,10 @@ SAFE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Bilinear,
     nn.Embedding,  # a table lookup at each index (time steps, land classes): no neighbour read
 )
+
+#: Of those, the ones that act on each point alone, along every dim: exact on a block as they
+#: are (a Linear acts along the last dim, W of a field: cut on a grid of blocks)
+_POINTWISE = tuple(t for t in SAFE_MODULES if t not in (nn.Linear, nn.Bilinear))
 
 #: Module types refused outright (their children would look harmless).
 _UNSAFE: tuple[type[nn.Module], ...] = (
@@ -392,7 +397,18 @@ def convert_to_domain_parallel(
     band_forward = getattr(model, "_mpidp_band_forward", False)
     if top is model and not band_forward and not any(module is model for module, _, _ in bands):
         _adapt(model, "model", input_dim, manager)
+    _check_blocks(top, model, manager)
     return top
+
+
+def _check_blocks(top: nn.Module, model: nn.Module, manager: DistributedManager | None) -> None:
+    """On a grid of blocks, a module returned as it is (not wrapped, not converted) must act on
+    each point alone: its caller hands it a block, whose W is cut too."""
+    m = manager if manager is not None else (get_manager() if is_initialized() else None)
+    if m is None or not m._blocks or top is not model or "_mpidp_band" in model.__dict__:
+        return
+    if not isinstance(model, DomainParallel) and not isinstance(model, _POINTWISE):
+        raise blocks_refused(m, f"{type(model).__name__}, left as it is by the conversion,")
 
 
 def _converted(plan: list[tuple[nn.Module | None, str, nn.Module]]) -> list[nn.Module]:

@@ -413,6 +413,11 @@ def _band_calls(m):
             lambda: mpidp.shard_tensor(x.repeat(1, 1, p, 1), -2, manager=m),
             "shard_tensor / gather_tensor with one dim",
         ),
+        # a module conversion leaves as it is: on bands it acts along W, whole on every rank
+        "bare Linear": (
+            lambda: mpidp.convert_to_domain_parallel(torch.nn.Linear(12, 12).double(), m)(x),
+            "Linear, left as it is by the conversion,",
+        ),
     }
 
 
