@@ -100,15 +100,16 @@ if [ "$quick" = 1 ]; then
 fi
 # Above 3 ranks, the files whose cases 4 ranks add to (two interior ranks, dp 2 x domain 2
 # meshes, 4-way transposes and redistributions, multi-hop halos through thin bands, sharded
-# I/O and checkpoints at 4); the model-level files (zoo, coverage, attention, windows,
-# spectral models, graphs, anemoi) have an interior rank and uneven cuts at 3 and run at 1-3.
+# I/O and checkpoints at 4, the grids of blocks 2 x 2, 1 x 4 and 4 x 1, rebalancing at 4);
+# the model-level files (zoo, coverage, attention, windows, spectral models, graphs, anemoi)
+# have an interior rank and uneven cuts at 3 and run at 1-3.
 # MPIDP_TEST_WIDE=all runs every file at every rank count.
 wide=(test_halo test_collectives test_transports test_sharded test_sharded_models test_layers
   test_fft test_io test_manager test_training test_harness test_one_front_end test_silent_hunt
   test_layouts test_scatter test_explain test_placements test_compat_credit test_compat_anemoi
   test_compat_physicsnemo test_partial test_zarr test_zarr_anemoi test_zarr_write test_prefetch
   test_compat_credit_losses test_dropin_setups test_latent_attention test_index_gathers
-  test_flat_heads test_empty_bands_converted)
+  test_flat_heads test_empty_bands_converted test_blocks test_blocks_layers test_rebalance)
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   files=(tests/mpi)
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
