@@ -12,12 +12,15 @@ with manager.set_partition (the optimizer state and parameters stay: they are
 replicated), and trains --steps more. It prints the median step time before and after,
 and the ideal: the model's step without the synthetic work plus the work of all rows shared
 in proportion to the ranks' speeds (the total work over P when they are equal).
-Rank 0 prints.
+With --profile FILE.json, mpidp.profile splits each phase's steps per rank into compute,
+communication and waiting for the slowest peer: tables printed, JSON and plots written
+(mpidp profile-report FILE-balanced.json redraws them). Rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -35,11 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-ms", type=float, default=10.0, metavar="MS", help="work per row")
     p.add_argument("--factor", type=float, default=2.0, metavar="F", help="the slow rank's")
     p.add_argument("--slow", type=int, default=-1, metavar="RANK", help="the slow rank")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="profile both phases with mpidp.profile, print the tables, write FILE.json per "
+        "phase (FILE-balanced.json, FILE-rebalanced.json) and their plots beside them (PNG)",
+    )
     return p
 
 
-def _phase(manager, model, opt, full, work_per_row, steps):
-    """Median step seconds and this rank's median work seconds of ``steps`` steps."""
+def _phase(manager, model, opt, full, work_per_row, steps, prof=None):
+    """Median step seconds and this rank's median work seconds of ``steps`` steps (each
+    step timed by ``prof`` too when given)."""
     h = full.size(-2)
     spec, me = manager.spec(h), manager.domain_rank
     x = full.narrow(-2, spec.start(me), spec[me])
@@ -48,18 +59,31 @@ def _phase(manager, model, opt, full, work_per_row, steps):
     step_s, work_s = [], []
     for _ in range(steps):
         world.barrier()
-        t0 = time.perf_counter()
-        time.sleep(work_per_row * spec[me])  # this rank's synthetic work on its rows
-        t1 = time.perf_counter()
-        opt.zero_grad()
-        loss = mpidp.global_mean(model(x).square(), lat, manager=manager)
-        loss.backward()
-        mpidp.sync_gradients(model, manager)
-        opt.step()
+        with prof.step() if prof is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            time.sleep(work_per_row * spec[me])  # this rank's synthetic work on its rows
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            loss = mpidp.global_mean(model(x).square(), lat, manager=manager)
+            loss.backward()
+            mpidp.sync_gradients(model, manager)
+            opt.step()
         world.barrier()
         step_s.append(time.perf_counter() - t0)
         work_s.append(t1 - t0)
     return statistics.median(step_s), statistics.median(work_s)
+
+
+def _report(prof, path, phase):
+    """Print the phase's profile table, write its JSON and plot (rank 0), start afresh."""
+    if prof is None:
+        return
+    stem = path.removesuffix(".json")
+    report = prof.to_json(f"{stem}-{phase}.json")
+    if prof.manager.rank == 0:
+        report.plot(f"{stem}-{phase}.png")
+        print(f"{phase} cut: {report.table()}")
+    prof.reset()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -79,11 +103,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     _phase(manager, model, opt, full, 0.0, 2)  # warm-up
     model_s, _ = _phase(manager, model, opt, full, 0.0, args.steps)  # the model alone
     before = manager.spec(lat)
-    balanced_s, work = _phase(manager, model, opt, full, per_row, args.steps)
+    prof = mpidp.profile(manager) if args.profile else None
+    with prof or contextlib.nullcontext():
+        balanced_s, work = _phase(manager, model, opt, full, per_row, args.steps, prof)
+    _report(prof, args.profile, "balanced")
     seconds = manager.transport().all_gather_object(work)
     manager.set_partition(mpidp.rebalance(manager, seconds, rows=lat), rows=lat)
     after = manager.spec(lat)
-    rebalanced_s, _ = _phase(manager, model, opt, full, per_row, args.steps)
+    with prof or contextlib.nullcontext():
+        rebalanced_s, _ = _phase(manager, model, opt, full, per_row, args.steps, prof)
+    _report(prof, args.profile, "rebalanced")
     # the time at which every rank would finish its work together (whole rows aside): the
     # rows over the summed speeds (a rank's speed: its rows over its work seconds)
     speed = sum(n / s for n, s in zip(before.sizes, seconds, strict=True))

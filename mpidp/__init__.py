@@ -90,6 +90,8 @@ if TYPE_CHECKING:
         is_initialized,
     )
     from mpidp.runtime.partition import Aligned, Balanced, PartitionPolicy, ShardSpec, Weighted
+    from mpidp.runtime.profile import Profile, profile
+    from mpidp.runtime.profile_report import ProfileReport
     from mpidp.runtime.rebalance import rebalance
     from mpidp.sharded import Replicated, ShardedTensor, shard
     from mpidp.sharded.placements import scatter_tensor
@@ -162,6 +164,8 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "is_initialized",
     ),
     "mpidp.runtime.partition": ("Aligned", "Balanced", "PartitionPolicy", "ShardSpec", "Weighted"),
+    "mpidp.runtime.profile": ("Profile", "profile"),
+    "mpidp.runtime.profile_report": ("ProfileReport",),
     "mpidp.runtime.rebalance": ("rebalance",),
     "mpidp.sharded": ("Replicated", "ShardedTensor", "shard"),
     "mpidp.sharded.placements": ("scatter_tensor",),
@@ -230,6 +234,8 @@ __all__ = [
     "Neighbors",
     "PartitionPolicy",
     "PeriodicConv2d",
+    "Profile",
+    "ProfileReport",
     "PendingHalo",
     "ShardSpec",
     "ShardingReport",
@@ -261,6 +267,7 @@ __all__ = [
     "is_initialized",
     "latitude_weights",
     "reduce_from",
+    "profile",
     "rebalance",
     "reduce_scatter_v",
     "repartition",

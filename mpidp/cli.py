@@ -140,6 +140,11 @@ layout): t2m and msl, and z and t on two pressure levels (anemoi: z_500, z_850, 
 examples/train.py writes it on first use.
 """
 
+_PROFILE = """Print the per-rank table of a profile written by mpidp.profile's to_json: mean
+milliseconds per step of each rank's step, compute, communication and waiting for the slowest
+peer. --plot writes the same as one stacked bar per rank.
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand (the --help test reads it)."""
@@ -313,6 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="hdf5: a netCDF-4 file; zarr: a Zarr store in xarray's layout; anemoi: a Zarr "
         "store in anemoi-datasets' layout, one flattened 'data' array (both need mpidp[zarr])",
     )
+    report = sub.add_parser(
+        "profile-report",
+        help="print the table of a profile mpidp.profile wrote, and plot it",
+        description=_PROFILE,
+        formatter_class=HelpFormatter,
+    )
+    report.add_argument("file", metavar="FILE.json", help="the file prof.to_json wrote")
+    report.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also write one bar per rank, split in compute, comm and wait (needs matplotlib)",
+    )
+    report.add_argument("--json", action="store_true", help="print the mean seconds as JSON")
     return parser
 
 
@@ -325,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sample_data(args) if first_rank() else 0
     if args.command == "plan":
         return _plan(args) if first_rank() else 0
+    if args.command == "profile-report":
+        return _profile_report(args) if first_rank() else 0
     return _info(args)
 
 
@@ -360,6 +381,21 @@ class Parser(argparse.ArgumentParser):
         if first_rank():
             self.print_usage(sys.stderr)
         exit_once(f"{self.prog}: error: {message}", 2)
+
+
+def _profile_report(args: argparse.Namespace) -> int:
+    from mpidp.errors import MpidpError
+    from mpidp.runtime.profile_report import ProfileReport
+
+    try:
+        report = ProfileReport.from_json(args.file)
+        if args.plot:
+            report.plot(args.plot)
+    except (OSError, ValueError, KeyError, MpidpError) as err:
+        print(f"mpidp profile-report: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.means(), indent=1) if args.json else report.table())
+    return 0
 
 
 def _plan(args: argparse.Namespace) -> int:

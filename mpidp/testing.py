@@ -25,6 +25,7 @@ from mpidp.errors import ConfigError
 from mpidp.ops.halo_plan import Boundary, Plan
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import offsets
+from mpidp.runtime.transports import wrapped_transports
 
 _LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -189,26 +190,8 @@ def count_traffic(manager: DistributedManager | None = None) -> Iterator[Traffic
     was given a transport directly is not seen (wrap that one yourself). Local."""
     manager = manager or get_manager()
     traffic = Traffic()
-    real = manager.transport
-    wrapped: dict[int, CountingTransport] = {}
-
-    def transport(group: Any = None, device: Any = None) -> Transport:
-        inner = real(group, device)
-        if isinstance(inner, CountingTransport) and inner.traffic is traffic:
-            return inner  # an axis of the grid that is the domain group (bands): counted once
-        if id(inner) not in wrapped:
-            wrapped[id(inner)] = CountingTransport(inner, traffic)
-        return wrapped[id(inner)]
-
-    outer = manager.__dict__.get("transport")  # an enclosing count (blocks nest)
-    manager.transport = transport  # type: ignore[method-assign]
-    try:
+    with wrapped_transports(manager, lambda inner: CountingTransport(inner, traffic)):
         yield traffic
-    finally:
-        if outer is None:
-            del manager.transport
-        else:
-            manager.transport = outer  # type: ignore[method-assign]
 
 
 def halo_traffic(pl: Plan, row_bytes: int) -> dict[str, list[int]]:

@@ -249,6 +249,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                 f"{tuple(grid)} (the grid argument)",
                 "use the files of the model's resolution, or build the model for the files' grid",
             )
+        follows = spec is None and manager is not None
         if spec is None:
             try:
                 spec = manager.spec(h) if manager is not None else ShardSpec.balanced(h, 1)
@@ -262,14 +263,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                 f"but {where} has {h} latitude rows and the domain group {parts} ranks",
                 f"pass a spec of {parts} sizes summing to {h}",
             )
-        self.spec, self.rank, self.grid = spec, rank, (h, w)
-        before, after = _halo(halo, parts)
-        if len(before) != parts:
-            raise error(
-                rank,
-                f"halo {halo!r} has widths for {len(before)} ranks, not {parts}",
-                f"pass a HaloSpec with {parts} widths",
-            )
+        self.rank, self.grid, self._halo_arg = rank, (h, w), halo
         self.boundary = boundary
         if boundary.polar and w % 2:
             raise error(
@@ -277,12 +271,11 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                 f"boundary {boundary} needs an even longitude count, got {w}",
                 "use another boundary",
             )
-        try:
-            self._plan = plan_for(spec.sizes, before, after, boundary, rank)
-        except Exception as err:
-            raise error(rank, f"{where}: {err}", "use a smaller halo or another boundary") from None
-        self.halo = (before[rank], after[rank])
-        self.rows = (spec.start(rank) - before[rank], spec.stop(rank) + after[rank])
+        # a cut the manager gave follows its partition (manager.set_partition), a spec passed
+        # in stays
+        self._follows = manager if follows else None
+        self._policy = getattr(manager, "partition", None)
+        self._cut(spec, where)
         lat = first.lat
         self._flip = bool(
             lat_order == "north_to_south" and lat is not None and len(lat) > 1 and lat[0] < lat[-1]
@@ -309,6 +302,34 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             every = tuple(range(shape[1])) if len(shape) == 4 else ()
             attrs = _channel_attributes(name, levels if levels is not None else every, first)
             self.attributes.update(zip(names, attrs, strict=True))
+
+    def _cut(self, spec: ShardSpec, where: str) -> None:
+        """This rank's band, halo and read plan under ``spec``."""
+        rank, parts = self.rank, spec.parts
+        before, after = _halo(self._halo_arg, parts)
+        if len(before) != parts:
+            raise error(
+                rank,
+                f"halo {self._halo_arg!r} has widths for {len(before)} ranks, not {parts}",
+                f"pass a HaloSpec with {parts} widths",
+            )
+        try:
+            self._plan = plan_for(spec.sizes, before, after, self.boundary, rank)
+        except Exception as err:
+            raise error(rank, f"{where}: {err}", "use a smaller halo or another boundary") from None
+        self.spec = spec
+        self.halo = (before[rank], after[rank])
+        self.rows = (spec.start(rank) - before[rank], spec.stop(rank) + after[rank])
+
+    def _follow_partition(self) -> None:
+        """Re-cut when the manager's partition changed since the last item (one identity
+        check per item): the next item is read with the new bands. Local."""
+        m = self._follows
+        if m is None or m.partition is self._policy:
+            return
+        self._policy = m.partition
+        h, w = self.grid
+        self._cut(m.spec(h), f"{self._labels[0]} ({h} x {w})")
 
     @staticmethod
     def _sources(
@@ -460,7 +481,9 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def read_band(self, time: int) -> torch.Tensor:
         """The input channels at ``time``: rows ``self.rows`` (band plus halo, boundary rows
         filled), normalised, shape ``(len(channels), rows, lon)``. Reads only the rows in the
-        field that those rows come from (one read per run of rows and variable)."""
+        field that those rows come from (one read per run of rows and variable). The bands
+        are the manager's current cut (after ``manager.set_partition``, the new one)."""
+        self._follow_partition()
         pl, offs = self._plan, self.spec.offsets
         pieces: list[tuple[int, Piece]] = [(offs[p.owner] + p.lo, p) for p in pl.local] + [
             (offs[p.owner] + p.lo, p) for _, p in pl.remote
@@ -495,6 +518,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if not -n <= index < n:
             raise IndexError(f"sample {index} of a dataset of {n} samples")
         index %= n
+        self._follow_partition()
         steps = [self.read_band(index + k) for k in range(self.input_steps)]
         x = torch.cat(steps, 0) if len(steps) > 1 else steps[0]
         target_time = index + self.input_steps - 1 + self.lead_time

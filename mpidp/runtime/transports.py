@@ -5,7 +5,8 @@ a grid of blocks (:mod:`mpidp.runtime.grid`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,7 @@ from mpidp.errors import BackendError
 if TYPE_CHECKING:
     from mpidp.runtime.manager import DistributedManager
 
-__all__ = ["built_transport"]
+__all__ = ["built_transport", "wrapped_transports"]
 
 
 def built_transport(
@@ -58,3 +59,36 @@ def built_transport(
         assert group is not None  # the manager initialised or adopted the default group
         made = TorchTransport(group, dev)
     return m._remember((key, kind + dev.type), made)
+
+
+@contextlib.contextmanager
+def wrapped_transports(
+    m: DistributedManager,
+    wrap: Callable[[Transport], Transport],
+    made: dict[int, Transport] | None = None,
+) -> Iterator[None]:
+    """Inside the block, every transport ``m`` hands out is ``wrap(inner)``, made once per
+    inner transport and kept in ``made`` (default: for the block; pass the same dict to
+    reuse the wrappers in a later block); blocks nest, the innermost wrapper outermost. Code
+    that was given a transport before the block keeps the bare one. How
+    :func:`mpidp.testing.count_traffic` counts and :func:`mpidp.profile` times. Local."""
+    real = m.transport
+    made = {} if made is None else made
+
+    def transport(group: Any = None, device: Any = None) -> Transport:
+        inner = real(group, device)
+        if any(inner is w for w in made.values()):
+            return inner  # reached through another group (a grid axis that is the domain)
+        if id(inner) not in made:
+            made[id(inner)] = wrap(inner)
+        return made[id(inner)]
+
+    outer = m.__dict__.get("transport")  # an enclosing block's
+    m.transport = transport  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if outer is None:
+            del m.transport
+        else:
+            m.transport = outer  # type: ignore[method-assign]

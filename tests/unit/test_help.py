@@ -92,7 +92,7 @@ def test_mpidp_help_lists_each_subcommand_on_one_line():
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stderr
-    for name in ("info", "plan", "explain", "sample-data"):
+    for name in ("info", "plan", "explain", "sample-data", "profile-report"):
         lines = [line for line in res.stdout.splitlines() if line.strip().startswith(name + " ")]
         assert lines, f"mpidp --help: no one-line entry for {name}"
     assert not MARKUP.search(res.stdout)
