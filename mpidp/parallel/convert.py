@@ -407,8 +407,13 @@ def _check_blocks(top: nn.Module, model: nn.Module, manager: DistributedManager 
     m = manager if manager is not None else (get_manager() if is_initialized() else None)
     if m is None or not m._blocks or top is not model or "_mpidp_band" in model.__dict__:
         return
-    if not isinstance(model, DomainParallel) and not isinstance(model, _POINTWISE):
-        raise blocks_refused(m, f"{type(model).__name__}, left as it is by the conversion,")
+    if isinstance(model, (DomainParallel, *_POINTWISE)):
+        return
+    if isinstance(model, nn.modules.conv._ConvNd):  # a 1x1 conv: each point alone
+        n = len(model.kernel_size)
+        if all(_local_along(model, k) for k in range(max(n - 2, 0), n)):
+            return
+    raise blocks_refused(m, f"{type(model).__name__}, left as it is by the conversion,")
 
 
 def _converted(plan: list[tuple[nn.Module | None, str, nn.Module]]) -> list[nn.Module]:
