@@ -21,6 +21,18 @@ output's sharded dim; default: the manager's policy). A transform whose dims lea
 sharded dim (``shard_dim``, default -2) is local: plain ``torch.fft``. Every call that moves
 data is collective over the group.
 
+**Blocks** (a manager whose grid cuts the longitude, ``P_lon > 1``, ``group`` left out): the
+2-D transforms take this rank's block (rows of the latitude column's cut, columns of the
+longitude row's) and first make one all-to-all within the longitude row (the pencil transpose:
+the block's rows are sub-cut over the row, each rank gets its sub-cut's rows with every column),
+then run the band steps above over the domain group on those rows, which in domain rank order
+are a band cut of H. The spectral layout is the band one over the domain group: every H
+frequency, the modes cut by the policy over all ``P_lat * P_lon`` ranks in domain rank order
+(``modes(K)`` as on bands). The inverse runs backwards and returns blocks (``out_spec``: a
+:class:`~mpidp.runtime.grid.BlockSpec`, default ``manager.block_spec``). On bands the longitude
+row is this rank alone and the pencil step is skipped: the band path, unchanged. The 1-D
+transforms and the halved-cut layout take their input for a band and refuse on blocks.
+
 The spectral layout and the steps the transforms share are in :mod:`mpidp.ops.spectral_layout`
 (:class:`SpectralLayout`, :func:`layout`, :func:`modes` and :func:`mode_spec` re-exported here).
 """
@@ -37,20 +49,25 @@ from mpidp.ops.spectral_layout import (
     FFT_OPS,
     Spec,
     SpectralLayout,
+    block_input,
+    block_output,
     context,
     input_spec,
     layout,
+    lon_row,
     mark,
     mode_spec,
     modes,
     output_spec,
+    pencils,
     policy,
     run_fft,
     size_arg,
     transpose,
     two_dims,
 )
-from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.grid import BlockSpec, blocks_refused
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
@@ -75,6 +92,21 @@ __all__ = [
 # -- 2-D transforms ---------------------------------------------------------------------------
 
 
+def _lat(spec: BlockSpec | Spec) -> Spec:
+    """A band transform's partition of the rows: on bands a BlockSpec is its latitude cut."""
+    return spec.lat if isinstance(spec, BlockSpec) else spec
+
+
+def _bands_only(manager: DistributedManager | None, group: Any, what: str) -> None:
+    """Refuse, on every rank alike, a transform that takes its input for a band of the domain
+    group (``group`` None) when the grid cuts the longitude."""
+    if group is not None or (manager is None and not is_initialized()):
+        return
+    m = manager if manager is not None else get_manager()
+    if m._blocks:
+        raise blocks_refused(m, what)
+
+
 def _forward2(
     x: torch.Tensor,
     s: Sequence[int] | None,
@@ -83,12 +115,13 @@ def _forward2(
     real: bool,
     manager: DistributedManager | None,
     group: Any,
-    spec: Spec,
+    spec: Spec | BlockSpec,
     out_spec: Spec,
     shard_dim: int,
 ) -> torch.Tensor:
     a, b, sd = two_dims(x, dim, shard_dim)
     if sd not in (a, b):  # both transformed dims are local
+        _bands_only(manager, group, f"a 2-D transform over dims {(a, b)} without shard_dim {sd}")
         op = torch.fft.rfft2 if real else torch.fft.fft2
         return op(x, s=s, dim=(a, b), norm=norm)
     if real and sd == b:
@@ -100,7 +133,13 @@ def _forward2(
     local, local_n = (b, size_arg(s, 1)) if sd == a else (a, size_arg(s, 0))
     shard_n = size_arg(s, 0) if sd == a else size_arg(s, 1)
     m, t = context(x, manager, group)
-    rows = input_spec(x, sd, t, spec)
+    t_lon = lon_row(m, group, x.device)
+    if t_lon is None:
+        rows = input_spec(x, sd, t, _lat(spec))
+    else:  # blocks: the pencil transpose along the longitude row gives whole rows
+        p = pencils(m, block_input(m, x, (sd, local), spec, t_lon))
+        x = transpose(x, t_lon, p.sub, sd, p.blocks.lon, local)
+        rows = p.rows
     if t.size == 1:
         op = torch.fft.rfft2 if real else torch.fft.fft2
         out = op(x, s=s, dim=(a, b), norm=norm)
@@ -121,11 +160,12 @@ def _inverse2(
     manager: DistributedManager | None,
     group: Any,
     spec: Spec,
-    out_spec: Spec,
+    out_spec: Spec | BlockSpec,
     shard_dim: int,
 ) -> torch.Tensor:
     a, b, sd = two_dims(X, dim, shard_dim)
     if sd not in (a, b):
+        _bands_only(manager, group, f"a 2-D transform over dims {(a, b)} without shard_dim {sd}")
         op = torch.fft.irfft2 if real else torch.fft.ifft2
         return op(X, s=s, dim=(a, b), norm=norm)
     if real and sd == b:
@@ -141,12 +181,22 @@ def _inverse2(
         op = torch.fft.irfft2 if real else torch.fft.ifft2
         return op(X, s=s, dim=(a, b), norm=norm)
     y = run_fft("ifft", X, shard_n, sd, norm)
-    rows = output_spec(m, t, y.size(sd), out_spec)
-    y = transpose(y, t, rows, sd, split, local)
     if real:
         n = local_n if local_n is not None else 2 * (split.total - 1)
-        return run_fft("irfft", y, n, local, norm)
-    return run_fft("ifft", y, local_n, local, norm)
+    else:
+        n = local_n if local_n is not None else split.total
+    t_lon = lon_row(m, group, X.device)
+    p = None
+    if t_lon is None:
+        rows = output_spec(m, t, y.size(sd), _lat(out_spec))
+    else:  # blocks: back to the pencils' rows, then along the longitude row to blocks
+        p = pencils(m, block_output(m, (y.size(sd), n), (sd, local), out_spec))
+        rows = p.rows
+    y = transpose(y, t, rows, sd, split, local)
+    y = run_fft("irfft" if real else "ifft", y, n, local, norm)
+    if p is None or t_lon is None:  # bands
+        return y
+    return transpose(y, t_lon, p.blocks.lon, local, p.sub, sd)
 
 
 def rfft2(
@@ -157,16 +207,18 @@ def rfft2(
     *,
     manager: DistributedManager | None = None,
     group: Any = None,
-    spec: Spec = None,
+    spec: Spec | BlockSpec = None,
     out_spec: Spec = None,
     shard_dim: int = -2,
 ) -> torch.Tensor:
-    """``torch.fft.rfft2`` of the global field whose bands the ranks hold.
+    """``torch.fft.rfft2`` of the global field whose bands (or blocks) the ranks hold.
 
     ``x`` (..., H_r, W) band layout -> (..., H', K_r) spectral layout, ``K = W' // 2 + 1``
     modes cut by ``out_spec`` (default: the manager's policy; :func:`modes`). ``dim[0]`` must
     be the sharded dim (the halved ``dim[1]`` is local). ``s`` crops or zero-pads as torch
-    does (H too: the rows are gathered first). Collective over ``group``."""
+    does (H too: the rows are gathered first). On blocks ``x`` is (..., H_r, W_c), ``spec`` a
+    BlockSpec (learned when left out), and one more all-to-all along the longitude row comes
+    first. Collective over ``group`` (on blocks: the domain group)."""
     return _forward2(x, s, dim, norm, True, manager, group, spec, out_spec, shard_dim)
 
 
@@ -179,12 +231,14 @@ def irfft2(
     manager: DistributedManager | None = None,
     group: Any = None,
     spec: Spec = None,
-    out_spec: Spec = None,
+    out_spec: Spec | BlockSpec = None,
     shard_dim: int = -2,
 ) -> torch.Tensor:
     """``torch.fft.irfft2`` back to bands: ``X`` (..., H, K_r) spectral layout (``spec``: how
     the K modes are cut) -> (..., H'_r, W') with ``W' = s[1]`` or ``2 (K - 1)``, rows cut by
-    ``out_spec`` (default: the manager's policy on H'). Collective over ``group``."""
+    ``out_spec`` (default: the manager's policy on H'). On blocks: back to (..., H'_r, W'_c),
+    ``out_spec`` a BlockSpec (default ``manager.block_spec``), one more all-to-all along the
+    longitude row last. Collective over ``group`` (on blocks: the domain group)."""
     return _inverse2(X, s, dim, norm, True, manager, group, spec, out_spec, shard_dim)
 
 
@@ -196,7 +250,7 @@ def fft2(
     *,
     manager: DistributedManager | None = None,
     group: Any = None,
-    spec: Spec = None,
+    spec: Spec | BlockSpec = None,
     out_spec: Spec = None,
     shard_dim: int = -2,
 ) -> torch.Tensor:
@@ -215,7 +269,7 @@ def ifft2(
     manager: DistributedManager | None = None,
     group: Any = None,
     spec: Spec = None,
-    out_spec: Spec = None,
+    out_spec: Spec | BlockSpec = None,
     shard_dim: int = -2,
 ) -> torch.Tensor:
     """``torch.fft.ifft2`` from the spectral layout of :func:`fft2` back to complex bands.
@@ -261,6 +315,7 @@ def rfft2_halved_cut(
     default the manager's policy on ``s[0]``), the ``s[1] // 2 + 1`` modes of ``dim[1]`` whole.
     A full FFT along ``dim[0]``, one all-to-all, a full FFT along ``dim[1]`` and the first half
     of its modes kept. Collective over ``group``."""
+    _bands_only(manager, group, "rfft2_halved_cut")
     a, b, _ = two_dims(x, dim, dim[1])
     m, t = context(x, manager, group)
     cols = input_spec(x, b, t, spec)
@@ -290,6 +345,7 @@ def irfft2_halved_cut(
     by ``spec``, the halved ``dim[1]`` whole) back to a real field cut along ``dim[1]``: ``W' =
     s[1]`` or ``2 (K - 1)`` columns cut by ``out_spec`` (default: the manager's policy).
     Collective over ``group``."""
+    _bands_only(manager, group, "irfft2_halved_cut")
     a, b, _ = two_dims(X, dim, dim[0])
     m, t = context(X, manager, group)
     rows = input_spec(X, a, t, spec)
@@ -330,6 +386,7 @@ def _along(
         raise ConfigError(f"dim={dim}, shard_dim={shard_dim} out of range for {tuple(x.shape)}")
     d, sd = dim % nd, shard_dim % nd
     op = FFT_OPS[kind]
+    _bands_only(manager, group, f"the 1-D {kind}")
     if d != sd:
         return op(x, n=n, dim=d, norm=norm)
     m, t = context(x, manager, group)

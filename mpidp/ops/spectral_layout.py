@@ -1,7 +1,8 @@
 """The spectral layout of :mod:`mpidp.ops.fft` (which global modes a rank holds, recorded on a
 transform's output and queried by :func:`layout`, :func:`modes` and :func:`mode_spec`) and the
-steps its transforms share: the group and partitions of a call, the one all-to-all, and the
-FFT of one rank's part (an empty one included).
+steps its transforms share: the group and partitions of a call, the one all-to-all, the FFT of
+one rank's part (an empty one included), and on blocks the pencils (:class:`Pencils`): how a
+block's rows are sub-cut over its longitude row so that each rank holds whole rows.
 """
 
 from __future__ import annotations
@@ -15,21 +16,28 @@ import torch
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.ops.bands import learn_spec
+from mpidp.ops.blocks import as_block_spec
 from mpidp.ops.collectives import all_to_all_v
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec, as_sizes
 
 __all__ = [
     "FFT_OPS",
+    "Pencils",
+    "block_input",
+    "block_output",
     "Spec",
     "SpectralLayout",
     "context",
     "input_spec",
     "layout",
+    "lon_row",
     "mark",
     "mode_spec",
     "modes",
     "output_spec",
+    "pencils",
     "policy",
     "run_fft",
     "size_arg",
@@ -194,6 +202,85 @@ def _partner(dtype: torch.dtype) -> torch.dtype:
 def mark(x: torch.Tensor, spec: ShardSpec, d: int, t: Transport) -> torch.Tensor:
     setattr(x, _ATTR, SpectralLayout(spec, d - x.dim(), t.rank))
     return x
+
+
+# -- blocks: the pencil step along the longitude row -------------------------------------------
+
+
+def lon_row(m: DistributedManager, group: Any, device: torch.device) -> Transport | None:
+    """The longitude row a 2-D transform of a block transposes over first, or None where the
+    ranks hold whole rows already: bands (the grid ``(P, 1)``) and a ``group`` passed
+    explicitly (a band transform over that group). On bands this check is the whole cost of
+    blocks: no message, no copy."""
+    if group is not None or m.grid[1] == 1:
+        return None
+    return m.transport("lon", device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pencils:
+    """How a 2-D transform moves a field cut into ``blocks``: block ``(i_lat, i_lon)``'s rows
+    ``blocks.lat[i_lat]`` are sub-cut over its longitude row by the manager's policy (``sub``,
+    this rank's row of the grid), and the all-to-all over that row gives rank ``i_lon`` its
+    sub-cut's rows with every column (a pencil). Taken in domain rank order
+    (``i_lat * P_lon + i_lon``) those sub-cuts are a band cut of all the rows over the domain
+    group (``rows``): the band transforms' all-to-all runs on it unchanged."""
+
+    blocks: BlockSpec
+    sub: ShardSpec
+    rows: ShardSpec
+
+
+def pencils(m: DistributedManager, blocks: BlockSpec) -> Pencils:
+    """The pencils of ``blocks`` over ``m``'s grid (every rank computes the same from global
+    facts). Local."""
+    if blocks.grid != m.grid:
+        raise ConfigError(
+            f"rank {m.rank}: {blocks!r} cuts a {blocks.grid[0]} x {blocks.grid[1]} grid but the "
+            f"domain grid is {m.grid[0]} x {m.grid[1]}; pass manager.block_spec(shape, dims)"
+        )
+    cuts = [policy(m, r, m.grid[1]) for r in blocks.lat.sizes]
+    rows = ShardSpec.from_sizes([n for cut in cuts for n in cut.sizes])
+    return Pencils(blocks, cuts[m.grid_coords[0]], rows)
+
+
+def block_input(
+    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any, t_lon: Transport
+) -> BlockSpec:
+    """The blocks ``x`` is one of: ``spec`` (a BlockSpec or a ``(lat, lon)`` pair) when given,
+    else every rank's extents (one all-gather of one integer along each axis)."""
+    if spec is not None:
+        blocks = as_block_spec(spec, dims)
+        if blocks.block_shape(m.domain_rank) != (x.size(dims[0]), x.size(dims[1])):
+            raise ConfigError(
+                f"rank {m.rank}: spec {blocks!r} gives this rank a block of "
+                f"{blocks.block_shape(m.domain_rank)} but the tensor {tuple(x.shape)} holds "
+                f"{(x.size(dims[0]), x.size(dims[1]))} along dims {dims}; pass the blocks the "
+                f"tensor was cut by (or leave spec out to learn them)"
+            )
+        return blocks
+    t_lat = m.transport("lat", x.device)
+    lat = [int(r[0]) for r in t_lat.all_gather_ints([x.size(dims[0])])]
+    lon = [int(r[0]) for r in t_lon.all_gather_ints([x.size(dims[1])])]
+    return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
+
+
+def block_output(
+    m: DistributedManager, shape: tuple[int, int], dims: tuple[int, int], out_spec: Any
+) -> BlockSpec:
+    """The blocks an inverse transform returns, of global extents ``shape`` along ``dims``:
+    ``out_spec`` (a BlockSpec or a ``(lat, lon)`` pair) when given, else the manager's."""
+    if out_spec is None:
+        full = [0] * (max(dims) + 1)
+        full[dims[0]], full[dims[1]] = shape
+        return m.block_spec(full, dims)
+    blocks = as_block_spec(out_spec, dims)
+    if blocks.shape != shape:
+        raise ConfigError(
+            f"rank {m.rank}: out_spec {blocks!r} cuts {blocks.shape} but the output is "
+            f"{shape} along dims {dims}; pass the blocks of the output's shape"
+        )
+    return blocks
 
 
 # -- the spectral layout, queried -------------------------------------------------------------
