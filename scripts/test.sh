@@ -109,7 +109,8 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_layouts test_scatter test_explain test_placements test_compat_credit test_compat_anemoi
   test_compat_physicsnemo test_partial test_zarr test_zarr_anemoi test_zarr_write test_prefetch
   test_compat_credit_losses test_dropin_setups test_latent_attention test_index_gathers
-  test_flat_heads test_empty_bands_converted test_blocks test_blocks_layers test_rebalance)
+  test_flat_heads test_empty_bands_converted test_blocks test_blocks_layers test_blocks_fft
+  test_rebalance)
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   files=(tests/mpi)
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
