@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mpidp.comm import PendingExchange, Transport
+from mpidp.comm.base import facts_checksum
 from mpidp.errors import CommError, ConfigError
 from mpidp.ops.functions import _call, band_transport
 from mpidp.ops.halo_plan import Boundary, Layout, Piece, Plan
@@ -268,14 +269,110 @@ def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) ->
     """Every rank's local size; raises one CommError on every rank when any rank found a
     problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
     table, lines = t.agree(problems, dict(zip(_FACTS, facts, strict=True)), [n])
-    if not lines:
-        return [row[0] for row in table]
+    if lines:
+        _raise(t, lines)
+    return [row[0] for row in table]
+
+
+def _raise(t: Transport, lines: list[str]) -> None:
     raise CommError(
         f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
         + "\n  ".join(lines)
         + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
         "extent along dim is its own shard size"
     )
+
+
+@dataclasses.dataclass
+class _Known:
+    """A call's checked arguments, kept by the call's key (:func:`_key`): what the next call
+    with the same key would derive again, its agreement checksum, and its ops by partition."""
+
+    facts: tuple[Any, ...]
+    checksum: int  # what Transport.agree all-gathers for these facts (facts_checksum)
+    d: int
+    rd: int
+    bw: tuple[int, ...]
+    aw: tuple[int, ...]
+    b: Boundary
+    spec: ShardSpec | None
+    ops: dict[tuple[int, ...], _Op] = dataclasses.field(default_factory=dict)
+
+
+def _hashable(w: Any) -> Any:
+    return w if isinstance(w, (int, str, tuple, ShardSpec, Boundary)) or w is None else tuple(w)
+
+
+def _key(
+    x: torch.Tensor,
+    before: Any,
+    after: Any,
+    dim: int,
+    spec: Any,
+    boundary: Any,
+    grad: bool,
+    roll_dim: int,
+    strips: bool,
+) -> tuple[Any, ...] | None:
+    """What a call's checked facts depend on, or None when an argument is not a plain value
+    (then the call derives everything afresh)."""
+    try:
+        key = (
+            x.shape,
+            x.dtype,
+            grad,
+            dim,
+            _hashable(before),
+            _hashable(after),
+            _hashable(spec),
+            _hashable(boundary),
+            roll_dim,
+            strips,
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _check(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: Any,
+    boundary: Any,
+    roll_dim: int,
+    t: Transport,
+    grad: bool,
+) -> tuple[_Known, list[str]]:
+    """Every local check of a call's arguments, and its facts for the agreement."""
+    if spec is not None and not isinstance(spec, ShardSpec):
+        spec = ShardSpec.from_sizes(spec)
+    b = Boundary.of(boundary, roll_dim)
+    problems, d, rd = _local_problems(x, dim, spec, b, t)
+    bw = _widths(before, t.size, "before", problems)
+    aw = _widths(after, t.size, "after", problems)
+    others = tuple(s for i, s in enumerate(x.shape) if i != d)
+    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
+    checksum = facts_checksum(dict(zip(_FACTS, facts, strict=True)))
+    return _Known(facts, checksum, d, rd, bw, aw, b, spec), problems
+
+
+def _op_for(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, strips: bool) -> _Op:
+    plan = plan_for(sizes, k.bw, k.aw, k.b, t.rank)
+    if not strips:
+        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
+    elif min(k.bw + k.aw) < 0:
+        raise ConfigError(
+            f"halo strips need widths >= 0 on every rank, got before={k.bw}, after={k.aw}; use "
+            f"halo_exchange for widths that trim"
+        )
+    else:
+        me = t.rank
+        windows = ((0, k.bw[me]), (plan.length - k.aw[me], k.aw[me]))
+    layout = layout_for(plan, windows)
+    return _Op(t, plan, layout, k.d, k.rd, x.size(k.rd) // 2 if k.b.polar else 0)
 
 
 def _resolve(
@@ -290,41 +387,52 @@ def _resolve(
     roll_dim: int,
     strips: bool = False,
 ) -> _Op:
+    """The exchange a call makes, its arguments checked on every rank and agreed.
+
+    The agreement is the same every call (one all-gather of 3 ints, or none once a spec that
+    travels with the tensor was agreed): what is kept by the call's key is only what this rank
+    would derive again (checks, facts, checksum, plan, layout), so whether a call repeats or
+    not never changes what is sent, and a rank that passes something else with a key it has
+    seen before still meets the others in the same all-gather and fails with them."""
     t = band_transport(group if group is not None else manager, x.device, _WHAT)
-    if spec is not None and not isinstance(spec, ShardSpec):
-        spec = ShardSpec.from_sizes(spec)
-    b = Boundary.of(boundary, roll_dim)
-    problems, d, rd = _local_problems(x, dim, spec, b, t)
-    bw = _widths(before, t.size, "before", problems)
-    aw = _widths(after, t.size, "after", problems)
     grad = torch.is_grad_enabled() and x.requires_grad
-    others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
+    key = _key(x, before, after, dim, spec, boundary, grad, roll_dim, strips)
+    cache: dict[Any, _Known] = t.__dict__.setdefault("_halo_known", {})
+    k = cache.get(key) if key is not None else None
+    problems: list[str] = []
+    if k is None:
+        k, problems = _check(x, before, after, dim, spec, boundary, roll_dim, t, grad)
+        if key is not None and not problems:
+            if len(cache) > 1024:  # many distinct calls: start over
+                cache.clear()
+            cache[key] = k
+    d, spec = k.d, k.spec
     if spec is not None and not problems and known_for(x, d) == spec:
         # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
         # (kept on the real transport: a counting wrapper around it shares what was agreed)
         agreed = getattr(t, "inner", t).__dict__.setdefault("_halo_agreed", set())
-        if facts not in agreed:
-            _agree(t, x.size(d), problems, facts)
+        if k.facts not in agreed:
+            _agree(t, x.size(d), problems, k.facts)
             if len(agreed) > 4096:
                 agreed.clear()
-            agreed.add(facts)
-        sizes = list(spec.sizes)
-    else:
-        sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
-    plan = plan_for(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
-    if not strips:
-        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
-    elif min(bw + aw) < 0:
-        raise ConfigError(
-            f"halo strips need widths >= 0 on every rank, got before={bw}, after={aw}; use "
-            f"halo_exchange for widths that trim"
-        )
-    else:
-        me = t.rank
-        windows = ((0, bw[me]), (plan.length - aw[me], aw[me]))
-    layout = layout_for(plan, windows)
-    return _Op(t, plan, layout, d, rd, x.size(rd) // 2 if b.polar else 0)
+            agreed.add(k.facts)
+        sizes = spec.sizes
+    elif problems or t.size == 1:
+        sizes = tuple(_agree(t, x.size(d) if x.dim() else 0, problems, k.facts))
+    else:  # the agreement's all-gather, with the checksum kept
+        table = t.all_gather_ints([x.size(d), 0, k.checksum])
+        if any(row[1] or row[2] != k.checksum for row in table):
+            _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
+        sizes = tuple(row[0] for row in table)
+    if spec is not None:
+        sizes = spec.sizes
+    op = k.ops.get(sizes)
+    if op is None:
+        op = _op_for(k, sizes, t, x, strips)
+        if len(k.ops) > 64:
+            k.ops.clear()
+        k.ops[sizes] = op
+    return op
 
 
 # -- the 1-D exchange -----------------------------------------------------------------------------
