@@ -5,12 +5,15 @@ element-wise fast path of ShardedTensor dispatch gives what the general path giv
 from __future__ import annotations
 
 import pytest
+import test_halo as th  # its cases and reference (a module: pytest collects nothing from it)
 import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp.errors import CommError
+from mpidp.comm.mpi import MPITransport
+from mpidp.errors import CommError, ConfigError
 from mpidp.runtime.partition import ShardSpec
+from mpidp.testing import serial_halo
 
 pytestmark = pytest.mark.mpi
 
@@ -101,3 +104,51 @@ def test_elementwise_fast_path_matches_the_general_path(manager):
     (sg * sb).sum().backward()  # x.grad holds this rank's rows of the gradient
     start, rows = sa.spec.start(manager.domain_rank), sa.spec.sizes[manager.domain_rank]
     torch.testing.assert_close(g.grad.narrow(-2, start, rows), b.narrow(-2, start, rows))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("spec_name", list(th.specs(WORLD)))
+@pytest.mark.parametrize("boundary", th.BOUNDARIES, ids=str)
+def test_learned_partition_matches_serial_reference(manager, spec_name, boundary):
+    """spec=None over MPI (the agreement beside the neighbours' rows): every width case of
+    tests/mpi/test_halo.py, forward (extended band and strips) and backward against the serial
+    reference, twice (the second call takes the kept facts); unservable widths refused on every
+    rank."""
+    t = MPITransport(manager.domain_comm)
+    spec = th.specs(t.size)[spec_name]
+    p, me = t.size, t.rank
+    full = th.field(spec, -2, 1)
+    problems = []
+    for case, (wb, wa) in enumerate([*th.widths(p), th.inner(spec)]):
+        before, after = th.per_rank(wb, p), th.per_rank(wa, p)
+        band = full.narrow(-2, spec.start(me), spec.sizes[me])
+        if not th.valid(spec, before, after, boundary):
+            with pytest.raises(ConfigError, match=th.WIDTH_ERROR):
+                mpidp.halo_exchange(band, wb, wa, boundary=boundary, group=t)
+            continue
+        lo, hi = spec.start(me) - before[me], spec.stop(me) + after[me]
+        want = serial_halo(full, lo, hi, -2, boundary)
+        for _ in range(2):
+            x = band.clone().requires_grad_()
+            out = mpidp.halo_exchange(x, wb, wa, boundary=boundary, group=t)
+            if not torch.equal(out, want):
+                problems.append(f"case {case} ({wb}, {wa}): forward differs")
+            g = rand(out.shape, 50 + case)
+            out.backward(g)
+            ref = full.clone().requires_grad_()
+            seeds = t.all_gather_object((lo, hi, g))
+            total = sum((serial_halo(ref, a, b, -2, boundary) * gr).sum() for a, b, gr in seeds)
+            total.backward()
+            got = mpidp.all_gather_v(x.grad, spec, -2, group=t)
+            if not torch.allclose(got, ref.grad, rtol=1e-14, atol=1e-14):
+                problems.append(f"case {case} ({wb}, {wa}): grad differs")
+        if min(before + after) >= 0:
+            low, high = mpidp.halo_strips(band, wb, wa, boundary=boundary, group=t)
+            cut = want.size(-2) - after[me]
+            if not (
+                torch.equal(low, want[..., : before[me], :])
+                and torch.equal(high, want[..., cut:, :])
+            ):
+                problems.append(f"case {case} ({wb}, {wa}): strips differ")
+    everyone = t.all_gather_object(problems)
+    assert not any(everyone), everyone
