@@ -69,7 +69,7 @@ def halo_exchange(
         The sharded dimension.
     spec:
         The partition of the sharded dim over the group. None: learned from every rank's
-        local size (it is learned anyway in the agreement all-gather, so passing it only adds
+        local size (it is learned anyway in the agreement, so passing it only adds
         a check).
     manager, group:
         Whose domain group (default: the default manager's), or any group the collectives
