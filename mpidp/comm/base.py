@@ -374,12 +374,16 @@ class Transport(abc.ABC):
         checksum of ``facts``); the texts travel only when something is wrong, so every rank
         returns the same lines and can raise the same error. Collective."""
         facts = dict(facts or {})
-        key = zlib.crc32(repr(sorted(facts.items(), key=lambda kv: kv[0])).encode())
-        table = self.all_gather_ints([*values, len(problems), key])
+        table = self.all_gather_ints([*values, len(problems), facts_checksum(facts)])
         k = len(values)
         if all(row[k] == 0 and row[k + 1] == table[0][k + 1] for row in table):
             return [row[:k] for row in table], []
-        everyone = self.all_gather_object((list(problems), facts))
+        return [row[:k] for row in table], self.disagreeing(problems, facts)
+
+    def disagreeing(self, problems: Sequence[str], facts: Mapping[str, Any]) -> list[str]:
+        """The second half of :meth:`agree`, once its all-gather found something wrong: every
+        rank's problems and facts travel, and every rank returns the same lines. Collective."""
+        everyone = self.all_gather_object((list(problems), dict(facts)))
         first = everyone[0][1]
         # one line per problem, naming every rank that found it (ranks that read one damaged
         # file all find the same)
@@ -397,7 +401,7 @@ class Transport(abc.ABC):
                 for name, value in mine.items()
                 if value != first.get(name)
             ]
-        return [row[:k] for row in table], lines
+        return lines
 
     def scratch(
         self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -469,6 +473,12 @@ class Transport(abc.ABC):
 
 
 _FINGERPRINTS: dict[tuple[Any, ...], int] = {}
+
+
+def facts_checksum(facts: Mapping[str, Any]) -> int:
+    """The checksum :meth:`Transport.agree` all-gathers for ``facts`` (a caller that repeats a
+    call may keep it and all-gather the same ints itself)."""
+    return zlib.crc32(repr(sorted(facts.items(), key=lambda kv: kv[0])).encode())
 
 
 def fingerprint(facts: tuple[Any, ...]) -> int:

@@ -304,6 +304,16 @@ class MPITransport(Transport):
             self.comm.Allgather(mine, table)
         return table.tolist()
 
+    def max_ints(self, values: Sequence[int], what: str) -> list[int]:
+        """The element-wise maximum of every rank's ``values`` (int64, the same count on every
+        rank): one small all-reduce, under the deadline (``what`` names the call). Blocking,
+        so it also progresses the messages a caller posted before it (a check that travels
+        beside them, not after them). Collective."""
+        buf = np.array(values, dtype=np.int64)
+        with deadline(self, what, "collective"):
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return buf.tolist()
+
     def scratch(
         self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> torch.Tensor:

@@ -17,7 +17,13 @@ import torch
 from mpidp.errors import ConfigError
 from mpidp.ops.block_halo import block_halo_exchange
 from mpidp.ops.geometry import HaloSpec
-from mpidp.ops.halo_band import PendingHalo, Widths, halo_strips, start_halo_exchange
+from mpidp.ops.halo_band import (
+    PendingHalo,
+    Widths,
+    band_halo_exchange,
+    halo_strips,
+    start_halo_exchange,
+)
 from mpidp.ops.halo_plan import BOUNDARY_KINDS, Boundary
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
@@ -63,7 +69,7 @@ def halo_exchange(
         The sharded dimension.
     spec:
         The partition of the sharded dim over the group. None: learned from every rank's
-        local size (it is learned anyway in the agreement all-gather, so passing it only adds
+        local size (it is learned anyway in the agreement, so passing it only adds
         a check).
     manager, group:
         Whose domain group (default: the default manager's), or any group the collectives
@@ -90,9 +96,7 @@ def halo_exchange(
             raise ConfigError("halo_exchange on blocks runs over the manager's grid: pass manager")
         return block_halo_exchange(x, before, after, dim, spec, manager, boundary)
     b, a = cast(Widths, before), cast(Widths, after)
-    return start_halo_exchange(
-        x, b, a, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
-    ).wait()
+    return band_halo_exchange(x, b, a, dim, spec, manager, boundary, group=group, roll_dim=roll_dim)
 
 
 class HaloExchange(torch.nn.Module):

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from mpidp.comm import PendingExchange, Transport
+from mpidp.comm.base import facts_checksum
 from mpidp.errors import CommError, ConfigError
 from mpidp.ops.functions import _call, band_transport
-from mpidp.ops.halo_plan import Boundary, Layout, Piece, Plan
+from mpidp.ops.halo_plan import Boundary, Layout, Piece, Plan, neighbours_only
 from mpidp.ops.halo_plan import layout as layout_for
 from mpidp.ops.halo_plan import plan as plan_for
 from mpidp.runtime.manager import DistributedManager
@@ -268,14 +269,146 @@ def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) ->
     """Every rank's local size; raises one CommError on every rank when any rank found a
     problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
     table, lines = t.agree(problems, dict(zip(_FACTS, facts, strict=True)), [n])
-    if not lines:
-        return [row[0] for row in table]
+    if lines:
+        _raise(t, lines)
+    return [row[0] for row in table]
+
+
+def _raise(t: Transport, lines: list[str]) -> None:
     raise CommError(
         f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
         + "\n  ".join(lines)
         + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
         "extent along dim is its own shard size"
     )
+
+
+@dataclasses.dataclass
+class _Known:
+    """A call's checked arguments, kept by the call's key (:func:`_key`): what the next call
+    with the same key would derive again, its agreement checksum, and its ops by partition."""
+
+    facts: tuple[Any, ...]
+    checksum: int  # what Transport.agree all-gathers for these facts (facts_checksum)
+    d: int
+    rd: int
+    bw: tuple[int, ...]
+    aw: tuple[int, ...]
+    b: Boundary
+    spec: ShardSpec | None
+    ops: dict[tuple[int, ...], _Op] = dataclasses.field(default_factory=dict)
+
+
+def _hashable(w: Any) -> Any:
+    return w if isinstance(w, (int, str, tuple, ShardSpec, Boundary)) or w is None else tuple(w)
+
+
+def _key(
+    x: torch.Tensor,
+    before: Any,
+    after: Any,
+    dim: int,
+    spec: Any,
+    boundary: Any,
+    grad: bool,
+    roll_dim: int,
+    strips: bool,
+) -> tuple[Any, ...] | None:
+    """What a call's checked facts depend on, or None when an argument is not a plain value
+    (then the call derives everything afresh)."""
+    try:
+        key = (
+            x.shape,
+            x.dtype,
+            grad,
+            dim,
+            _hashable(before),
+            _hashable(after),
+            _hashable(spec),
+            _hashable(boundary),
+            roll_dim,
+            strips,
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _check(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: Any,
+    boundary: Any,
+    roll_dim: int,
+    t: Transport,
+    grad: bool,
+) -> tuple[_Known, list[str]]:
+    """Every local check of a call's arguments, and its facts for the agreement."""
+    if spec is not None and not isinstance(spec, ShardSpec):
+        spec = ShardSpec.from_sizes(spec)
+    b = Boundary.of(boundary, roll_dim)
+    problems, d, rd = _local_problems(x, dim, spec, b, t)
+    bw = _widths(before, t.size, "before", problems)
+    aw = _widths(after, t.size, "after", problems)
+    others = tuple(s for i, s in enumerate(x.shape) if i != d)
+    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
+    checksum = facts_checksum(dict(zip(_FACTS, facts, strict=True)))
+    return _Known(facts, checksum, d, rd, bw, aw, b, spec), problems
+
+
+def _op_for(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, strips: bool) -> _Op:
+    plan = plan_for(sizes, k.bw, k.aw, k.b, t.rank)
+    if not strips:
+        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
+    elif min(k.bw + k.aw) < 0:
+        raise ConfigError(
+            f"halo strips need widths >= 0 on every rank, got before={k.bw}, after={k.aw}; use "
+            f"halo_exchange for widths that trim"
+        )
+    else:
+        me = t.rank
+        windows = ((0, k.bw[me]), (plan.length - k.aw[me], k.aw[me]))
+    layout = layout_for(plan, windows)
+    return _Op(t, plan, layout, k.d, k.rd, x.size(k.rd) // 2 if k.b.polar else 0)
+
+
+def _known_of(
+    t: Transport,
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: ShardSpec | Sequence[int] | None,
+    boundary: Any,
+    roll_dim: int,
+    strips: bool,
+) -> tuple[_Known, list[str]]:
+    """The call's checked arguments: kept by its key after the first call without problems."""
+    grad = torch.is_grad_enabled() and x.requires_grad
+    key = _key(x, before, after, dim, spec, boundary, grad, roll_dim, strips)
+    cache: dict[Any, _Known] = t.__dict__.setdefault("_halo_known", {})
+    k = cache.get(key) if key is not None else None
+    if k is not None:
+        return k, []
+    k, problems = _check(x, before, after, dim, spec, boundary, roll_dim, t, grad)
+    if key is not None and not problems:
+        if len(cache) > 1024:  # many distinct calls: start over
+            cache.clear()
+        cache[key] = k
+    return k, problems
+
+
+def _op_of(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, strips: bool) -> _Op:
+    op = k.ops.get(sizes)
+    if op is None:
+        op = _op_for(k, sizes, t, x, strips)
+        if len(k.ops) > 64:
+            k.ops.clear()
+        k.ops[sizes] = op
+    return op
 
 
 def _resolve(
@@ -289,42 +422,125 @@ def _resolve(
     group: Any,
     roll_dim: int,
     strips: bool = False,
+    t: Transport | None = None,
 ) -> _Op:
-    t = band_transport(group if group is not None else manager, x.device, _WHAT)
-    if spec is not None and not isinstance(spec, ShardSpec):
-        spec = ShardSpec.from_sizes(spec)
-    b = Boundary.of(boundary, roll_dim)
-    problems, d, rd = _local_problems(x, dim, spec, b, t)
-    bw = _widths(before, t.size, "before", problems)
-    aw = _widths(after, t.size, "after", problems)
-    grad = torch.is_grad_enabled() and x.requires_grad
-    others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
-    if spec is not None and not problems and known_for(x, d) == spec:
+    """The exchange a call makes, its arguments checked on every rank and agreed.
+
+    The agreement is the same every call (one all-gather of 3 ints, or none once a spec that
+    travels with the tensor was agreed): what is kept by the call's key is only what this rank
+    would derive again (checks, facts, checksum, plan, layout), so whether a call repeats or
+    not never changes what is sent, and a rank that passes something else with a key it has
+    seen before still meets the others in the same all-gather and fails with them."""
+    if t is None:
+        t = band_transport(group if group is not None else manager, x.device, _WHAT)
+    k, problems = _known_of(t, x, before, after, dim, spec, boundary, roll_dim, strips)
+    d, known = k.d, k.spec
+    if known is not None and not problems and known_for(x, d) == known:
         # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
         # (kept on the real transport: a counting wrapper around it shares what was agreed)
         agreed = getattr(t, "inner", t).__dict__.setdefault("_halo_agreed", set())
-        if facts not in agreed:
-            _agree(t, x.size(d), problems, facts)
+        if k.facts not in agreed:
+            _agree(t, x.size(d), problems, k.facts)
             if len(agreed) > 4096:
                 agreed.clear()
-            agreed.add(facts)
-        sizes = list(spec.sizes)
-    else:
-        sizes = _agree(t, x.size(d) if x.dim() else 0, problems, facts)
-    plan = plan_for(tuple(spec.sizes) if spec is not None else tuple(sizes), bw, aw, b, t.rank)
-    if not strips:
-        windows: tuple[tuple[int, int], ...] = ((0, plan.length),)
-    elif min(bw + aw) < 0:
-        raise ConfigError(
-            f"halo strips need widths >= 0 on every rank, got before={bw}, after={aw}; use "
-            f"halo_exchange for widths that trim"
-        )
-    else:
-        me = t.rank
-        windows = ((0, bw[me]), (plan.length - aw[me], aw[me]))
-    layout = layout_for(plan, windows)
-    return _Op(t, plan, layout, d, rd, x.size(rd) // 2 if b.polar else 0)
+            agreed.add(k.facts)
+        sizes = known.sizes
+    elif problems or t.size == 1:
+        sizes = tuple(_agree(t, x.size(d) if x.dim() else 0, problems, k.facts))
+    else:  # the agreement's all-gather, with the checksum kept
+        table = t.all_gather_ints([x.size(d), 0, k.checksum])
+        if any(row[1] or row[2] != k.checksum for row in table):
+            _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
+        sizes = tuple(row[0] for row in table)
+    return _op_of(k, known.sizes if known is not None else sizes, t, x, strips)
+
+
+#: boundaries whose rows beyond the field come from the band's own rows (or none), so that a
+#: thick enough partition's halo is its two neighbours' rows
+_LOCAL_KINDS = frozenset({"zeros", "replicate", "reflect", "symmetric", "none"})
+
+
+def _fetch_now(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: ShardSpec | Sequence[int] | None,
+    manager: DistributedManager | None,
+    boundary: Any,
+    group: Any,
+    roll_dim: int,
+    strips: bool = False,
+) -> Any:
+    """The exchange in one go (:func:`band_halo_exchange`, :func:`halo_strips`).
+
+    Without a spec, over MPI, the partition is learned and the arguments agreed in one small
+    all-reduce made while a first exchange with the two neighbours is in flight: every rank
+    sends one message to each neighbour and receives one from each, whatever it was passed
+    (so every message meets its receive, even between ranks that disagree), holding the rows
+    a neighbour needs when every rank's halo comes from its neighbours alone. Every rank
+    decides from the all-reduce's result alone (the same everywhere) whether that exchange was
+    the halo; if not (thin shards, a circular or polar boundary) the planned exchange follows,
+    and when the arguments disagree every rank raises. Otherwise: checks and agreement, then
+    the planned exchange (:func:`_resolve`)."""
+    t = band_transport(group if group is not None else manager, x.device, _WHAT)
+    check = getattr(t, "max_ints", None)
+    if spec is not None or check is None or t.size == 1:
+        op = _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim, strips, t)
+        return _call(_HaloFetch, x, op, None)
+    k, problems = _known_of(t, x, before, after, dim, None, boundary, roll_dim, strips)
+    p, me, d = t.size, t.rank, k.d
+    n = x.size(d) if x.dim() and not problems else 0
+    eligible = not problems and k.b.low in _LOCAL_KINDS and k.b.high in _LOCAL_KINDS
+    eligible = eligible and min(k.bw + k.aw) >= 0
+    table = [-1] * p
+    table[me] = n
+    t.fetches += 1
+    number = 2 * t.fetches
+    shape = x.shape if x.dim() else torch.Size([0])
+    # (peer, rows this rank gives from its low or high end, rows it takes from the peer)
+    peers = []
+    if me > 0:  # the rank above needs this band's first rows, and has its rows before it
+        peers.append((me - 1, True, k.aw[me - 1], k.bw[me]))
+    if me < p - 1:
+        peers.append((me + 1, False, k.bw[me + 1], k.aw[me]))
+    sends, recvs = [], []
+    for peer, low, give, take in peers:
+        give, take = (give, take) if eligible else (0, 0)
+        if give <= n and x.dim():
+            rows = x.narrow(d, 0 if low else n - give, give)
+        else:  # a thin band: stands in (the all-reduce sends every rank to the plan)
+            rows = x.new_zeros(_rows(shape, d, give))
+        sends.append((peer, rows))
+        recvs.append((peer, t.scratch(_rows(shape, d, take), x.dtype, x.device)))
+    pending = t.start_exchange(sends, recvs, number)
+    agreed = check([k.checksum, -k.checksum, 1 if problems else 0, *table], _CHECK)
+    if agreed[2] or agreed[0] != -agreed[1]:
+        try:
+            pending.wait()
+        except CommError:  # rows of another width: the disagreement below says why
+            pass
+        _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
+    pending.wait()
+    sizes = tuple(agreed[3:])
+    if not (eligible and neighbours_only(sizes, k.bw, k.aw, k.b)):
+        op = _op_of(k, sizes, t, x, strips)  # the plan's exchange, numbered anew
+        return _call(_HaloFetch, x, op, None)
+    op = _op_of(k, sizes, t, x, strips)
+    got = {peer: buf for peer, buf in recvs}
+    bufs = [got[peer] for peer, _, _ in op.plan.recv]
+    outs = [t.scratch(op.rows(x.shape, rows), x.dtype, x.device) for rows in op.layout.rows]
+    for buf, direct in zip(bufs, op.layout.direct, strict=True):
+        if direct is not None:  # received in place by the planned exchange: placed here
+            outs[direct[0]].narrow(d, direct[1], buf.size(d)).copy_(buf)
+    return _call(_HaloFetch, x, op, (PendingExchange(None), bufs, outs, number))
+
+
+_CHECK = "a halo exchange's agreement (an all-reduce beside the neighbours' rows)"
+
+
+def _rows(shape: torch.Size, d: int, n: int) -> tuple[int, ...]:
+    return tuple(n if i == d else s for i, s in enumerate(shape))
 
 
 # -- the 1-D exchange -----------------------------------------------------------------------------
@@ -394,9 +610,7 @@ def band_halo_exchange(
     """:func:`mpidp.halo_exchange` along one dim ``dim`` over ``group`` (default: the domain
     group of ``manager``): same arguments, result, adjoint and errors. Collective over the
     group."""
-    return start_halo_exchange(
-        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim
-    ).wait()
+    return _fetch_now(x, before, after, dim, spec, manager, boundary, group, roll_dim)
 
 
 def halo_strips(
@@ -418,8 +632,5 @@ def halo_strips(
     the strips (the band copy costs far more than the exchange on large fields). Widths must be
     >= 0. Same arguments, errors and adjoint as :func:`mpidp.halo_exchange`; collective likewise.
     """
-    pending = start_halo_exchange(
-        x, before, after, dim, spec, manager, boundary, group=group, roll_dim=roll_dim, strips=True
-    )
-    low, high = pending.wait()
+    low, high = _fetch_now(x, before, after, dim, spec, manager, boundary, group, roll_dim, True)
     return low, high

@@ -284,6 +284,37 @@ def plan(
     )
 
 
+def neighbour_messages(
+    sizes: tuple[int, ...], before: tuple[int, ...], after: tuple[int, ...], rank: int
+) -> tuple[tuple[int, int, int], ...]:
+    """The messages ``rank`` receives when rows come from its two neighbours only: the last
+    ``before`` rows of the rank above, the first ``after`` rows of the rank below (in the
+    order of :attr:`Plan.recv`)."""
+    out = []
+    if rank > 0 and before[rank] > 0:
+        out.append((rank - 1, sizes[rank - 1] - before[rank], sizes[rank - 1]))
+    if rank < len(sizes) - 1 and after[rank] > 0:
+        out.append((rank + 1, 0, after[rank]))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
+def neighbours_only(
+    sizes: tuple[int, ...], before: tuple[int, ...], after: tuple[int, ...], boundary: Boundary
+) -> bool:
+    """Whether every rank's plan receives exactly :func:`neighbour_messages` (then every
+    rank's sends are the matching ones too): the same answer on every rank, from global
+    facts. Raises the plan's ConfigError for widths the partition cannot serve."""
+    spec = ShardSpec(sizes)
+    _check_widths(spec, before, after, boundary)
+    for r, s in enumerate(spec.offsets):
+        pieces, _ = _pieces(spec, s - before[r], s + sizes[r] + after[r], boundary)
+        remote = [p for p in pieces if p.owner != r]
+        if tuple(_messages(remote)) != neighbour_messages(sizes, before, after, r):
+            return False
+    return True
+
+
 # -- where the rows land: the whole band, or only the strips beyond it -----------------------
 
 

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
-from mpidp.sharded.batch import NOT_LOCAL, batch_local
+from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, has_sharded, replicated, shard
 from mpidp.sharded.walk import leaves
@@ -50,6 +50,9 @@ Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _HANDLERS: dict[Any, Handler] = {}
 #: handlers that take ShardedTensors whose sharded dim holds blocks (``blocks > 1``)
 _BLOCKS_OK: set[Handler] = set()
+#: functions with a fast path beside their handler (:func:`fast_path`): tried first on calls
+#: without keyword arguments; it answers :data:`NOT_LOCAL` when the call is not its kind
+_FAST: dict[Any, Callable[[Any, tuple[Any, ...]], Any]] = {}
 _FALLBACK = {"on": os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0")}
 _WARNED: set[str] = set()
 
@@ -98,11 +101,23 @@ def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
         for f in funcs:
             for op in op_named(f) if isinstance(f, str) else [f]:
                 _HANDLERS[key(op)] = handler
+                _FAST.pop(key(op), None)  # a later handler wins over an earlier fast path
         if blocks:
             _BLOCKS_OK.add(handler)
         return handler
 
     return deco
+
+
+def fast_path(fast: Callable[[Any, tuple[Any, ...]], Any], funcs: Any, handler: Handler) -> None:
+    """Try ``fast(func, args)`` before the general dispatch of each of ``funcs`` (called
+    without keyword arguments): the common case of a handler, answered without the walks and
+    rules that every other case needs, or :data:`NOT_LOCAL` to take the general path. It must
+    give what ``handler`` gives. A later :func:`register` of a function drops its fast path."""
+    for f in funcs:
+        # (the batch rule runs before any handler)
+        if f not in READS and _HANDLERS.get(key(f)) is handler:
+            _FAST[f] = fast
 
 
 #: the operator forms of an aten op, where the operands keep the op's order
@@ -204,6 +219,12 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
     values among the arguments are summed first: handlers see Replicated values."""
+    if not kwargs and not WATCHERS:
+        fast = _FAST.get(func)
+        if fast is not None:
+            out = fast(func, args)
+            if out is not NOT_LOCAL:
+                return out
     args, kwargs = summed((args, kwargs))
     if not _DEPTH and _whole(args, kwargs):
         args, kwargs = whole_gradients((args, kwargs))

@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mpidp.errors import ConfigError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.rng import band_stream
-from mpidp.sharded.dispatch import refuse, register
+from mpidp.sharded.batch import NOT_LOCAL
+from mpidp.sharded.dispatch import fast_path, refuse, register
 from mpidp.sharded.rows import along, to_spec
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
@@ -421,6 +422,43 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return tree_map(lambda o: _wrap_out(o, out_ndim, axis, ref), out)
 
 
+def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
+    """:func:`pointwise` for its commonest call: every argument a ShardedTensor of one layout
+    (partition, dim, blocks, number of dims) or a Python number. Each band is then the
+    argument as it is (no broadcast, no move, no random draw), so the function runs on the
+    bands and its result takes their layout; anything else is :data:`NOT_LOCAL` (the general
+    path). Costs a loop over the arguments instead of the general path's walks."""
+    ref: ShardedTensor | None = None
+    for a in args:
+        if type(a) is ShardedTensor:
+            if ref is None:
+                ref = a
+            elif (
+                (a._spec is not ref._spec and a._spec != ref._spec)
+                or a._dim != ref._dim
+                or a._blocks != ref._blocks
+                or a._local.dim() != ref._local.dim()
+            ):
+                return NOT_LOCAL
+        elif type(a) not in _NUMBERS:
+            return NOT_LOCAL
+    if ref is None:
+        return NOT_LOCAL
+    local = [a._local if type(a) is ShardedTensor else a for a in args]
+    out = func(*local)
+    if out is local[0] and type(args[0]) is ShardedTensor:
+        return args[0]  # in place on the band
+    if isinstance(out, torch.Tensor) and out.shape == ref._local.shape:
+        return ref.same_layout(out)
+    nd = ref._local.dim()
+    if isinstance(out, torch.Tensor):
+        return _wrap_out(out, nd, ref._dim, ref)
+    return tree_map(lambda o: _wrap_out(o, nd, ref._dim, ref), out)
+
+
+_NUMBERS = (int, float, bool, complex)
+
+
 def _wrap_out(o: Any, ndim: int, axis: int, ref: ShardedTensor) -> Any:
     if isinstance(o, torch.Tensor) and o.dim() == ndim:
         if o.size(axis) != ref.local.size(ref.shard_dim):
@@ -476,3 +514,7 @@ def _prelu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(weight, Replicated):
         weight = copy_to(weight.as_subclass(torch.Tensor), x.transport)
     return local_like(x, func(x.local, weight))
+
+
+# after the handler's registration (a later register() of one of them drops its fast path)
+fast_path(_one_layout, POINTWISE - RANDOM - {torch.where, torch.Tensor.where}, pointwise)

@@ -199,6 +199,18 @@ class ShardedTensor(torch.Tensor):
             self._blocks,
         )
 
+    def same_layout(self, local: torch.Tensor) -> ShardedTensor:
+        """``local``, a band of this tensor's band's shape, with this tensor's layout: what
+        :meth:`like` gives, without re-deriving the global shape (element-wise results)."""
+        if local.shape != self._local.shape:
+            return self.like(local)
+        out = torch.Tensor._make_wrapper_subclass(
+            ShardedTensor, self._shape, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        out._local, out._spec, out._dim, out._manager = local, self._spec, self._dim, self._manager
+        out._shape, out._blocks = self._shape, self._blocks
+        return out
+
     def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a plain tensor ``t`` whose ``dim`` runs along this tensor's
         sharded dim (its global length there): the same rows this rank holds."""

@@ -1,0 +1,154 @@
+"""The per-call fast paths keep every check (issue 47): a call whose key was seen and agreed
+before, met on another rank by a call with another key, still fails on every rank; and the
+element-wise fast path of ShardedTensor dispatch gives what the general path gives."""
+
+from __future__ import annotations
+
+import pytest
+import test_halo as th  # its cases and reference (a module: pytest collects nothing from it)
+import torch
+from mpi4py import MPI
+
+import mpidp
+from mpidp.comm.mpi import MPITransport
+from mpidp.errors import CommError, ConfigError
+from mpidp.runtime.partition import ShardSpec
+from mpidp.testing import serial_halo
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD.Get_size()
+
+
+def rand(shape, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _twice(call):
+    """The call's key seen and agreed (its facts and plan kept) before the mismatch."""
+    call()
+    call()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("with_spec", [False, True], ids=["learned", "spec"])
+def test_halo_other_key_on_one_rank_after_a_kept_one_fails_everywhere(t, with_spec):
+    """Rank 0 repeats a call it has made (and kept) before; rank 1 passes another width,
+    boundary or dtype: every rank raises the same CommError, none waits."""
+    spec = ShardSpec.balanced(4 * t.size, t.size)
+    x = rand((2, spec.sizes[t.rank], 6), 1)
+    s = spec if with_spec else None
+    _twice(lambda: mpidp.halo_exchange(x, 1, 1, 1, s, group=t))
+    other = t.rank == 1
+    with pytest.raises(CommError, match=r"rank 1: before=.* but rank 0 passed"):
+        mpidp.halo_exchange(x, 2 if other else 1, 1, 1, s, group=t)
+    with pytest.raises(CommError, match=r"rank 1: boundary=.* but rank 0 passed"):
+        mpidp.halo_exchange(x, 1, 1, 1, s, boundary="reflect" if other else "zeros", group=t)
+    with pytest.raises(CommError, match=r"rank 1: dtype=.* but rank 0 passed"):
+        mpidp.halo_exchange(x.float() if other else x, 1, 1, 1, s, group=t)
+    # both keys kept before: each rank repeats a call it has made, but not the same one
+    _twice(lambda: mpidp.halo_exchange(x, 2, 1, 1, s, group=t))
+    with pytest.raises(CommError, match=r"rank 1: before=.* but rank 0 passed"):
+        mpidp.halo_exchange(x, 2 if other else 1, 1, 1, s, group=t)
+    # and the kept call still runs
+    mpidp.halo_exchange(x, 1, 1, 1, s, group=t)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_halo_wrong_shard_after_a_kept_call_fails_everywhere(t):
+    """The same arguments as a kept call, but the last rank's band has a row too many."""
+    p, me = t.size, t.rank
+    spec = ShardSpec.balanced(4 * p, p)
+    _twice(lambda: mpidp.halo_exchange(rand((2, spec.sizes[me], 6), 2), 1, 1, 1, spec, group=t))
+    rows = spec.sizes[me] + (1 if me == p - 1 else 0)
+    with pytest.raises(CommError, match=f"rank {p - 1}: tensor of shape"):
+        mpidp.halo_exchange(rand((2, rows, 6), 2), 1, 1, 1, spec, group=t)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_gather_v_other_sizes_after_a_kept_call_fail_everywhere(t):
+    """all_gather_v keeps a call's facts by its key; another key on one rank still fails on
+    every rank before any data moves."""
+    sizes = [3] * t.size
+    x = rand((3, 4), 3)
+    _twice(lambda: mpidp.all_gather_v(x, sizes, 0, t))
+    if t.rank == 1:
+        sizes = [3] * (t.size - 1) + [4]
+        x = rand((4 if t.size == 2 else 3, 4), 3)
+    with pytest.raises(CommError):
+        mpidp.all_gather_v(x, sizes, 0, t)
+
+
+def test_elementwise_fast_path_matches_the_general_path(manager):
+    """Same-layout ShardedTensors (and Python numbers) take the fast path; its results, in
+    place included, equal the plain ones; mixed layouts still take the general path."""
+    a, b = rand((2, 3, 7, 4), 4), rand((2, 3, 7, 4), 5)
+    sa, sb = mpidp.shard(a, manager=manager), mpidp.shard(b, manager=manager)
+    for got, want in (
+        (torch.add(sa, sb), a + b),
+        (sa * 2.0 - sb, a * 2.0 - b),
+        (torch.mul(sa, sb).float(), (a * b).float()),
+        (sa + b, a + b),  # a plain tensor of the global shape: the general path
+        (torch.maximum(sa, sb[:, :, :, :1]), torch.maximum(a, b[:, :, :, :1])),
+    ):
+        assert isinstance(got, type(sa)) and got.spec == sa.spec
+        torch.testing.assert_close(got.full_tensor(), want)
+    other = mpidp.shard(b, manager=manager, spec=ShardSpec.from_sizes([7] + [0] * (WORLD - 1)))
+    torch.testing.assert_close((sa + other).full_tensor(), a + b)
+    c = sa.clone()
+    assert c.add_(sb) is c
+    torch.testing.assert_close(c.full_tensor(), a + b)
+    g = a.clone().requires_grad_()
+    sg = mpidp.shard(g, manager=manager)
+    (sg * sb).sum().backward()  # x.grad holds this rank's rows of the gradient
+    start, rows = sa.spec.start(manager.domain_rank), sa.spec.sizes[manager.domain_rank]
+    torch.testing.assert_close(g.grad.narrow(-2, start, rows), b.narrow(-2, start, rows))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("spec_name", list(th.specs(WORLD)))
+@pytest.mark.parametrize("boundary", th.BOUNDARIES, ids=str)
+def test_learned_partition_matches_serial_reference(manager, spec_name, boundary):
+    """spec=None over MPI (the agreement beside the neighbours' rows): every width case of
+    tests/mpi/test_halo.py, forward (extended band and strips) and backward against the serial
+    reference, twice (the second call takes the kept facts); unservable widths refused on every
+    rank."""
+    t = MPITransport(manager.domain_comm)
+    spec = th.specs(t.size)[spec_name]
+    p, me = t.size, t.rank
+    full = th.field(spec, -2, 1)
+    problems = []
+    for case, (wb, wa) in enumerate([*th.widths(p), th.inner(spec)]):
+        before, after = th.per_rank(wb, p), th.per_rank(wa, p)
+        band = full.narrow(-2, spec.start(me), spec.sizes[me])
+        if not th.valid(spec, before, after, boundary):
+            with pytest.raises(ConfigError, match=th.WIDTH_ERROR):
+                mpidp.halo_exchange(band, wb, wa, boundary=boundary, group=t)
+            continue
+        lo, hi = spec.start(me) - before[me], spec.stop(me) + after[me]
+        want = serial_halo(full, lo, hi, -2, boundary)
+        for _ in range(2):
+            x = band.clone().requires_grad_()
+            out = mpidp.halo_exchange(x, wb, wa, boundary=boundary, group=t)
+            if not torch.equal(out, want):
+                problems.append(f"case {case} ({wb}, {wa}): forward differs")
+            g = rand(out.shape, 50 + case)
+            out.backward(g)
+            ref = full.clone().requires_grad_()
+            seeds = t.all_gather_object((lo, hi, g))
+            total = sum((serial_halo(ref, a, b, -2, boundary) * gr).sum() for a, b, gr in seeds)
+            total.backward()
+            got = mpidp.all_gather_v(x.grad, spec, -2, group=t)
+            if not torch.allclose(got, ref.grad, rtol=1e-14, atol=1e-14):
+                problems.append(f"case {case} ({wb}, {wa}): grad differs")
+        if min(before + after) >= 0:
+            low, high = mpidp.halo_strips(band, wb, wa, boundary=boundary, group=t)
+            cut = want.size(-2) - after[me]
+            if not (
+                torch.equal(low, want[..., : before[me], :])
+                and torch.equal(high, want[..., cut:, :])
+            ):
+                problems.append(f"case {case} ({wb}, {wa}): strips differ")
+    everyone = t.all_gather_object(problems)
+    assert not any(everyone), everyone
