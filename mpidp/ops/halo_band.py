@@ -24,17 +24,16 @@ grid with blocks (``P_lon > 1``) a group must be passed (an axis transport).
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mpidp.comm import PendingExchange, Transport
-from mpidp.comm.base import facts_checksum
 from mpidp.errors import CommError, ConfigError
 from mpidp.ops.functions import _call, band_transport
-from mpidp.ops.halo_plan import Boundary, Layout, Piece, Plan, neighbours_only
+from mpidp.ops.halo_args import _FACTS, Widths, _agree, _Known, _known_of, _raise
+from mpidp.ops.halo_plan import Layout, Piece, Plan, neighbours_only
 from mpidp.ops.halo_plan import layout as layout_for
 from mpidp.ops.halo_plan import plan as plan_for
 from mpidp.runtime.manager import DistributedManager
@@ -47,8 +46,6 @@ __all__ = [
     "place_piece",
     "start_halo_exchange",
 ]
-
-Widths = int | Sequence[int]
 
 #: what the band-only refusal names (the default group is the domain group: bands)
 _WHAT = "halo_exchange with one dim"
@@ -215,150 +212,6 @@ class _HaloAccumulate(torch.autograd.Function):
 # -- arguments: checked on every rank, agreed in one small all-gather -----------------------
 
 
-def _widths(w: Widths, p: int, what: str, problems: list[str]) -> tuple[int, ...]:
-    try:
-        return (operator.index(w),) * p  # type: ignore[arg-type]
-    except TypeError:
-        pass
-    try:
-        out = tuple(int(v) for v in w)  # type: ignore[union-attr]
-    except TypeError:
-        problems.append(f"{what}={w!r} is neither an int nor one int per rank")
-        return (0,) * p
-    if len(out) != p:
-        problems.append(f"{what} has {len(out)} entries {list(out)}, expecting one per rank ({p})")
-        return (0,) * p
-    return out
-
-
-def _local_problems(
-    x: torch.Tensor, dim: int, spec: ShardSpec | None, b: Boundary, t: Transport
-) -> tuple[list[str], int, int]:
-    problems = []
-    nd = x.dim()
-    d = dim % nd if -nd <= dim < nd else None
-    if d is None:
-        problems.append(f"dim {dim} is out of range for shape {tuple(x.shape)}")
-    if spec is not None and d is not None:
-        if spec.parts != t.size:
-            problems.append(f"spec {spec} has {spec.parts} shards for a group of {t.size} ranks")
-        elif x.size(d) != spec.sizes[t.rank]:
-            problems.append(
-                f"tensor of shape {tuple(x.shape)} has {x.size(d)} rows along dim {d} but the "
-                f"spec gives this rank {spec.sizes[t.rank]} ({spec})"
-            )
-    rd = b.roll_dim % nd if -nd <= b.roll_dim < nd else None
-    if b.polar:
-        if rd is None or rd == d:
-            problems.append(
-                f"polar boundary: roll_dim {b.roll_dim} must be a dim of shape {tuple(x.shape)} "
-                f"other than the sharded dim {dim}"
-            )
-        elif x.size(rd) % 2:
-            problems.append(
-                f"polar boundary: the extent along roll_dim {rd} is {x.size(rd)}, odd; rows "
-                f"across a pole are rolled by half the circle, which needs an even size"
-            )
-    return problems, (d if d is not None else 0), (rd if rd is not None else 0)
-
-
-_FACTS = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
-
-
-def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) -> list[int]:
-    """Every rank's local size; raises one CommError on every rank when any rank found a
-    problem or the ranks' shared arguments (``facts``) differ. One all-gather of 3 ints."""
-    table, lines = t.agree(problems, dict(zip(_FACTS, facts, strict=True)), [n])
-    if lines:
-        _raise(t, lines)
-    return [row[0] for row in table]
-
-
-def _raise(t: Transport, lines: list[str]) -> None:
-    raise CommError(
-        f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
-        + "\n  ".join(lines)
-        + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
-        "extent along dim is its own shard size"
-    )
-
-
-@dataclasses.dataclass
-class _Known:
-    """A call's checked arguments, kept by the call's key (:func:`_key`): what the next call
-    with the same key would derive again, its agreement checksum, and its ops by partition."""
-
-    facts: tuple[Any, ...]
-    checksum: int  # what Transport.agree all-gathers for these facts (facts_checksum)
-    d: int
-    rd: int
-    bw: tuple[int, ...]
-    aw: tuple[int, ...]
-    b: Boundary
-    spec: ShardSpec | None
-    ops: dict[tuple[int, ...], _Op] = dataclasses.field(default_factory=dict)
-
-
-def _hashable(w: Any) -> Any:
-    return w if isinstance(w, (int, str, tuple, ShardSpec, Boundary)) or w is None else tuple(w)
-
-
-def _key(
-    x: torch.Tensor,
-    before: Any,
-    after: Any,
-    dim: int,
-    spec: Any,
-    boundary: Any,
-    grad: bool,
-    roll_dim: int,
-    strips: bool,
-) -> tuple[Any, ...] | None:
-    """What a call's checked facts depend on, or None when an argument is not a plain value
-    (then the call derives everything afresh)."""
-    try:
-        key = (
-            x.shape,
-            x.dtype,
-            grad,
-            dim,
-            _hashable(before),
-            _hashable(after),
-            _hashable(spec),
-            _hashable(boundary),
-            roll_dim,
-            strips,
-        )
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _check(
-    x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int,
-    spec: Any,
-    boundary: Any,
-    roll_dim: int,
-    t: Transport,
-    grad: bool,
-) -> tuple[_Known, list[str]]:
-    """Every local check of a call's arguments, and its facts for the agreement."""
-    if spec is not None and not isinstance(spec, ShardSpec):
-        spec = ShardSpec.from_sizes(spec)
-    b = Boundary.of(boundary, roll_dim)
-    problems, d, rd = _local_problems(x, dim, spec, b, t)
-    bw = _widths(before, t.size, "before", problems)
-    aw = _widths(after, t.size, "after", problems)
-    others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
-    checksum = facts_checksum(dict(zip(_FACTS, facts, strict=True)))
-    return _Known(facts, checksum, d, rd, bw, aw, b, spec), problems
-
-
 def _op_for(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, strips: bool) -> _Op:
     plan = plan_for(sizes, k.bw, k.aw, k.b, t.rank)
     if not strips:
@@ -373,32 +226,6 @@ def _op_for(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, st
         windows = ((0, k.bw[me]), (plan.length - k.aw[me], k.aw[me]))
     layout = layout_for(plan, windows)
     return _Op(t, plan, layout, k.d, k.rd, x.size(k.rd) // 2 if k.b.polar else 0)
-
-
-def _known_of(
-    t: Transport,
-    x: torch.Tensor,
-    before: Widths,
-    after: Widths,
-    dim: int,
-    spec: ShardSpec | Sequence[int] | None,
-    boundary: Any,
-    roll_dim: int,
-    strips: bool,
-) -> tuple[_Known, list[str]]:
-    """The call's checked arguments: kept by its key after the first call without problems."""
-    grad = torch.is_grad_enabled() and x.requires_grad
-    key = _key(x, before, after, dim, spec, boundary, grad, roll_dim, strips)
-    cache: dict[Any, _Known] = t.__dict__.setdefault("_halo_known", {})
-    k = cache.get(key) if key is not None else None
-    if k is not None:
-        return k, []
-    k, problems = _check(x, before, after, dim, spec, boundary, roll_dim, t, grad)
-    if key is not None and not problems:
-        if len(cache) > 1024:  # many distinct calls: start over
-            cache.clear()
-        cache[key] = k
-    return k, problems
 
 
 def _op_of(k: _Known, sizes: tuple[int, ...], t: Transport, x: torch.Tensor, strips: bool) -> _Op:
