@@ -7,7 +7,8 @@ this machine, and its predictions to 1024 ranks.
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
    for the latency ``alpha``, 4 MB for the bandwidth ``beta``), medians.
 2. Real training steps of the example U-Net (converted, forward + backward + gradient sync,
-   float32, one thread per rank) at P = 1, 2 and 4 (4 ranks on 2 cores: oversubscribed, so
+   float32, one thread per rank), and its compute floor (the plain model on each rank's rows
+   alone, no exchange), at P = 1, 2 and 4 (4 ranks on 2 cores: oversubscribed, so
    its measurement is not what the model predicts for 4 cores; reported as such).
 3. The model's prediction for the same P from the measured serial step (P = 1), the measured
    network and the per-call cost of ``docs/bench/percall.json`` (its converted conv over
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -67,16 +69,28 @@ def step(args: argparse.Namespace) -> dict[str, float]:
     model = mpidp.convert_to_domain_parallel(build_model("unet", args.channels, grid), m)
     spec = m.spec(grid[0])
     x = torch.randn(1, args.channels, spec.sizes[m.domain_rank], grid[1])
-    times = []
-    for _ in range(args.steps + 1):  # the first is a warm-up
+    # the same network built for this rank's rows (its upsampling sizes are the grid's)
+    plain = build_model("unet", args.channels, tuple(x.shape[-2:]))
+
+    def converted() -> None:
         model.zero_grad(set_to_none=True)
-        world.Barrier()
-        t0 = time.perf_counter()
         mpidp.global_mean(model(x).square(), manager=m).backward()
         mpidp.sync_gradients(model, m)
-        times.append(time.perf_counter() - t0)
-    slowest = world.allreduce(statistics.median(times[1:]), op=MPI.MAX)
-    return {"ranks": world.Get_size(), "step": slowest}
+
+    def floor() -> None:  # the plain model on this rank's rows alone: no exchange at all
+        plain.zero_grad(set_to_none=True)
+        plain(x).square().mean().backward()
+
+    out = {"ranks": world.Get_size()}
+    for name, fn in (("step", converted), ("floor", floor)):
+        times = []
+        for _ in range(args.steps + 1):  # the first is a warm-up
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = world.allreduce(statistics.median(times[1:]), op=MPI.MAX)
+    return out
 
 
 def main() -> None:
@@ -101,27 +115,55 @@ def main() -> None:
     from mpidp.preflight.plan import build_model
     from mpidp.preflight.scaling import NETWORKS, Network, as_dicts, predict_scaling, table
 
+    # one rank per core polls while it waits (as an HPC job runs); 4 ranks on 2 cores sleep
+    # instead (polling ranks would starve the ones that compute)
+    os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "0"
     net = run_worker(__file__, 2, ["--mode", "pingpong"])
     here = Network("this machine", net["alpha"], net["beta"], "measured here, 2 ranks")
     cli = ["--grid", *map(str, args.grid), "--channels", str(args.channels)]
     cli += ["--steps", str(args.steps), "--mode", "step"]
-    measured = {p: run_worker(__file__, p, cli)["step"] for p in (1, 2, 4)}
+    measured, floors = {}, {}
+    for p in (1, 2, 4):
+        os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1" if p > (os.cpu_count() or 1) else "0"
+        got = run_worker(__file__, p, cli)
+        measured[p], floors[p] = got["step"], got["floor"]
     percall = HERE.parent / "docs" / "bench" / "percall.json"
     per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
     shape = (1, args.channels, *args.grid)
     model = build_model("unet", args.channels, tuple(args.grid))
-    serial = measured[1]
-    kw = {"serial_step": serial, "per_call": per_call}
+    # the compute the model scales is the plain model's; what mpidp's front end adds to a step
+    # whatever P is measured at P = 1 (the converted step minus the plain one)
+    serial, fixed = floors[1], measured[1] - floors[1]
+    kw = {"serial_step": serial, "per_call": per_call, "fixed": fixed}
     checked = predict_scaling(model, shape, [1, 2, 4], network=here, **kw)
     rows = []
     print(f"U-Net {shape}, float32: predicted against measured steps (this machine's network)")
-    print(f"{'P':>3}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
+    print(
+        f"{'P':>3}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
+        f"{'floor ms':>10}{'pred. compute':>15}{'error':>8}{'rest ms':>9}{'pred. rest':>12}"
+    )
     for pt in checked:
-        got = measured[pt.parts]
+        got, fl = measured[pt.parts], floors[pt.parts]
         err = (pt.step - got) / got
+        rest, pred_rest = got - fl, pt.comm + pt.calls
         note = "  (4 ranks on 2 cores: oversubscribed)" if pt.parts > 2 else ""
-        print(f"{pt.parts:>3}{got * 1e3:>13.1f}{pt.step * 1e3:>14.1f}{100 * err:>7.1f}%{note}")
-        rows.append({"parts": pt.parts, "measured": got, "predicted": pt.step, "error": err})
+        print(
+            f"{pt.parts:>3}{got * 1e3:>13.1f}{pt.step * 1e3:>14.1f}{100 * err:>7.1f}%"
+            f"{fl * 1e3:>10.1f}{pt.compute * 1e3:>15.1f}{100 * (pt.compute - fl) / fl:>7.1f}%"
+            f"{rest * 1e3:>9.1f}{pred_rest * 1e3:>12.1f}{note}"
+        )
+        rows.append(
+            {
+                "parts": pt.parts,
+                "measured": got,
+                "predicted": pt.step,
+                "error": err,
+                "floor": fl,
+                "predicted_compute": pt.compute,
+                "rest": rest,
+                "predicted_rest": pred_rest,
+            }
+        )
     parts = [2**k for k in range(11)]
     curves = {}
     for network in (here, *NETWORKS.values()):
@@ -132,6 +174,7 @@ def main() -> None:
     doc = {
         "shape": list(shape),
         "per_call": per_call,
+        "fixed": fixed,
         "network_measured": net,
         "checked": rows,
         "curves": curves,

@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --scaling: the serial forward + backward (default: timed here once)",
     )
     plan.add_argument(
+        "--fixed",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --scaling: what the front end adds to every step (bench/scaling_model.py)",
+    )
+    plan.add_argument(
         "--per-call",
         type=float,
         default=3e-4,
@@ -490,6 +497,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
             serial_step=step,
             network=network,
             per_call=args.per_call,
+            fixed=args.fixed,
             dtype=dtype,
         )
     except MpidpError as err:

@@ -17,7 +17,10 @@ For each P, the busiest rank's step is
   forward and backward) and the gradient all-reduce of the parameters (ring: 2 (P - 1) / P of
   their bytes, 2 log2 P latencies);
 - **calls**: the fixed cost of a converted layer's call over torch's (``per_call``, measured by
-  ``bench/percall.py``) for each spatial layer, forward and backward, when P > 1.
+  ``bench/percall.py``) for each spatial layer, forward and backward, when P > 1;
+- **fixed**: what the front end adds to a step whatever P (``fixed``: the converted model's
+  step at P = 1 minus the plain model's, measured by ``bench/scaling_model.py``: ShardedTensor
+  dispatch of the model's own code, the loss's and the gradients' reductions).
 
 Nothing overlaps in the model (mpidp's exchanges block on CPU): the sum is the step. Memory per
 rank: parameters and gradients (and ``optimizer_states`` copies of the parameters) plus the
@@ -136,6 +139,7 @@ def _point(
     partition: PartitionPolicy,
     dtype: torch.dtype,
     optimizer_states: int,
+    fixed: float,
 ) -> ScalingPoint:
     priced = plan_model(
         model, global_shape, parts, partition=partition, dtype=dtype, simulate=False
@@ -168,7 +172,8 @@ def _point(
             comm += network.seconds(2 * log_p, 2 * (parts - 1) / parts * params)
         calls = 2 * len(layers) * per_call if parts > 1 else 0.0
         memory = (2 + optimizer_states) * params + cost.activation_bytes
-        point = ScalingPoint(parts, compute + comm + calls, compute, comm, calls, memory, cost.rows)
+        step = compute + comm + calls + fixed
+        point = ScalingPoint(parts, step, compute, comm, calls, memory, cost.rows)
         if best is None or point.step > best.step:
             best = point
     assert best is not None
@@ -186,12 +191,14 @@ def predict_scaling(
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
+    fixed: float = 0.0,
 ) -> list[ScalingPoint]:
     """The predicted step of ``model`` on inputs of ``global_shape`` at each rank count in
     ``parts`` (those the grid can be cut into), its busiest rank's. ``serial_step``: seconds
     of one forward and backward on one process (:func:`serial_step_seconds`); ``per_call``:
     seconds a converted layer's call costs over torch's (``bench/percall.py``'s conv figure);
-    ``optimizer_states``: copies of the parameters the optimizer keeps (Adam: 2). Local."""
+    ``optimizer_states``: copies of the parameters the optimizer keeps (Adam: 2); ``fixed``:
+    seconds the front end adds to every step (see the module doc). Local."""
     policy = partition if partition is not None else Balanced()
     out = []
     for p in parts:
@@ -201,7 +208,7 @@ def predict_scaling(
             continue
         out.append(
             _point(model, global_shape, p, serial_step, network, per_call, policy, dtype,
-                   optimizer_states)
+                   optimizer_states, fixed)
         )  # fmt: skip
     return out
 
@@ -212,14 +219,16 @@ def table(points: Sequence[ScalingPoint], serial_step: float, network: Network) 
         f"scaling model: serial step {serial_step * 1e3:.1f} ms; network {network.name} "
         f"(alpha {network.alpha * 1e6:.1f} us, beta {network.beta / 1e9:.2f} GB/s, "
         f"{network.source}); the busiest rank, no overlap",
-        f"{'P':>6}{'rows':>7}{'step ms':>10}{'compute':>10}{'comm':>9}{'calls':>9}"
+        f"{'P':>6}{'rows':>7}{'step ms':>10}{'compute':>10}{'comm':>9}{'calls':>9}{'fixed':>8}"
         f"{'comm %':>8}{'speed-up':>10}{'efficiency':>12}{'memory MB':>11}",
     ]
     for pt in points:
         speedup = serial_step / pt.step if pt.step else 0.0
         lines.append(
             f"{pt.parts:>6}{pt.rows:>7}{pt.step * 1e3:>10.1f}{pt.compute * 1e3:>10.1f}"
-            f"{pt.comm * 1e3:>9.2f}{pt.calls * 1e3:>9.2f}{100 * pt.comm_fraction:>8.1f}"
+            f"{pt.comm * 1e3:>9.2f}{pt.calls * 1e3:>9.2f}"
+            f"{(pt.step - pt.compute - pt.comm - pt.calls) * 1e3:>8.2f}"
+            f"{100 * pt.comm_fraction:>8.1f}"
             f"{speedup:>10.2f}{speedup / pt.parts:>12.2f}{pt.memory / 1e6:>11.1f}"
         )
     return "\n".join(lines)

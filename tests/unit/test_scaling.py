@@ -29,6 +29,11 @@ def test_one_conv_at_two_ranks_is_its_formula():
     assert two.calls == pytest.approx(2 * 1e-4)
     assert two.step == pytest.approx(5 / 9 + halo + grads + 2e-4)
     assert two.memory == 4 * params + busiest.activation_bytes
+    # the front end's cost per step is added at every P, and nothing else changes
+    one_f, two_f = predict_scaling(
+        model, shape, [1, 2], serial_step=1.0, network=net, per_call=1e-4, fixed=0.25
+    )
+    assert (one_f.step, two_f.step) == (pytest.approx(1.25), pytest.approx(two.step + 0.25))
 
 
 def test_rank_counts_beyond_the_rows_are_left_out():
