@@ -11,7 +11,9 @@ blocks (one integer along each axis), the transforms make their pencil transpose
 longitude row first (and last), and the spectral layout is the band one over the whole domain
 group (every H frequency, the W modes cut over all ``P_lat * P_lon`` ranks), so the filter code
 between the transforms is the band code: the modes truncated along H are all here, those along
-W by global mode number, a rank holding no kept mode joins the exchanges with zeros.
+W by global mode number, a rank holding no kept mode joins the exchanges with zeros. The
+position embedding takes the block's rows and columns of its table, and the patch head moves
+pixel rows along the latitude column and pixel columns along the longitude row.
 """
 
 from __future__ import annotations
@@ -139,26 +141,29 @@ class DomainParallelSpectralConv2d(SpectralBands, SpectralConv2d):
 
 
 class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
-    """The band's rows of the learned embedding (channels-last (B, h, w, C): rows are dim 1).
-    The gradient of the other rows is zero here; the domain sum of gradients completes it."""
+    """The band's rows (the block's rows and columns) of the learned embedding (channels-last
+    (B, h, w, C): rows are dim 1, columns dim 2). The gradient of the other rows is zero here;
+    the domain sum of gradients completes it."""
 
-    dry_run = channels_last_in = channels_last_out = True
+    dry_run = channels_last_in = channels_last_out = on_blocks = True
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        rows = learn_spec(x, 1, t)
-        return x + self.weight[:, rows.start(t.rank) : rows.stop(t.rank)]
+        weight: torch.Tensor = self.weight
+        for axis in self._axes(x[..., 0]):  # the grid dims: those before the channels
+            cut, r = learn_spec(x, axis.dim, axis.transport), axis.transport.rank
+            weight = weight.narrow(axis.dim, cut.start(r), cut.sizes[r])
+        return x + weight
 
 
 class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
-    """The linear un-patching head on a band of token rows: each token row becomes ``patch``
-    pixel rows here, then the rows move to the manager's partition of the output height (only
-    the boundary rows travel)."""
+    """The linear un-patching head on a band (a block) of tokens: each token row (column)
+    becomes ``patch`` pixel rows (columns) here, then they move to the manager's partition of
+    the output height (and width), along each cut axis (only the boundary rows travel)."""
 
-    dry_run = channels_last_in = True
+    dry_run = channels_last_in = on_blocks = True
 
     @classmethod
     def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
@@ -181,11 +186,12 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        tokens = learn_spec(x, 1, t)
         y = super().forward(x)
-        pixels = [self.patch * n for n in tokens]
-        return repartition(y, pixels, self._out_spec(sum(pixels)), -2, group=t)
+        for axis in self._axes(x[..., 0]):  # token dim d of (B, h, w, C) is pixel dim d + 1
+            t = axis.transport
+            pixels = [self.patch * n for n in learn_spec(x, axis.dim, t)]
+            y = repartition(y, pixels, self._out_spec(sum(pixels), t), axis.dim + 1, group=t)
+        return y
 
 
 for _t, _l in (

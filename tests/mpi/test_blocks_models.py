@@ -21,7 +21,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.models import AFNOFilter, FNO2d, SwinBlock, WindowAttention
+from mpidp.models import AFNOFilter, AFNONet, FNO2d, SwinBlock, SwinNet, WindowAttention
 from mpidp.models.window import DomainParallelWindowAttention
 from mpidp.ops.attention import sliding_window_attention
 
@@ -103,6 +103,22 @@ def test_shifted_window_swin(gm):
     bad = model_case(gm, swin, ["0.attn", "1.attn"], (2, 13, 20, 8), (-3, -2), seed=4)
     attn = WindowAttention(4, 2, (2, 4, 6), shift=True, earth_grid=(3, 13, 20))
     bad += model_case(gm, nn.Sequential(attn), ["0"], (1, 3, 13, 20, 4), (-3, -2), seed=6)
+    assert not bad
+
+
+def test_patch_networks(gm):
+    """FourCastNet's AFNO network and a Pangu-style Swin network (a patch-2 embedding, a
+    position embedding, AFNO or unshifted and shifted window blocks, a patch head) on 16 x 20
+    fields: 8 x 10 tokens, cut unevenly at 3 ranks along an axis, moved back to the pixels'
+    partition by the head."""
+    torch.manual_seed(2)
+    common = ["patch_embed", "pos_embed", "head"]
+    afno = AFNONet(3, 2, (16, 20), patch=2, embed_dim=8, depth=1, num_blocks=2)
+    afno.blocks[0].filter.mask[:, 4:] = False  # not every W mode kept: the cut shows
+    bad = model_case(gm, afno, [*common, "blocks.0.filter"], (2, 3, 16, 20), (-2, -1), seed=10)
+    swin = SwinNet(3, 2, (16, 20), patch=2, embed_dim=8, depth=2, heads=2, window=(3, 4))
+    paths = [*common, "blocks.0.attn", "blocks.1.attn"]
+    bad += model_case(gm, swin, paths, (1, 3, 16, 20), (-2, -1), seed=12)
     assert not bad
 
 
