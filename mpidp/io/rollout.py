@@ -55,9 +55,10 @@ class RolloutWriter:
     ``standard_name`` and ``long_name``.
 
     A ``path`` ending in ``.zarr`` (or ``format="zarr"``) is written as a Zarr store (format
-    ``zarr_format``), chunked one step by ``chunk_rows`` rows (default: the tallest band) by
-    every longitude; every rank writes its chunks at once (the rows of a chunk that starts in
-    another rank's band go to that rank first: no two ranks ever write one chunk), and
+    ``zarr_format``), chunked one step by ``chunk_rows`` rows (default: the first step's
+    tallest band) by every longitude; every rank writes its chunks at once (the rows of a
+    chunk that starts in another rank's band go to that rank first: no two ranks ever write
+    one chunk), and
     ``xarray.open_zarr`` opens it. Use as a context manager::
 
         with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon,
@@ -65,6 +66,11 @@ class RolloutWriter:
             for step in range(n):
                 x = model(x)
                 out.write(x[0], time=6 * (step + 1))
+
+    The partition may change between steps (``manager.set_partition``, rebalancing): each
+    step is written with the bands it is given (the file's chunks stay as they were made);
+    move the rollout's state to the new cut with :func:`mpidp.repartition`, which sends only
+    the rows that change owner.
 
     Collective over ``group`` (default: the domain group): every rank calls every method.
     """
@@ -155,13 +161,13 @@ class RolloutWriter:
             [x.shape[1] if x.ndim == 3 else 0],
         )
         sizes = [row[0] for row in table]
-        if self.sizes is None:
-            self.sizes = sizes
-        elif sizes != self.sizes:
+        if self.sizes is not None and sum(sizes) != sum(self.sizes):
             raise DataError(
                 f"rank {0 if self.t is None else self.t.rank}: step {self.steps} has bands of "
-                f"{sizes} rows, earlier steps {self.sizes}; keep the partition fixed"
+                f"{sizes} rows ({sum(sizes)} in all), earlier steps {self.sizes} "
+                f"({sum(self.sizes)}); fix: write bands of the same grid at every step"
             )
+        self.sizes = sizes  # a new cut of the same grid (manager.set_partition) is written as is
         h, w = sum(sizes), x.shape[-1]
         step = self.steps
         me = 0 if self.t is None else self.t.rank
@@ -248,7 +254,9 @@ class RolloutWriter:
         """Step ``step`` into the temporary Zarr store: rank 0 creates or grows the arrays,
         then every rank writes its chunks. Returns this rank's error. Collective."""
         h = sum(sizes)
-        rows = self.chunk_rows or max(1, *sizes)
+        if self.chunk_rows is None:  # the store's chunks, kept when the cut changes
+            self.chunk_rows = max(1, *sizes)
+        rows = self.chunk_rows
         dims = ("time", "latitude", "longitude")
 
         def create() -> None:

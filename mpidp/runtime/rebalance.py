@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from mpidp.runtime.partition import Aligned, Balanced, PartitionPolicy, ShardSpe
 if TYPE_CHECKING:
     from mpidp.runtime.manager import DistributedManager
 
-__all__ = ["fastest_counts", "rebalance", "set_partition"]
+__all__ = ["fastest_counts", "follow_partition", "rebalance", "set_partition"]
 
 
 def fastest_counts(
@@ -178,8 +179,36 @@ def set_partition(
                 policy.spec(rows, p)
             except ConfigError as err:
                 problems.append(f"{policy!r} cannot cut the input's {rows} rows: {err}")
-    _agree(manager, "set_partition", problems, {"policy": repr(policy), "rows": repr(rows)})
+    moving = _followers(manager)
+    facts = {"policy": repr(policy), "rows": repr(rows), "loops read ahead": len(moving)}
+    _agree(manager, "set_partition", problems, facts)
+    for follow in moving:  # in the order they were made, the same on every rank
+        follow(manager.partition, policy)
     manager.partition = policy
+
+
+#: per manager, weak references to the callbacks of what holds bands across set_partition
+_FOLLOWERS: weakref.WeakKeyDictionary[Any, list[weakref.WeakMethod[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def follow_partition(manager: DistributedManager, callback: Any) -> None:
+    """Call the bound method ``callback(old_policy, new_policy)`` inside every later
+    ``manager.set_partition``, once the ranks agreed and before the new policy is installed
+    (so that bands read under the old cut can be moved), when its object's ``following()`` is
+    true (it holds bands now); the number of those is agreed with the policy. Held weakly.
+    Each call is collective: register in the same order on every domain rank."""
+    _FOLLOWERS.setdefault(manager, []).append(weakref.WeakMethod(callback))
+
+
+def _followers(manager: DistributedManager) -> list[Any]:
+    """The live callbacks whose objects hold bands now, in the order they were registered."""
+    refs = [r for r in _FOLLOWERS.get(manager, []) if r() is not None]
+    if refs:
+        _FOLLOWERS[manager] = refs
+    live = [r() for r in refs]
+    return [cb for cb in live if cb is not None and cb.__self__.following()]
 
 
 def _blocks_refused(manager: DistributedManager) -> list[str]:

@@ -121,3 +121,40 @@ def test_worker_processes_give_the_items_of_one_process(manager, data, fmt):
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert multiprocessing.active_children() == []
+
+
+def test_items_read_ahead_follow_a_partition_change(manager, data):
+    """Issue 48: ``set_partition`` between two steps moves every item the Prefetcher read
+    ahead under the old cut to the new one (ranks read on until they hold the same items):
+    each item equals the loader's read under the cut in force when it is used. A reader with
+    halo rows is refused on every rank, the partition and the loop kept."""
+    plain = {k: v for k, v in OPTIONS.items() if k != "halo" and k != "boundary"}
+    ds = ShardedZarrDataset(data["zarr"], manager=manager, **plain)
+    old = manager.spec(H)
+    new_policy = mpidp.Weighted(tuple(range(1, P + 1)))
+    new = new_policy.spec(H, P)
+    cuts = {
+        c: ShardedZarrDataset(data["zarr"], manager=manager, spec=c.sizes, **plain)
+        for c in (old, new)
+    }
+    got = []
+    try:
+        for i, item in enumerate(
+            Prefetcher(DataLoader(ds, batch_size=1), depth=2, manager=manager)
+        ):
+            got.append(item)
+            if i == 1:
+                time.sleep(0.2 * ME)  # the ranks hold different numbers of items read ahead
+                manager.set_partition(new_policy, rows=H)
+    finally:
+        manager.partition = mpidp.Balanced()
+    want = [tuple(t.unsqueeze(0) for t in cuts[old if i < 2 else new][i]) for i in range(len(ds))]
+    _assert_same(got, want)
+    halo = READERS["zarr"](data["zarr"], manager=manager, **OPTIONS)
+    loop = iter(Prefetcher(DataLoader(halo, batch_size=1), manager=manager))
+    first = next(loop)
+    with pytest.raises(mpidp.ConfigError, match=r"cannot move the items read ahead.*halo"):
+        manager.set_partition(new_policy, rows=H)
+    assert manager.partition == mpidp.Balanced()
+    assert len([first, *loop]) == len(halo)
+    assert _threads() == []
