@@ -92,9 +92,10 @@ def test_fno_and_afno(gm):
 
 def test_shifted_window_swin(gm):
     """An unshifted then a shifted Swin block (LayerNorm, window attention, MLP, residuals) on
-    channels-last 13 x 20 tokens, windows of 4 x 6 (the grid padded to 16 x 24) straddling
-    the cuts along both dims, the shifted one with Pangu's earth-specific bias; and a 3-D
-    shifted window (the levels whole, padded and rolled locally)."""
+    channels-last 13 x 20 tokens, windows of 4 x 6 (the grid padded to 16 x 24; at 2 x 2 the
+    shifted windows straddle both cuts, at 3 ranks along an axis the unshifted ones too, at 4
+    they span two ranks), the shifted one with Pangu's earth-specific bias; and a 3-D shifted
+    window (the levels whole, padded and rolled locally)."""
     torch.manual_seed(1)
     swin = nn.Sequential(
         SwinBlock(8, 2, (4, 6), shift=False),
