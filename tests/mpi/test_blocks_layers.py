@@ -27,7 +27,7 @@ from mpidp.runtime.grid import BlockSpec
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1)]
+ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 4, 9, 13)  # uneven over every grid above
 
