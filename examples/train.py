@@ -102,9 +102,10 @@ class Config:
     times: int = option(64, "time steps of the sample data, 6 hours apart")
     domain: str = option(
         "auto",
-        "ranks per domain group, each holding one latitude band; auto gives 2 when the ranks "
-        "left after --tensor are even, else all of them",
-        metavar="N|auto",
+        "ranks per domain group, each holding one latitude band (N), or a grid of latitude x "
+        "longitude blocks (AxB: A rows of B ranks); auto gives 2 when the ranks left after "
+        "--tensor are even, else all of them",
+        metavar="N|AxB|auto",
     )
     data_parallel: str = option(
         "none",
@@ -191,9 +192,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
         )
     if cfg.model != "unet" and (cfg.mlp or cfg.tensor > 1):
         parser.error("--mlp / --tensor: tensor parallelism is declared in the U-Net only")
-    if cfg.domain != "auto" and not (str(cfg.domain).isdigit() and int(cfg.domain) >= 1):
+    if cfg.domain != "auto" and domain_grid(cfg.domain) is None:
         parser.error(
-            f"--domain {cfg.domain!r}: give the ranks per domain group (1, 2, ...) or auto"
+            f"--domain {cfg.domain!r}: give the ranks per domain group (1, 2, ...), a grid of "
+            f"latitude x longitude blocks (2x2, 1x4, ...) or auto"
         )
     for name in ("steps", "batch", "tensor", "width", "val_samples", "val_every", "log_every"):
         if getattr(cfg, name) < 1:
@@ -290,18 +292,40 @@ def tendency_std(
     return mpidp.global_mean((change - mean).square(), w, dims, manager).sqrt()
 
 
-def domain_size(cfg: Config, world: int) -> int:
+def domain_grid(text: str) -> tuple[int, int] | None:
+    """``(P_lat, P_lon)`` of ``--domain N`` (bands: ``(N, 1)``) or ``--domain AxB``; None when
+    it is neither."""
+    parts = str(text).lower().split("x")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        return None
+    sizes = [int(p) for p in parts]
+    return (sizes[0], sizes[1] if len(sizes) == 2 else 1)
+
+
+def domain_layout(cfg: Config, world: int) -> int | tuple[int, int]:
+    """What ``--domain`` asks for, as the parallelism config takes it: ranks per domain group
+    (bands) or a ``(P_lat, P_lon)`` grid of blocks."""
     if cfg.domain != "auto":
-        return int(cfg.domain)
+        grid = domain_grid(cfg.domain)
+        assert grid is not None  # parse_config checked it
+        return grid if "x" in str(cfg.domain).lower() else grid[0]
     inner = max(world // max(cfg.tensor, 1), 1)
     return 2 if inner % 2 == 0 else inner
+
+
+def domain_size(cfg: Config, world: int) -> int:
+    """Ranks per domain group."""
+    layout = domain_layout(cfg, world)
+    return layout[0] * layout[1] if isinstance(layout, tuple) else layout
 
 
 def describe(meshes: ParallelMesh) -> str:
     """``dp 2 x domain 2``, ``dp 1 x tensor 2 x domain 2 (fsdp2)``."""
     tensor = f"tensor {meshes.tp_size} x " if meshes.tp_size > 1 else ""
     data = f" ({meshes.config.data})" if meshes.config.data != "none" else ""
-    return f"dp {meshes.dp_size} x {tensor}domain {meshes.domain_size}{data}"
+    p_lat, p_lon = meshes.manager.grid
+    domain = f"{p_lat} x {p_lon} blocks" if p_lon > 1 else str(meshes.domain_size)
+    return f"dp {meshes.dp_size} x {tensor}domain {domain}{data}"
 
 
 def parallel_model(
@@ -465,7 +489,7 @@ def inference_command(ckpt: Path) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_config(argv)
     world = mpidp.DistributedManager.world_from_launcher()
-    layout = {"data": cfg.data_parallel, "tensor": cfg.tensor, "domain": domain_size(cfg, world)}
+    layout = {"data": cfg.data_parallel, "tensor": cfg.tensor, "domain": domain_layout(cfg, world)}
     try:
         meshes = build_device_mesh(layout)
     except mpidp.ConfigError as err:

@@ -320,3 +320,9 @@ def default_dims(ndim: int) -> tuple[str, ...]:
     if ndim <= 4:
         return named[4 - ndim :]
     return tuple(f"dim{i}" for i in range(ndim - 4)) + named
+
+
+def error(rank: int, what: str, fix: str) -> DataError:
+    """The :class:`~mpidp.DataError` of a reader: one rank prefix, in front, and the fix."""
+    what = re.sub(r"(^|: )rank \d+: ", r"\1", what)
+    return DataError(f"rank {rank}: {what}; fix: {fix}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import re
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -23,12 +22,11 @@ from torch.utils.data import Dataset
 
 from mpidp.comm import Transport
 from mpidp.errors import DataError
-from mpidp.io._common import check_everywhere, describe_error
+from mpidp.io._common import check_everywhere, describe_error, error
+from mpidp.io.block_cut import Halo, assemble, axis_cut, field_blocks, manager_blocks
 from mpidp.io.source import FieldSource, PartInfo, ReadFailure
-from mpidp.ops.geometry import HaloSpec
-from mpidp.ops.halo_band import place_piece
-from mpidp.ops.halo_plan import Boundary, Piece
-from mpidp.ops.halo_plan import plan as plan_for
+from mpidp.ops.halo_plan import Boundary
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import ShardSpec
 
@@ -77,23 +75,9 @@ def _channel_attributes(name: str, levels: tuple[int, ...], info: PartInfo) -> l
     return out
 
 
-def _halo(halo: int | tuple[int, int] | HaloSpec, parts: int) -> tuple[tuple[int, ...], ...]:
-    if isinstance(halo, HaloSpec):
-        return halo.before, halo.after
-    if isinstance(halo, int):
-        return (halo,) * parts, (halo,) * parts
-    before, after = halo
-    return (int(before),) * parts, (int(after),) * parts
-
-
 def _monotonic(lat: Any) -> bool:
     step = np.diff(np.asarray(lat, dtype=np.float64))
     return bool(np.all(step > 0) or np.all(step < 0))
-
-
-def error(rank: int, what: str, fix: str) -> DataError:
-    what = re.sub(r"(^|: )rank \d+: ", r"\1", what)  # one rank prefix, in front
-    return DataError(f"rank {rank}: {what}; fix: {fix}")
 
 
 _LIVE: weakref.WeakSet[BandDataset] = weakref.WeakSet()
@@ -122,14 +106,16 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         targets: Variables = None,
         lead_time: int = 1,
         input_steps: int = 1,
-        halo: int | tuple[int, int] | HaloSpec = 0,
+        halo: Halo = 0,
         boundary: Any = "zeros",
-        spec: ShardSpec | Sequence[int] | None = None,
+        spec: ShardSpec | Sequence[int] | BlockSpec | None = None,
         grid: tuple[int, int] | None = None,
         normalize: Normalize = "stored",
         lat_order: str = "north_to_south",
         dtype: torch.dtype = torch.float32,
         stats_stride: int = 1,
+        lon_halo: Halo = 0,
+        lon_boundary: Any = "circular",
     ) -> None:
         self.source = source = self._source(paths, opener)
         self.lead_time, self.input_steps = int(lead_time), int(input_steps)
@@ -148,6 +134,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             )
         infos = self._inspect(inputs, outputs, problems)
         b = Boundary.of(boundary, -1)
+        lon_b = self._lon_boundary(lon_boundary, problems)
         facts = {
             f"{source.part_word}s": [i.fingerprint for i in infos]
             if len(infos) == len(source.labels)
@@ -157,7 +144,9 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             "lead_time, input_steps": (self.lead_time, self.input_steps),
             "halo": repr(halo),
             "boundary": b,
-            "spec": None if spec is None else list(spec),
+            "lon_halo, lon_boundary": (repr(lon_halo), lon_b),
+            "spec": None if spec is None or isinstance(spec, BlockSpec) else list(spec),
+            "blocks": repr(spec) if isinstance(spec, BlockSpec) else None,
             "grid": grid,
             "normalize": repr(normalize),
             "lat_order": lat_order,
@@ -169,7 +158,8 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             f"{type(self).__name__} over {source.labels} cannot be read as asked",
             source.fix,
         )
-        self._setup(infos, grid, spec, manager, halo, b, lat_order)
+        self._halo_arg, self._lon_halo_arg, self.lon_boundary = halo, lon_halo, lon_b
+        self._setup(infos, grid, spec, manager, b, lat_order)
         self.mean, self.std = self._statistics(normalize, infos, t)
         _LIVE.add(self)
 
@@ -226,18 +216,31 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                     f"{name}: level indices {list(levels)} do not exist in its shape {shape}"
                 )
 
+    @staticmethod
+    def _lon_boundary(boundary: Any, problems: list[str]) -> Boundary:
+        """The longitude boundary (any non-polar kind; the polar fold is the latitude's)."""
+        try:
+            b = Boundary.of(boundary)
+        except Exception as err:
+            problems.append(f"lon_boundary: {err}")
+            return Boundary("circular", "circular")
+        if b.polar:
+            problems.append(
+                f"lon_boundary={boundary!r}: the polar fold is a latitude boundary (boundary=); "
+                f"the longitude wraps (lon_boundary='circular')"
+            )
+        return b
+
     def _setup(
         self,
         infos: list[PartInfo],
         grid: tuple[int, int] | None,
-        spec: ShardSpec | Sequence[int] | None,
+        spec: ShardSpec | Sequence[int] | BlockSpec | None,
         manager: DistributedManager | None,
-        halo: int | tuple[int, int] | HaloSpec,
         boundary: Boundary,
         lat_order: str,
     ) -> None:
         """Derived from facts every rank agreed on, so every rank raises alike (no hang)."""
-        parts = 1 if manager is None else manager.domain_world_size
         rank = 0 if manager is None else manager.domain_rank
         first = infos[0]
         h, w = next(iter(first.shapes.values()))[-2:]
@@ -249,21 +252,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                 f"{tuple(grid)} (the grid argument)",
                 "use the files of the model's resolution, or build the model for the files' grid",
             )
-        follows = spec is None and manager is not None
-        if spec is None:
-            try:
-                spec = manager.spec(h) if manager is not None else ShardSpec.balanced(h, 1)
-            except Exception as err:
-                raise error(rank, f"{where}: {err}", "use fewer domain ranks") from None
-        spec = spec if isinstance(spec, ShardSpec) else ShardSpec.from_sizes(spec)
-        if spec.total != h or spec.parts != parts:
-            raise error(
-                rank,
-                f"partition {list(spec.sizes)} cuts {spec.total} rows over {spec.parts} ranks "
-                f"but {where} has {h} latitude rows and the domain group {parts} ranks",
-                f"pass a spec of {parts} sizes summing to {h}",
-            )
-        self.rank, self.grid, self._halo_arg = rank, (h, w), halo
+        self.rank, self.grid = rank, (h, w)
         self.boundary = boundary
         if boundary.polar and w % 2:
             raise error(
@@ -273,9 +262,9 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             )
         # a cut the manager gave follows its partition (manager.set_partition), a spec passed
         # in stays
-        self._follows = manager if follows else None
+        self._follows = manager if spec is None and manager is not None else None
         self._policy = getattr(manager, "partition", None)
-        self._cut(spec, where)
+        self._cut(field_blocks(spec, manager, (h, w), where), where)
         lat = first.lat
         self._flip = bool(
             lat_order == "north_to_south" and lat is not None and len(lat) > 1 and lat[0] < lat[-1]
@@ -303,33 +292,31 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             attrs = _channel_attributes(name, levels if levels is not None else every, first)
             self.attributes.update(zip(names, attrs, strict=True))
 
-    def _cut(self, spec: ShardSpec, where: str) -> None:
-        """This rank's band, halo and read plan under ``spec``."""
-        rank, parts = self.rank, spec.parts
-        before, after = _halo(self._halo_arg, parts)
-        if len(before) != parts:
-            raise error(
-                rank,
-                f"halo {self._halo_arg!r} has widths for {len(before)} ranks, not {parts}",
-                f"pass a HaloSpec with {parts} widths",
-            )
-        try:
-            self._plan = plan_for(spec.sizes, before, after, self.boundary, rank)
-        except Exception as err:
-            raise error(rank, f"{where}: {err}", "use a smaller halo or another boundary") from None
-        self.spec = spec
-        self.halo = (before[rank], after[rank])
-        self.rows = (spec.start(rank) - before[rank], spec.stop(rank) + after[rank])
+    def _cut(self, blocks: BlockSpec, where: str) -> None:
+        """This rank's block, halo and read plan under ``blocks`` (bands: the grid
+        ``(P, 1)``)."""
+        i_lat, i_lon = blocks.coords(self.rank)
+
+        def fail(what: str, fix: str) -> DataError:
+            return error(self.rank, f"{where}: {what}", fix)
+
+        self._rows = axis_cut(blocks.lat, i_lat, self._halo_arg, self.boundary, fail, "latitude")
+        self._cols = axis_cut(
+            blocks.lon, i_lon, self._lon_halo_arg, self.lon_boundary, fail, "longitude"
+        )
+        self.blocks, self.spec, self.lon_spec = blocks, blocks.lat, blocks.lon
+        self.halo, self.lon_halo = self._rows.halo, self._cols.halo
+        self.rows, self.columns = self._rows.span, self._cols.span
 
     def _follow_partition(self) -> None:
         """Re-cut when the manager's partition changed since the last item (one identity
-        check per item): the next item is read with the new bands. Local."""
+        check per item): the next item is read with the new blocks. Local."""
         m = self._follows
         if m is None or m.partition is self._policy:
             return
         self._policy = m.partition
         h, w = self.grid
-        self._cut(m.spec(h), f"{self._labels[0]} ({h} x {w})")
+        self._cut(manager_blocks(m, (h, w)), f"{self._labels[0]} ({h} x {w})")
 
     @staticmethod
     def _sources(
@@ -398,17 +385,17 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return stats[:, 0], stats[:, 1]
 
     def _compute_statistics(self, t: Transport | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and std over all times and rows: each rank reads its own band (no halo) for
+        """Mean and std over all times and rows: each rank reads its own block (no halo) for
         its share of the times (split over data-parallel ranks); (count, mean, M2) per channel
         merged over the world in float64. Collective."""
         dp_rank, dp_size = self._dp
-        start, stop = self.spec.start(self.rank), self.spec.stop(self.rank)
+        rows, cols = self._rows.own, self._cols.own
         sources = self._distinct_sources()
         n = 0
         mean = np.zeros(len(self._all_channels))
         m2 = np.zeros(len(self._all_channels))
         for time in range(dp_rank, self.n_times, dp_size):
-            block = self._read_rows(time, sources, start, stop).reshape(len(mean), -1)
+            block = self._read(time, sources, *rows, *cols).reshape(len(mean), -1)
             k = block.shape[1]
             if k == 0:
                 continue
@@ -443,10 +430,17 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _read_rows(
-        self, time: int, sources: list[tuple[str, Any, list[str]]], lo: int, hi: int
+    def _read(
+        self,
+        time: int,
+        sources: list[tuple[str, Any, list[str]]],
+        lo: int,
+        hi: int,
+        c0: int,
+        c1: int,
     ) -> np.ndarray:
-        """Channels x rows ``[lo, hi)`` (presented order, inside the field) x lon at ``time``."""
+        """Channels x rows ``[lo, hi)`` (presented order, inside the field) x columns
+        ``[c0, c1)`` at ``time``."""
         part = bisect.bisect_right(self._starts, time) - 1
         local = time - self._starts[part]
         h = self.grid[0]
@@ -455,15 +449,15 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         for name, index, _ in sources:
             unpack = self._packing[part].get(name)
             try:
-                block = self.source.read(part, name, local, index, a, b)
+                block = self.source.read(part, name, local, index, a, b, c0, c1)
                 blocks.append(block if unpack is None else unpack.apply(block))
             except ReadFailure as err:
                 raise error(self.rank, err.what, err.fix) from err
             except self.source.errors as err:
                 raise error(
                     self.rank,
-                    f"reading {name!r} rows {a}:{b} at time index {local} of "
-                    f"{self._labels[part]} failed: {describe_error(err)}",
+                    f"reading {name!r} rows {a}:{b}, columns {c0}:{c1} at time index {local} "
+                    f"of {self._labels[part]} failed: {describe_error(err)}",
                     self.source.broken,
                 ) from err
         out = np.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
@@ -479,36 +473,20 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (x - mean) / std
 
     def read_band(self, time: int) -> torch.Tensor:
-        """The input channels at ``time``: rows ``self.rows`` (band plus halo, boundary rows
-        filled), normalised, shape ``(len(channels), rows, lon)``. Reads only the rows in the
-        field that those rows come from (one read per run of rows and variable). The bands
-        are the manager's current cut (after ``manager.set_partition``, the new one)."""
+        """The input channels at ``time``: rows ``self.rows`` by columns ``self.columns``
+        (block plus halo, entries beyond the edges filled as
+        :func:`~mpidp.ops.block_halo.block_halo_exchange` fills them), normalised, shape
+        ``(len(channels), rows, columns)``; on bands the columns are every longitude. Reads
+        only the field entries those come from (one read per run of rows, run of columns and
+        variable). The blocks are the manager's current cut (after
+        ``manager.set_partition``, the new one)."""
         self._follow_partition()
-        pl, offs = self._plan, self.spec.offsets
-        pieces: list[tuple[int, Piece]] = [(offs[p.owner] + p.lo, p) for p in pl.local] + [
-            (offs[p.owner] + p.lo, p) for _, p in pl.remote
-        ]
-        runs: list[list[int]] = []  # merged global row runs [lo, hi)
-        for g, p in sorted(pieces, key=lambda gp: gp[0]):
-            if runs and g <= runs[-1][1]:
-                runs[-1][1] = max(runs[-1][1], g + p.rows)
-            else:
-                runs.append([g, g + p.rows])
-        data = [
-            self._normalised(self._read_rows(time, self._sources_in, lo, hi), self.channels)
-            for lo, hi in runs
-        ]
-        if len(pieces) == 1 and not pl.zeros and pieces[0][1] == Piece(self.rank, 0, pl.length, 0):
-            return data[0]  # the band alone: no placement copy
-        c, w = len(self.channels), self.grid[1]
-        out = torch.empty((c, pl.length, w), dtype=self.dtype)
-        for at, n in pl.zeros:
-            out.narrow(1, at, n).zero_()
-        for g, p in pieces:
-            k = next(i for i, (lo, hi) in enumerate(runs) if lo <= g < hi)
-            src = data[k].narrow(1, g - runs[k][0], p.rows)
-            place_piece(out, src, p, 1, 2, w // 2)
-        return out
+
+        def read(lo: int, hi: int, c0: int, c1: int) -> torch.Tensor:
+            raw = self._read(time, self._sources_in, lo, hi, c0, c1)
+            return self._normalised(raw, self.channels)
+
+        return assemble(read, self._rows, self._cols, self.grid)
 
     def __len__(self) -> int:
         return max(0, self.n_times - (self.input_steps - 1) - self.lead_time)
@@ -522,8 +500,7 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         steps = [self.read_band(index + k) for k in range(self.input_steps)]
         x = torch.cat(steps, 0) if len(steps) > 1 else steps[0]
         target_time = index + self.input_steps - 1 + self.lead_time
-        start, stop = self.spec.start(self.rank), self.spec.stop(self.rank)
-        raw = self._read_rows(target_time, self._sources_out, start, stop)
+        raw = self._read(target_time, self._sources_out, *self._rows.own, *self._cols.own)
         return x, self._normalised(raw, self.target_channels)
 
     def sample_time(self, index: int) -> Any:
@@ -546,5 +523,6 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({len(self)} samples, channels {self.channels} -> "
-            f"{self.target_channels}, grid {self.grid}, rows {self.rows} of rank {self.rank})"
+            f"{self.target_channels}, grid {self.grid}, rows {self.rows}, columns "
+            f"{self.columns} of rank {self.rank})"
         )

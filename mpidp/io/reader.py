@@ -1,4 +1,5 @@
-"""Reading: every rank reads only its own latitude band (plus halo) from HDF5/netCDF-4 files.
+"""Reading: every rank reads only its own latitude band, or latitude x longitude block (plus
+halo), from HDF5/netCDF-4 files.
 
 Layout of the files: variables shaped ``(time, lat, lon)`` (one channel each) or
 ``(time, level, lat, lon)`` (one channel per level), or one array ``(time, channel, lat,
@@ -114,13 +115,16 @@ class _H5Source(source.FieldSource):
             ),
         )
 
-    def read(self, part: int, name: str, time: int, levels: Any, lo: int, hi: int) -> np.ndarray:
+    def read(
+        self, part: int, name: str, time: int, levels: Any, lo: int, hi: int, c0: int, c1: int
+    ) -> np.ndarray:
         d = self.handle(part, part, time, lambda: self.opener(self.labels[part]))[name]
-        return d[time, lo:hi, :][None] if levels is None else d[time, levels, lo:hi, :]
+        return d[time, lo:hi, c0:c1][None] if levels is None else d[time, levels, lo:hi, c0:c1]
 
 
 class ShardedH5Dataset(BandDataset):
-    """Input/target pairs of one latitude band, read from HDF5 or netCDF-4 files.
+    """Input/target pairs of one latitude band (or latitude x longitude block), read from
+    HDF5 or netCDF-4 files.
 
     Item ``i`` is ``(x, y)``: ``x`` holds ``input_steps`` consecutive times starting at time
     ``i`` (channels step-major: ``input_steps * len(channels)``), rows ``[start - before,
@@ -128,6 +132,12 @@ class ShardedH5Dataset(BandDataset):
     as :func:`mpidp.halo_exchange` fills them), all longitudes; ``y`` holds
     ``target_channels`` at ``lead_time`` steps after the last input, this rank's own rows.
     Each rank reads only those rows (hyperslab reads); no rank reads the full field.
+
+    On a grid of blocks (``domain_parallel_size=(P_lat, P_lon)``) ``x`` is rows ``ds.rows``
+    by columns ``ds.columns`` (this rank's block extended by ``halo`` and ``lon_halo``,
+    filled as :func:`~mpidp.ops.block_halo.block_halo_exchange` fills them: latitude first,
+    then longitude) and ``y`` this rank's block; bands are the grid ``(P, 1)``. See
+    docs/io.md, "Blocks".
 
     Parameters
     ----------
@@ -146,8 +156,13 @@ class ShardedH5Dataset(BandDataset):
         Extra rows above and below the band (an int, a ``(before, after)`` pair, or a
         :class:`~mpidp.HaloSpec` with per-rank widths) and what fills rows beyond the edges:
         any :class:`~mpidp.Boundary` kind (``"polar"`` rolls along longitude).
+    lon_halo, lon_boundary:
+        Extra columns left and right of a block (the forms of ``halo``, per longitude rank;
+        default none) and what fills columns beyond the edges: any non-polar kind, default
+        ``"circular"`` (the sphere wraps).
     spec:
-        An explicit partition (a :class:`~mpidp.ShardSpec` or sizes) instead of the manager's.
+        An explicit partition instead of the manager's: a :class:`~mpidp.ShardSpec` or sizes
+        of the rows (bands), or a :class:`~mpidp.runtime.grid.BlockSpec` (blocks).
     grid:
         The ``(lat, lon)`` size the model expects; a file of another size is an error.
     normalize:

@@ -1,6 +1,6 @@
 """The backend interface of the band readers: what a storage format tells the reader about
-its parts at construction (:class:`PartInfo`) and how it reads rows ``[lo, hi)`` of one
-variable at one time (:class:`FieldSource`). HDF5 (``reader.py``) and Zarr
+its parts at construction (:class:`PartInfo`) and how it reads rows ``[lo, hi)`` by columns
+``[c0, c1)`` of one variable at one time (:class:`FieldSource`). HDF5 (``reader.py``) and Zarr
 (``zarr_reader.py``) implement it; ``band.py`` is everything else."""
 
 from __future__ import annotations
@@ -158,8 +158,9 @@ class FieldSource(ABC):
     A format names its parts (``labels``: the files, the stores) and says how to
     :meth:`open_part` one, list its :meth:`data_variables` and :meth:`shapes`, spot a
     :meth:`layout_problem`, :meth:`describe` it (a :class:`PartInfo`) and :meth:`read` rows
-    ``[lo, hi)`` of one variable at one time. :meth:`inspect` (construction) and the
-    per-process handles (:meth:`handle`; a DataLoader worker opens its own) are shared.
+    ``[lo, hi)`` by columns ``[c0, c1)`` of one variable at one time. :meth:`inspect`
+    (construction) and the per-process handles (:meth:`handle`; a DataLoader worker opens its
+    own) are shared.
 
     ``part_word`` and ``kind`` name a part in messages (``"file"``, ``"HDF5/netCDF-4
     file"``); ``errors`` are the exceptions that mean a part is unreadable; ``expected`` says
@@ -207,11 +208,13 @@ class FieldSource(ABC):
         """What the reader needs to know of part ``part``, opened (variables ``names``)."""
 
     @abstractmethod
-    def read(self, part: int, name: str, time: int, levels: Any, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` (stored order) of variable ``name`` at time ``time`` of ``part``:
-        ``(len(levels), rows, lon)``; ``(1, rows, lon)`` when ``levels`` is None (a 3-D
-        variable). ``levels`` is a slice or a list of level indices. Raises
-        :class:`ReadFailure`, or one of ``errors``. Local."""
+    def read(
+        self, part: int, name: str, time: int, levels: Any, lo: int, hi: int, c0: int, c1: int
+    ) -> np.ndarray:
+        """Rows ``[lo, hi)`` (stored order) by columns ``[c0, c1)`` of variable ``name`` at
+        time ``time`` of ``part``: ``(len(levels), rows, columns)``; ``(1, rows, columns)``
+        when ``levels`` is None (a 3-D variable). ``levels`` is a slice or a list of level
+        indices. Raises :class:`ReadFailure`, or one of ``errors``. Local."""
 
     def inspect(
         self, inputs: Sequence[str], outputs: Sequence[str], problems: list[str]

@@ -1,5 +1,8 @@
-"""Writing a field cut into latitude bands to one HDF5 file (or Zarr store) that xarray
-opens, with no rank holding the full field.
+"""Writing a field cut into latitude bands, or latitude x longitude blocks, to one HDF5 file
+(or Zarr store) that xarray opens, with no rank holding the full field.
+
+The ranks' pieces are the blocks of the domain grid (``domain_parallel_size=(P_lat, P_lon)``):
+each rank writes its rows x columns. Bands are the grid ``(P, 1)``: one code path.
 
 A target whose name ends in ``.zarr`` (or ``format="zarr"``) is a Zarr store, which every
 rank writes at once, chunk-aligned so that no two ranks write one chunk
@@ -53,6 +56,7 @@ from mpidp.io._common import (
     temporary_name,
 )
 from mpidp.io.rollout import RolloutWriter
+from mpidp.io.source import LON_NAMES
 from mpidp.io.write_paths import (
     COORDINATE_ATTRS,
     METHODS,
@@ -63,22 +67,128 @@ from mpidp.io.write_paths import (
     parallel_hdf5_available,
     writes_zarr,
 )
-from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.grid import BlockSpec, axis_transport
+from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
 
 
-def _rows_slab(ndim: int, dim: int, lo: int, hi: int) -> tuple[slice, ...]:
-    return tuple(slice(lo, hi) if i == dim else slice(None) for i in range(ndim))
+Dim = int | tuple[int, int]
+
+
+def _rows_slab(ndim: int, cuts: Sequence[tuple[int | None, int, int]]) -> tuple[slice, ...]:
+    """The index of a rank's rows (and columns) in the file: ``[lo, hi)`` along each
+    ``(dim, lo, hi)`` of ``cuts`` (dim None: every entry)."""
+    out = [slice(None)] * ndim
+    for d, lo, hi in cuts:
+        if d is not None:
+            out[d] = slice(lo, hi)
+    return tuple(out)
+
+
+class _Grid:
+    """The grid the ranks of a write form and the transports along its axes: the domain grid
+    for the domain group (bands: ``(P, 1)``), ``(size, 1)`` for another group."""
+
+    def __init__(self, manager: DistributedManager | None, group: Any, t: Transport | None):
+        self.shape: tuple[int, int] = (1, 1)
+        self.lat, self.lon = t, None
+        if t is None:
+            return
+        m = None if isinstance(group, Transport) else manager or get_manager()
+        if m is not None and (group is None or group == "domain" or group is m.domain_group):
+            self.shape = m.grid
+            self.lat, self.lon = axis_transport(m, "lat", "cpu"), axis_transport(m, "lon", "cpu")
+        else:
+            self.shape = (t.size, 1)
+
+    def dims(
+        self, x: np.ndarray, dim: Any, names: Sequence[str], problems: list[str]
+    ) -> tuple[int, int | None]:
+        """``(latitude, longitude)`` dims of ``x``: ``dim`` as a pair; or the int ``dim`` and,
+        when the grid cuts the longitude, the dim ``names`` calls a longitude (None on bands:
+        every column). What is wrong goes to ``problems``."""
+        n = x.ndim
+        pair = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        if not n or len(pair) > 2 or not all(isinstance(d, int) and -n <= d < n for d in pair):
+            problems.append(
+                f"dim {dim} is not a dimension (or a (lat, lon) pair) of a tensor of shape "
+                f"{x.shape}"
+            )
+            return 0, None
+        lat = pair[0] % n
+        lon = pair[1] % n if len(pair) == 2 else None
+        if lon is None and self.shape[1] > 1:
+            named = [i for i, k in enumerate(names) if k in LON_NAMES]
+            if not named:
+                problems.append(
+                    f"the domain grid {self.shape} cuts the longitude but no dim of "
+                    f"{list(names)} is a longitude ({', '.join(LON_NAMES)}): a variable without "
+                    f"the longitude dim cannot be written from blocks; pass dim=(lat_dim, "
+                    f"lon_dim), or gather it along the longitude first"
+                )
+                return lat, None
+            lon = named[0]
+        if lon == lat:
+            problems.append(f"dim {dim}: the latitude and longitude dims are both {lat}")
+            return lat, None
+        return lat, lon
+
+    def blocks(self, table: list[list[int]], where: str, rank: int) -> BlockSpec:
+        """The blocks the ranks hold (``table``: each rank's rows and columns), checked to
+        tile the grid: the ranks of a grid row hold the same rows, of a column the same
+        columns."""
+        p_lat, p_lon = self.shape
+        lat = [table[i * p_lon][0] for i in range(p_lat)]
+        lon = [table[j][1] for j in range(p_lon)]
+        off = [
+            f"rank {r} holds {row[0]} x {row[1]} where its grid row and column give "
+            f"{lat[r // p_lon]} x {lon[r % p_lon]}"
+            for r, row in enumerate(table)
+            if row != [lat[r // p_lon], lon[r % p_lon]]
+        ]
+        if off:
+            raise DataError(
+                f"rank {rank}: {where}: the ranks' blocks do not tile the {p_lat} x {p_lon} "
+                f"grid ({'; '.join(off)}); pass each rank its own block "
+                f"(mpidp.shard_tensor(x, dim=(-2, -1)))"
+            )
+        return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon))
+
+
+def _check_spec(
+    spec: ShardSpec | Sequence[int] | BlockSpec, bs: BlockSpec, where: str, dim: int, rank: int
+) -> None:
+    """That the blocks the ranks hold are ``spec``'s (on bands: a partition of the rows)."""
+    if isinstance(spec, BlockSpec):
+        if (spec.lat.sizes, spec.lon.sizes) != (bs.lat.sizes, bs.lon.sizes):
+            raise DataError(
+                f"rank {rank}: {where}: the ranks hold the blocks {bs!r} but spec is {spec!r}; "
+                "pass each rank its own block of the spec's grid"
+            )
+        return
+    sizes = list(bs.lat.sizes)
+    if bs.lon.parts > 1 or list(spec) != sizes:
+        wrong = [
+            f"rank {r} holds {n} where spec gives it {want}"
+            for r, (n, want) in enumerate(zip(sizes, list(spec), strict=False))
+            if n != want
+        ]
+        if bs.lon.parts > 1:
+            wrong = [f"the ranks hold blocks of {bs.grid[0]} x {bs.grid[1]}: pass a BlockSpec"]
+        raise DataError(
+            f"rank {rank}: {where}: the ranks hold {sizes} rows along dim {dim} but spec is "
+            f"{list(spec)} ({'; '.join(wrong)}); pass each rank's own band of the spec's grid"
+        )
 
 
 def write_sharded(
     path: str | os.PathLike[str],
     name: str,
     x_local: torch.Tensor | np.ndarray,
-    dim: int = -2,
-    spec: ShardSpec | Sequence[int] | None = None,
+    dim: Dim = -2,
+    spec: ShardSpec | Sequence[int] | BlockSpec | None = None,
     manager: DistributedManager | None = None,
     *,
     dims: Sequence[str] | None = None,
@@ -91,38 +201,131 @@ def write_sharded(
     chunk_rows: int | None = None,
     zarr_format: int = 3,
 ) -> Path:
-    """Write the field whose band along ``dim`` this rank holds (``x_local``) as variable
-    ``name`` of the HDF5/netCDF-4 file (or Zarr store) ``path``; returns the path.
+    """Write the field whose block (band) this rank holds (``x_local``) as variable ``name``
+    of the HDF5/netCDF-4 file (or Zarr store) ``path``; returns the path.
 
-    ``dims`` names the dimensions (default ``(..., "latitude", "longitude")``); ``coords``
-    maps dimension names to global coordinate values (each becomes a coordinate variable);
-    ``attrs`` become the variable's attributes. ``mode="w"`` replaces the file; ``mode="a"``
-    adds (or replaces) a variable in an existing file, keeping its other contents. The
-    partition is learned from the ranks' local sizes unless ``spec`` is given. ``method``:
-    ``"auto"``, ``"mpio"`` or ``"ordered"`` (module docstring).
+    ``dim`` is the latitude dim, or a ``(latitude, longitude)`` pair. Over the domain group
+    the ranks hold the blocks of the domain grid: when it cuts the longitude
+    (``domain_parallel_size=(P_lat, P_lon)``, ``P_lon > 1``) the longitude dim is the second
+    of ``dim``, else the one ``dims`` names ``longitude`` (or ``lon``); a variable without
+    one is refused. On bands (``P_lon = 1``, or another ``group``: its ranks in a column)
+    every rank holds every column. ``dims`` names the dimensions (default ``(...,
+    "latitude", "longitude")``); ``coords`` maps dimension names to global coordinate values
+    (each becomes a coordinate variable); ``attrs`` become the variable's attributes.
+    ``mode="w"`` replaces the file; ``mode="a"`` adds (or replaces) a variable in an existing
+    file, keeping its other contents. The blocks are learned from the ranks' local sizes
+    (checked to tile the grid) unless ``spec`` is given (a row partition on bands, a
+    :class:`~mpidp.runtime.grid.BlockSpec` on blocks). ``method``: ``"auto"``, ``"mpio"`` or
+    ``"ordered"`` (module docstring).
 
     ``format``: ``"auto"`` (a Zarr store when ``path`` ends in ``.zarr``, else netCDF-4),
     ``"netcdf"`` or ``"zarr"``. A Zarr store (format ``zarr_format``, 2 or 3) is chunked one
     step of the leading dimensions by ``chunk_rows`` rows (default: the tallest band) by the
-    whole trailing ones; each rank writes the chunks that start in its band, after the rows of
-    those chunks it does not hold came from its neighbours. ``xarray.open_zarr`` opens it.
+    widest block's columns (bands: every column) by the whole trailing ones; each rank writes
+    the chunks that start in its block, after the entries of those chunks it does not hold
+    came from its neighbours. ``xarray.open_zarr`` opens it.
 
     Collective over ``group`` (default: the domain group); atomic (a temporary file renamed on
     success). Bad arguments on any rank raise the same :class:`~mpidp.DataError` everywhere.
     """
     t = io_transport(manager, group)
+    grid = _Grid(manager, group, t)
     path = Path(path)
     x = as_numpy(x_local)
     problems: list[str] = []
-    d = dim % x.ndim if x.ndim and -x.ndim <= dim < x.ndim else 0
-    if not x.ndim or not -x.ndim <= dim < x.ndim:
-        problems.append(f"dim {dim} is not a dimension of a tensor of shape {x.shape}")
     names = tuple(dims) if dims is not None else default_dims(x.ndim)
     if len(names) != x.ndim:
         problems.append(f"dims {list(names)} name {len(names)} dimensions, the tensor has {x.ndim}")
+    d, d_lon = grid.dims(x, dim, names, problems)
     if mode not in ("w", "a"):
         problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
     zarr = writes_zarr(path, format, method, zarr_format, chunk_rows, problems)
+    _check_target(path, mode, zarr, problems)
+    how = "zarr" if zarr else choose_method(method, t, problems)
+    coords = dict(coords or {})
+    facts = {
+        "path": os.path.realpath(path),
+        "name": name,
+        "dim": (d, d_lon),
+        "grid": grid.shape,
+        "shape without dim": tuple(s for i, s in enumerate(x.shape) if i not in (d, d_lon)),
+        "dtype": str(x.dtype),
+        "dims": names,
+        "coords": {k: (np.shape(v), digest(v)) for k, v in coords.items()},
+        "attrs": repr(sorted((attrs or {}).items())),
+        "mode": mode,
+        "method": how,
+        "spec": repr(spec) if isinstance(spec, BlockSpec) else None if spec is None else list(spec),
+        "chunk_rows": chunk_rows,
+        "zarr_format": zarr_format,
+    }
+    where = f"write_sharded({str(path)!r}, {name!r})"
+    table = check_everywhere(
+        t,
+        problems,
+        facts,
+        f"{where} got bad or inconsistent arguments",
+        "every rank passes the same path, name, dims, coords and mode, and its own block",
+        [x.shape[d] if x.ndim else 0, x.shape[d_lon] if d_lon is not None else 0],
+    )
+    me = 0 if t is None else t.rank
+    bs = grid.blocks(table, where, me)
+    if spec is not None:
+        _check_spec(spec, bs, where, d, me)
+    shape = tuple(
+        bs.shape[0] if i == d else bs.shape[1] if i == d_lon else s for i, s in enumerate(x.shape)
+    )
+    for k, v in coords.items():
+        if k in names and np.asarray(v).shape != (shape[names.index(k)],):
+            raise DataError(
+                f"rank {me}: coordinate {k!r} has shape {np.asarray(v).shape}, its dimension "
+                f"has {shape[names.index(k)]} entries; pass one value per entry"
+            )
+    rows, cols = bs.block(me)
+    tmp = temporary_name(path, shared_token(t))
+    copied: BaseException | None = None
+    if me == 0 and mode == "a":
+        try:
+            (zw.copy_store if zarr else shutil.copy2)(path, tmp)
+        except OSError as err:  # a full disk: every rank learns of it, nothing is left
+            copied = err
+    agree_or_discard(t, tmp, path, copied, f"write_sharded({str(path)!r}, mode='a')")
+    if zarr:
+        chunks = (chunk_rows or max(1, *bs.lat.sizes), max(1, *bs.lon.sizes))
+        field = _ZarrField(tmp, name, x, (d, d_lon), shape, names, coords, attrs or {}, chunks)
+        error = field.write(t, grid, bs, "a" if mode == "a" else "w", zarr_format)
+        commit(t, tmp, path, error, where)
+        return path
+
+    def create(f: h5py.File) -> None:
+        scales = declare_dims(f, names, shape, coords)
+        if name in f:
+            del f[name]
+        ds = f.create_dataset(name, shape=shape, dtype=x.dtype)
+        attach_dims(ds, scales)
+        for k, v in (attrs or {}).items():
+            ds.attrs[k] = v
+
+    def prepare(f: h5py.File) -> Callable[[], None]:
+        ds = f[name]
+        slab = _rows_slab(x.ndim, [(d, rows.start, rows.stop), (d_lon, cols.start, cols.stop)])
+
+        def run() -> None:
+            if how == "mpio":
+                with ds.collective:
+                    ds[slab] = x
+            elif x.size:
+                ds[slab] = x
+
+        return run
+
+    error = in_turns(t, how, tmp, create, prepare, x.nbytes)
+    commit(t, tmp, path, error, where)
+    return path
+
+
+def _check_target(path: Path, mode: str, zarr: bool, problems: list[str]) -> None:
+    """What keeps ``path`` from being written in ``mode`` goes to ``problems``."""
     if mode == "a" and not path.exists():
         problems.append(f"mode='a' but {path} does not exist")
     elif mode == "a" and zarr and not zw.is_store(path):
@@ -139,117 +342,31 @@ def write_sharded(
             )
     if not path.parent.is_dir():
         problems.append(f"the folder {path.parent} does not exist")
-    how = "zarr" if zarr else choose_method(method, t, problems)
-    coords = dict(coords or {})
-    facts = {
-        "path": os.path.realpath(path),
-        "name": name,
-        "dim": d,
-        "shape without dim": tuple(s for i, s in enumerate(x.shape) if i != d),
-        "dtype": str(x.dtype),
-        "dims": names,
-        "coords": {k: (np.shape(v), digest(v)) for k, v in coords.items()},
-        "attrs": repr(sorted((attrs or {}).items())),
-        "mode": mode,
-        "method": how,
-        "spec": None if spec is None else list(spec),
-        "chunk_rows": chunk_rows,
-        "zarr_format": zarr_format,
-    }
-    table = check_everywhere(
-        t,
-        problems,
-        facts,
-        f"write_sharded({str(path)!r}, {name!r}) got bad or inconsistent arguments",
-        "every rank passes the same path, name, dims, coords and mode, and its own band along dim",
-        [x.shape[d] if x.ndim else 0, 0],
-    )
-    sizes = [row[0] for row in table]
-    if spec is not None and list(spec) != sizes:
-        wrong = [
-            f"rank {r} holds {n} where spec gives it {want}"
-            for r, (n, want) in enumerate(zip(sizes, list(spec), strict=False))
-            if n != want
-        ]
-        raise DataError(
-            f"rank {0 if t is None else t.rank}: write_sharded({str(path)!r}, {name!r}): the "
-            f"ranks hold {sizes} rows along dim {d} but spec is {list(spec)} ({'; '.join(wrong)}); "
-            "pass each rank's own band of the spec's grid"
-        )
-    shape = tuple(sum(sizes) if i == d else s for i, s in enumerate(x.shape))
-    for k, v in coords.items():
-        if k in names and np.asarray(v).shape != (shape[names.index(k)],):
-            raise DataError(
-                f"rank {0 if t is None else t.rank}: coordinate {k!r} has shape "
-                f"{np.asarray(v).shape}, its dimension has {shape[names.index(k)]} entries; "
-                f"pass one value per entry"
-            )
-    me = 0 if t is None else t.rank
-    lo = sum(sizes[:me])
-    tmp = temporary_name(path, shared_token(t))
-    copied: BaseException | None = None
-    if me == 0 and mode == "a":
-        try:
-            (zw.copy_store if zarr else shutil.copy2)(path, tmp)
-        except OSError as err:  # a full disk: every rank learns of it, nothing is left
-            copied = err
-    agree_or_discard(t, tmp, path, copied, f"write_sharded({str(path)!r}, mode='a')")
-    if zarr:
-        rows = chunk_rows or max(1, *sizes)
-        field = _ZarrField(tmp, name, x, d, shape, names, coords, attrs or {}, rows)
-        error = field.write(t, sizes, "a" if mode == "a" else "w", zarr_format)
-        commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
-        return path
-
-    def create(f: h5py.File) -> None:
-        scales = declare_dims(f, names, shape, coords)
-        if name in f:
-            del f[name]
-        ds = f.create_dataset(name, shape=shape, dtype=x.dtype)
-        attach_dims(ds, scales)
-        for k, v in (attrs or {}).items():
-            ds.attrs[k] = v
-
-    def prepare(f: h5py.File) -> Callable[[], None]:
-        ds = f[name]
-        slab = _rows_slab(x.ndim, d, lo, lo + x.shape[d])
-
-        def run() -> None:
-            if how == "mpio":
-                with ds.collective:
-                    ds[slab] = x
-            elif x.shape[d]:
-                ds[slab] = x
-
-        return run
-
-    error = in_turns(t, how, tmp, create, prepare, x.nbytes)
-    commit(t, tmp, path, error, f"write_sharded({str(path)!r}, {name!r})")
-    return path
 
 
 class _ZarrField:
-    """One variable of :func:`write_sharded` written into the Zarr store ``tmp``."""
+    """One variable of :func:`write_sharded` written into the Zarr store ``tmp``: chunks of
+    ``chunks`` (rows, columns) along ``dims`` (latitude, longitude or None: every column)."""
 
     def __init__(
         self,
         tmp: Path,
         name: str,
         x: np.ndarray,
-        dim: int,
+        dims: tuple[int, int | None],
         shape: tuple[int, ...],
-        dims: tuple[str, ...],
+        names: tuple[str, ...],
         coords: Mapping[str, Any],
         attrs: Mapping[str, Any],
-        rows: int,
+        chunks: tuple[int, int],
     ) -> None:
-        self.tmp, self.name, self.x, self.dim, self.shape = tmp, name, x, dim, shape
-        self.dims, self.coords, self.attrs, self.rows = dims, coords, attrs, rows
+        self.tmp, self.name, self.x, self.dims, self.shape = tmp, name, x, dims, shape
+        self.names, self.coords, self.attrs, self.chunks = names, coords, attrs, chunks
 
     def create(self, mode: str, zarr_format: int) -> None:
         """The group, the coordinates it lacks and the (empty) variable: rank 0."""
         root = zw.open_group(self.tmp, mode, zarr_format)
-        for k, n in zip(self.dims, self.shape, strict=True):
+        for k, n in zip(self.names, self.shape, strict=True):
             if k in root and k != self.name:
                 if root[k].shape != (n,):
                     raise DataError(
@@ -262,22 +379,30 @@ class _ZarrField:
                     root, k, (n,), values.dtype, (k,), (n,), COORDINATE_ATTRS.get(k, {})
                 )
                 coord[...] = values
+        d, d_lon = self.dims
         chunks = tuple(
-            self.rows if i == self.dim else 1 if i < self.dim else n
+            self.chunks[0] if i == d else self.chunks[1] if i == d_lon else 1 if i < d else n
             for i, n in enumerate(self.shape)
         )
-        zw.create_array(root, self.name, self.shape, self.x.dtype, self.dims, chunks, self.attrs)
+        zw.create_array(root, self.name, self.shape, self.x.dtype, self.names, chunks, self.attrs)
 
     def write(
-        self, t: Transport | None, sizes: Sequence[int], mode: str, zarr_format: int
+        self, t: Transport | None, grid: _Grid, bs: BlockSpec, mode: str, zarr_format: int
     ) -> BaseException | None:
-        """Create (rank 0), move the boundary rows to their chunk's owner, write every rank's
-        chunks, consolidate (rank 0). Returns this rank's error. Collective."""
-        moved, lo = zw.to_owners(self.x, self.dim, sizes, self.rows, t)
+        """Create (rank 0), move the boundary entries to their chunk's owner (rows within the
+        grid column, then columns within the grid row), write every rank's chunks,
+        consolidate (rank 0). Returns this rank's error. Collective."""
+        d, d_lon = self.dims
+        moved, lo = zw.to_owners(self.x, d, bs.lat.sizes, self.chunks[0], grid.lat)
+        c0 = 0
+        if d_lon is not None:
+            moved, c0 = zw.to_owners(moved, d_lon, bs.lon.sizes, self.chunks[1], grid.lon)
 
         def write() -> None:
             ensure_space(self.tmp, moved.nbytes)
-            zw.write_rows(zw.open_rows(self.tmp, self.name), moved, self.dim, lo)
+            array = zw.open_rows(self.tmp, self.name)
+            cols = None if d_lon is None else (d_lon, c0)
+            zw.write_rows(array, moved, d, lo, (), cols)
 
         error = zw.in_parallel(t, lambda: self.create(mode, zarr_format), write)
         return consolidated(t, self.tmp, error)

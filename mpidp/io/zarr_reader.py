@@ -426,18 +426,22 @@ class _ZarrSource(source.FieldSource):
             (os.path.realpath(store) if path else label, grid, tuple(data.shape), data.chunks),
         )
 
-    def read(self, part: int, name: str, time: int, levels: Any, lo: int, hi: int) -> np.ndarray:
+    def read(
+        self, part: int, name: str, time: int, levels: Any, lo: int, hi: int, c0: int, c1: int
+    ) -> np.ndarray:
         grid = self.grids[part]
         if grid is not None:
-            # Member 0; rows [lo, hi) of a grid stored row by row are one run of values.
+            # Member 0; rows [lo, hi) of a grid stored row by row are one run of values (whole
+            # rows: a block's columns are cut from them).
             data = self.handle((part, "data"), part, time, lambda: self._group(part)["data"])
             w = grid.columns
             values = np.asarray(data[time, grid.variables.index(name), 0, lo * w : hi * w])
-            return values.reshape(1, hi - lo, w)
+            rows = values.reshape(1, hi - lo, w)
+            return rows if (c0, c1) == (0, w) else np.ascontiguousarray(rows[:, :, c0:c1])
         array = self.handle((part, name), part, time, lambda: self._group(part)[name])
         if levels is None:
-            return np.asarray(array[time, lo:hi, :])[None]
-        return np.asarray(array.oindex[time, levels, lo:hi, :])
+            return np.asarray(array[time, lo:hi, c0:c1])[None]
+        return np.asarray(array.oindex[time, levels, lo:hi, c0:c1])
 
 
 class ShardedZarrDataset(band.BandDataset):
@@ -447,7 +451,8 @@ class ShardedZarrDataset(band.BandDataset):
     the class name.
 
     Each rank asks Zarr for the rows it needs (band plus halo, plus the rows across the pole
-    under ``boundary="polar"``): only the chunks that overlap them are fetched. A chunk that
+    under ``boundary="polar"``; on blocks, by the columns it needs): only the chunks that
+    overlap them are fetched. A chunk that
     spans the whole field is therefore fetched whole by every rank, for every item; chunk
     latitude in a few rows per chunk (anemoi-datasets: the values axis in a few rows' worth).
 
@@ -472,7 +477,8 @@ class ShardedZarrDataset(band.BandDataset):
     opener:
         Opens a store given as a path (default: read only, ``.zip`` files as a
         ``zarr.storage.ZipStore``); returns a ``zarr.Group``.
-    targets, lead_time, input_steps, halo, boundary, spec, grid, normalize, lat_order, dtype:
+    targets, lead_time, input_steps, halo, boundary, lon_halo, lon_boundary, spec, grid,
+    normalize, lat_order, dtype:
         As :class:`~mpidp.io.ShardedH5Dataset` (``normalize="stored"``: the arrays' ``mean``
         and ``std`` attributes, as xarray keeps them; anemoi-datasets: the store's ``mean``
         and ``stdev`` arrays).

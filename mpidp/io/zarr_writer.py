@@ -1,13 +1,15 @@
-"""Writing a field cut into latitude bands to a Zarr store that xarray opens
-(``xarray.open_zarr``), every rank writing its rows at once, no two ranks ever writing one
-chunk.
+"""Writing a field cut into latitude bands (or latitude x longitude blocks) to a Zarr store
+that xarray opens (``xarray.open_zarr``), every rank writing its rows at once, no two ranks
+ever writing one chunk.
 
 Zarr writes whole chunks: a rank writing part of a chunk reads it, changes its rows and writes
 it back, and two ranks doing that at once lose one's rows. So the rows are cut into chunks of
 ``chunk_rows`` (default: the tallest band, about one band per chunk), each chunk is owned by
 the rank whose band holds its first row, and the few rows of a chunk that another rank holds
 are moved to the owner first (:func:`~mpidp.ops.collectives.repartition`, one all-to-all of the
-boundary rows; none when the bands are a chunk each). Then every rank writes its chunks.
+boundary rows; none when the bands are a chunk each). Blocks do the same along each axis: the
+columns are cut into chunks of the widest block's columns, owned by the block holding their
+first column, and moved within each grid row. Then every rank writes its chunks.
 
 The store is written under a temporary name beside the target and put in place when every
 rank succeeded (:func:`~mpidp.io._common.commit`); the writers in ``writer.py`` call this
@@ -132,12 +134,23 @@ def open_rows(store: Path, name: str) -> Any:
     return zarr.open_array(zarr.storage.LocalStore(store), path=name, mode="r+")
 
 
-def write_rows(array: Any, x: np.ndarray, dim: int, lo: int, index: Sequence[Any] = ()) -> None:
+def write_rows(
+    array: Any,
+    x: np.ndarray,
+    dim: int,
+    lo: int,
+    index: Sequence[Any] = (),
+    cols: tuple[int, int] | None = None,
+) -> None:
     """Put ``x`` at rows ``[lo, lo + rows)`` along ``dim`` of ``array`` (after the leading
-    ``index``); nothing for an empty band."""
-    if not x.shape[dim]:
+    ``index``), and with ``cols = (col_dim, c0)`` at columns ``[c0, c0 + columns)`` along
+    ``col_dim``; nothing for an empty band or block."""
+    if not x.size:
         return
-    slab = tuple(slice(lo, lo + x.shape[dim]) if i == dim else slice(None) for i in range(x.ndim))
+    at = {dim: lo} if cols is None else {dim: lo, cols[0]: cols[1]}
+    slab = tuple(
+        slice(at[i], at[i] + x.shape[i]) if i in at else slice(None) for i in range(x.ndim)
+    )
     array[(*index, *slab)] = x
 
 

@@ -4,7 +4,8 @@ and the Fourier neural operator (spectral convolution, FNO2d).
 Written as serial torch code with three hooks, ``_rfft2``, ``_irfft2`` and ``_modes``: the
 serial forms call torch.fft; the domain-parallel forms (mpidp.models.spectral) override only
 the hooks with mpidp.ops.fft. The forward code reads global sizes from the spectrum (all H there)
-and W from the band (W is never cut), so the same code is right on a band.
+and W from the ``_width`` hook (the field's own W serially; the global W where blocks cut it), so
+the same code is right on a band and on a block.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class _Spectral(nn.Module):
     def _modes(self, X: torch.Tensor) -> slice:
         """The global W-mode numbers ``X`` holds (all of them in the serial module)."""
         return slice(0, X.size(self.fft_dims[1]))
+
+    def _width(self, x: torch.Tensor) -> int:
+        """The global extent of the halved dim (W) of the field ``x`` (its own, serially)."""
+        return x.size(self.fft_dims[1])
 
 
 class AFNOFilter(_Spectral):
@@ -101,7 +106,7 @@ class AFNOFilter(_Spectral):
         X = self._rfft2(x)  # (B, h, kx, C): every H frequency, this module's W modes
         mask = self.mask[:, self._modes(X)].to(X.real.dtype)
         Y = self._mlp(X) * mask[None, :, :, None]
-        return self._irfft2(Y, (X.size(1), x.size(2))) + x
+        return self._irfft2(Y, (X.size(1), self._width(x))) + x
 
 
 class AFNOBlock(nn.Module):
@@ -193,7 +198,7 @@ class SpectralConv2d(_Spectral):
         # joined to the input and the weights on every rank, also where no kept mode is held,
         # so every rank's backward reaches the exchanges of the FFTs
         out = out + _anchor(X, self.weights1, self.weights2)
-        return self._irfft2(out, (h, x.size(-1)))
+        return self._irfft2(out, (h, self._width(x)))
 
 
 def _anchor(*tensors: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,15 @@ and a patch head whose rows move to the manager's partition.
 A spectral filter learns the partition of its input once per call (one all-gather of one
 integer), passes it to both transforms and gives its output the same partition, so the skip
 ``filter(x) + x`` adds rows that match. Two all-to-alls per filter.
+
+On latitude x longitude blocks the filters take this rank's block: the partition learned is its
+blocks (one integer along each axis), the transforms make their pencil transpose along the
+longitude row first (and last), and the spectral layout is the band one over the whole domain
+group (every H frequency, the W modes cut over all ``P_lat * P_lon`` ranks), so the filter code
+between the transforms is the band code: the modes truncated along H are all here, those along
+W by global mode number, a rank holding no kept mode joins the exchanges with zeros. The
+position embedding takes the block's rows and columns of its table, and the patch head moves
+pixel rows along the latitude column and pixel columns along the longitude row.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from mpidp.models.fourier import AFNOFilter, SpectralConv2d
 from mpidp.models.patch import PatchRecovery, PositionEmbedding
 from mpidp.ops import fft as mfft
 from mpidp.ops.collectives import repartition
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
@@ -33,11 +43,13 @@ __all__ = [
 class SpectralBands(DomainParallel):
     """Mixin for a module written with the ``_rfft2`` / ``_irfft2`` / ``_modes`` hooks of
     :class:`mpidp.models.AFNOFilter` (``fft_dims``: the sharded H first, then W): the hooks
-    go through mpidp.ops.fft on the domain group. Collective over the domain group."""
+    go through mpidp.ops.fft on the domain group, on bands or blocks. Collective over the domain
+    group."""
 
     fft_dims: tuple[int, int]
-    _rows: ShardSpec | None = None
-    dry_run = True
+    #: the input's partition during a call: its rows (bands) or its blocks
+    _rows: ShardSpec | BlockSpec | None = None
+    dry_run = on_blocks = True
 
     @classmethod
     def modes_of(cls, module: Any, shape_in: Any, parts: int, partition: Any) -> tuple[int, ...]:
@@ -66,7 +78,12 @@ class SpectralBands(DomainParallel):
     def forward(self, x: torch.Tensor) -> Any:
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
-        self._rows = learn_spec(x, self.fft_dims[0] % x.dim(), self._transport(x))
+        # the transports of the cut axes (the latitude column, on blocks the longitude row too)
+        # along the transformed dims, H then W
+        lat, lon = (d % x.dim() for d in self.fft_dims)
+        axes = zip((lat, lon), self._axes(x), strict=False)  # bands: the latitude alone
+        specs = [learn_spec(x, d, a.transport) for d, a in axes]
+        self._rows = specs[0] if len(specs) == 1 else BlockSpec(specs[0], specs[1], (lat, lon))
         try:
             return super().forward(x)  # type: ignore[misc]
         finally:
@@ -87,7 +104,8 @@ class SpectralBands(DomainParallel):
     def _irfft2(self, X: torch.Tensor, s: tuple[int, int]) -> torch.Tensor:
         if self._rows is None:
             return super()._irfft2(X, s)  # type: ignore[misc]
-        manager = self._manager()
+        manager, rows = self._manager(), self._rows
+        same = rows.shape == tuple(s) if isinstance(rows, BlockSpec) else rows.total == s[0]
         return mfft.irfft2(
             X,
             s=s,
@@ -95,7 +113,7 @@ class SpectralBands(DomainParallel):
             norm="ortho",
             manager=manager,
             spec=mfft.mode_spec(s[1] // 2 + 1, manager=manager),
-            out_spec=self._rows if s[0] == self._rows.total else None,
+            out_spec=rows if same else None,
             shard_dim=self.fft_dims[0],
         )
 
@@ -103,6 +121,11 @@ class SpectralBands(DomainParallel):
         if self._rows is None:
             return super()._modes(X)  # type: ignore[misc]
         return mfft.modes(X)
+
+    def _width(self, x: torch.Tensor) -> int:
+        if isinstance(self._rows, BlockSpec):  # a block holds some of the columns
+            return self._rows.lon.total
+        return super()._width(x)  # type: ignore[misc]
 
 
 class DomainParallelAFNOFilter(SpectralBands, AFNOFilter):
@@ -118,26 +141,29 @@ class DomainParallelSpectralConv2d(SpectralBands, SpectralConv2d):
 
 
 class DomainParallelPositionEmbedding(DomainParallel, PositionEmbedding):
-    """The band's rows of the learned embedding (channels-last (B, h, w, C): rows are dim 1).
-    The gradient of the other rows is zero here; the domain sum of gradients completes it."""
+    """The band's rows (the block's rows and columns) of the learned embedding (channels-last
+    (B, h, w, C): rows are dim 1, columns dim 2). The gradient of the other rows is zero here;
+    the domain sum of gradients completes it."""
 
-    dry_run = channels_last_in = channels_last_out = True
+    dry_run = channels_last_in = channels_last_out = on_blocks = True
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        rows = learn_spec(x, 1, t)
-        return x + self.weight[:, rows.start(t.rank) : rows.stop(t.rank)]
+        weight: torch.Tensor = self.weight
+        for axis in self._axes(x[..., 0]):  # the grid dims: those before the channels
+            cut, r = learn_spec(x, axis.dim, axis.transport), axis.transport.rank
+            weight = weight.narrow(axis.dim, cut.start(r), cut.sizes[r])
+        return x + weight
 
 
 class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
-    """The linear un-patching head on a band of token rows: each token row becomes ``patch``
-    pixel rows here, then the rows move to the manager's partition of the output height (only
-    the boundary rows travel)."""
+    """The linear un-patching head on a band (a block) of tokens: each token row (column)
+    becomes ``patch`` pixel rows (columns) here, then they move to the manager's partition of
+    the output height (and width), along each cut axis (only the boundary rows travel)."""
 
-    dry_run = channels_last_in = True
+    dry_run = channels_last_in = on_blocks = True
 
     @classmethod
     def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
@@ -160,11 +186,12 @@ class DomainParallelPatchRecovery(DomainParallel, PatchRecovery):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        tokens = learn_spec(x, 1, t)
         y = super().forward(x)
-        pixels = [self.patch * n for n in tokens]
-        return repartition(y, pixels, self._out_spec(sum(pixels)), -2, group=t)
+        for axis in self._axes(x[..., 0]):  # token dim d of (B, h, w, C) is pixel dim d + 1
+            t = axis.transport
+            pixels = [self.patch * n for n in learn_spec(x, axis.dim, t)]
+            y = repartition(y, pixels, self._out_spec(sum(pixels), t), axis.dim + 1, group=t)
+        return y
 
 
 for _t, _l in (

@@ -1,15 +1,25 @@
-"""Windowed attention (Swin, Pangu) on latitude bands, exact.
+"""Windowed attention (Swin, Pangu) on latitude bands and latitude x longitude blocks, exact.
 
-Along the sharded H a window partition is a layer with kernel = stride = window, offset by
-the zero rows padded before the field and by the shift (the roll of shifted blocks wraps
-around, padded rows included). Each rank fetches the rows of every window that holds one of
-its rows (one ``all_to_all_v``: only rows another rank owns travel, none at all when the bands
-are whole windows and the block is not shifted), computes those windows whole, in their global
-positions, so the shifted-window mask and the earth-specific bias (indexed by the global window
-number) come out as in serial, and keeps its own rows. A window cut by a band boundary is
-computed by both ranks. The longitude and the pressure levels are not cut: they are padded
-and rolled as in serial. The backward is the reverse exchange (gradients of fetched rows are
-added on their owners).
+Along a cut dim a window partition is a layer with kernel = stride = window, offset by the zero
+rows padded before the field and by the shift (the roll of shifted blocks wraps around, padded
+rows included). Each rank fetches the rows of every window that holds one of its rows (one
+``all_to_all_v`` over the ranks cutting that dim: only rows another rank owns travel, none at
+all when the shards are whole windows and the block is not shifted), computes those windows
+whole, in their global positions, so the shifted-window mask and the earth-specific bias
+(indexed by the global window number) come out as in serial, and keeps its own rows. A window
+cut by a shard boundary is computed by every rank holding a part of it. The dims not cut (the
+longitude on bands, the pressure levels) are padded and rolled as in serial. The backward is
+the reverse exchange (gradients of fetched rows are added on their owners).
+
+On blocks the same step runs once per cut axis (:meth:`~mpidp.layers.base.DomainParallel._axes`):
+first along the latitude column, then, on the rows that gives, along the longitude row, whose
+ranks hold the same extended rows, so a window straddling both cuts arrives whole, its corner
+from the diagonal block through the second step. Every window and block combination is exact
+(windows wider than a block fetch from several ranks, a shifted window wraps around the
+longitude and latitude as the serial roll does); what each costs: blocks that are whole
+windows along a dim (and, shifted, whole windows after the shift) move nothing along it; else
+each rank receives the rows of its straddling windows along H, then the columns of those along
+W for every row it computes, and computes up to four copies of a window at a corner.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec
+from mpidp.layers.base import Axis, DomainParallel, band_forward, learn_spec
 from mpidp.layers.registry import register_layer
 from mpidp.models.swin import WindowAttention, _window_cut
 from mpidp.ops.collectives import fetch_global_rows
@@ -74,11 +84,12 @@ def window_rows(
 
 class DomainParallelWindowAttention(DomainParallel, WindowAttention):
     """:class:`mpidp.models.WindowAttention` on bands of its channels-last tokens (H, the dim
-    before W, is cut): exact for every partition, thin and empty shards included, shifted or
-    not, padded or not. Collective over the domain group (one all-gather of one integer to
-    learn the partition, unless the input's spec is known, and one all-to-all)."""
+    before W, is cut) or on latitude x longitude blocks of them (H and W cut): exact for every
+    partition, thin and empty shards included, shifted or not, padded or not. Collective over
+    the domain group (per cut axis one all-gather of one integer to learn the partition, unless
+    the input's spec is known, and one all-to-all)."""
 
-    dry_run = channels_last_in = channels_last_out = True
+    dry_run = channels_last_in = channels_last_out = on_blocks = True
 
     @classmethod
     def window_of(cls, module: Any, d: int) -> tuple[int, ...]:
@@ -112,39 +123,58 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
-        t = self._transport(x)
-        hd = x.dim() - 3  # H: the dim before W
-        spec = learn_spec(x, hd, t)
         dims = tuple(range(1, x.dim() - 1))
-        others = [d for d in dims if d != hd]
+        # the cut axes (H, on blocks W too) of the grid dims, those before the channels; an
+        # axis of one rank (a 1 x P grid's latitude) is whole here, as the others (Z)
+        axes = [a for a in self._axes(x[..., 0]) if a.transport.size > 1]
+        specs = [learn_spec(x, a.dim, a.transport) for a in axes]
+        others = [d for d in dims if d not in {a.dim for a in axes}]
         cuts = {d: _window_cut(x.size(d), self.window[d - 1]) for d in others}
         pad = [v for d in reversed(dims) for v in cuts.get(d, (0, 0))]
         y = nn.functional.pad(x, [0, 0, *pad])
         shifts = [self.shift[d - 1] for d in others]
         if any(shifts):
             y = torch.roll(y, [-s for s in shifts], others)
-        w, s = self.window[hd - 1], self.shift[hd - 1]
-        first, wanted, runs, keep = window_rows(spec.sizes, w, s, t.rank)
-        got = fetch_global_rows(y, spec, hd, wanted, t)
-        pieces, at = [], 0
-        for row, n in runs:
-            if row is None:
-                shape = list(got.shape)
-                shape[hd] = n
-                pieces.append(got.new_zeros(shape))
-            else:
-                pieces.append(got.narrow(hd, at, n))
-                at += n
-        ext = torch.cat(pieces, hd) if len(pieces) > 1 else got
-        lo, hi = _window_cut(spec.total, w)
-        grid = tuple(spec.total + lo + hi if d == hd else y.size(d) for d in dims)
-        start = tuple(first if d == hd else 0 for d in dims)
-        out = self._windows(ext, start, grid).narrow(hd, keep, spec.sizes[t.rank])
+        grid = {d: y.size(d) for d in others}
+        start = dict.fromkeys(others, 0)
+        keep = []
+        for axis, spec in zip(axes, specs, strict=True):  # the latitude first: then the
+            # longitude row's ranks hold the same extended rows, and the corners come along
+            d, w, s = axis.dim, self.window[axis.dim - 1], self.shift[axis.dim - 1]
+            first, y, k = _whole_windows(y, axis, spec, w, s)
+            lo, hi = _window_cut(spec.total, w)
+            grid[d], start[d] = spec.total + lo + hi, first
+            keep.append((d, k, spec.sizes[axis.transport.rank]))
+        out = self._windows(y, tuple(start[d] for d in dims), tuple(grid[d] for d in dims))
+        for d, k, n in keep:
+            out = out.narrow(d, k, n)
         if any(shifts):
             out = torch.roll(out, shifts, others)
         for d in others:
             out = out.narrow(d, cuts[d][0], x.size(d))
         return out
+
+
+def _whole_windows(
+    y: torch.Tensor, axis: Axis, spec: ShardSpec, window: int, shift: int
+) -> tuple[int, torch.Tensor, int]:
+    """``y``, cut by ``spec`` along ``axis``, extended to the whole windows (padded and rolled
+    as :class:`~mpidp.models.WindowAttention` does) that hold this rank's rows: ``(first, ext,
+    keep)`` with the global number of its first window and where its own rows start. Collective
+    over the axis's ranks (one all-to-all; none when no window straddles a cut)."""
+    d, t = axis.dim, axis.transport
+    first, wanted, runs, keep = window_rows(spec.sizes, window, shift, t.rank)
+    got = fetch_global_rows(y, spec, d, wanted, t)
+    pieces, at = [], 0
+    for row, n in runs:
+        if row is None:
+            shape = list(got.shape)
+            shape[d] = n
+            pieces.append(got.new_zeros(shape))
+        else:
+            pieces.append(got.narrow(d, at, n))
+            at += n
+    return first, torch.cat(pieces, d) if len(pieces) > 1 else got, keep
 
 
 register_layer(WindowAttention, DomainParallelWindowAttention)

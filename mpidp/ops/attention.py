@@ -9,6 +9,11 @@ whose backward is the reverse exchange. A ShardedTensor's ``F.scaled_dot_product
 does the same by itself (docs/sharded_tensor.md).
 
 Layout, as anemoi's: ``(batch, ..., heads, sequence, channels)``.
+
+The sequence is cut over one group of ranks, as a band: on latitude x longitude blocks these
+take the domain group only if named as an axis group (``group=manager.transport("lat")``), and
+refuse it otherwise, on every rank alike (a block's tokens are not a range of the sequence).
+The windowed attention of blocks is :class:`mpidp.models.window.DomainParallelWindowAttention`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 
 from mpidp.errors import ConfigError
 from mpidp.ops.collectives import all_to_all_v, copy_to, reduce_from, resolve_transport
+from mpidp.ops.functions import band_transport
 from mpidp.ops.halo import halo_exchange
 from mpidp.runtime.partition import ShardSpec
 from mpidp.runtime.rng import band_stream
@@ -59,7 +65,7 @@ def shard_heads(x: torch.Tensor, shapes: Sequence[Any], group: Any = None) -> to
     ``(batch, ..., heads_r, seq, ch)``: the whole sequence for this rank's heads
     (:func:`head_spec`). ``shapes``: every rank's sequence length (or its shard's shape).
     Collective over ``group`` (default: the domain group)."""
-    t = resolve_transport(group, x.device)
+    t = band_transport(group, x.device, "shard_heads")
     seq = _sizes(shapes, "shard_heads")
     if x.dim() < 3:
         raise ConfigError(f"shard_heads: expects (..., heads, seq, ch), got {tuple(x.shape)}")
@@ -72,7 +78,7 @@ def shard_sequence(
 ) -> torch.Tensor:
     """The inverse of :func:`shard_heads`: ``(batch, ..., heads_r, seq, ch)`` ->
     ``(batch, ..., heads, seq_r, ch)``, the sequence cut by ``shapes`` again. Collective."""
-    t = resolve_transport(group, x.device)
+    t = band_transport(group, x.device, "shard_sequence")
     seq = _sizes(shapes, "shard_sequence")
     heads = head_spec(num_heads, t.size)
     return all_to_all_v(x, seq, list(heads.sizes), x.dim() - 2, x.dim() - 3, group=t)
@@ -134,7 +140,7 @@ def sliding_window_attention(
     left, right = (window_size, window_size) if isinstance(window_size, int) else window_size
     if min(left, right) < 0:
         raise ConfigError(f"sliding_window_attention: window_size={window_size} must be >= 0")
-    t = resolve_transport(group, q.device)
+    t = band_transport(group, q.device, "sliding_window_attention")
     rows = ShardSpec(tuple(r[0] for r in t.all_gather_ints([q.size(-2)])))
     d = q.dim() - 2
     kx = halo_exchange(k, left, right, d, rows, group=t)

@@ -89,7 +89,9 @@ class MixedPrecision:
 class ParallelismConfig:
     """How the world is used: ``data`` (``"fsdp2"``, ``"ddp"`` or ``"none"``) over
     dp = world / (tensor x domain) replicas, ``tensor`` ranks sharing each opted-in layer's
-    channels, ``domain`` ranks sharing each sample's latitude bands. ``mixed_precision``
+    channels, ``domain`` ranks sharing each sample's latitude bands (an int P) or its latitude x
+    longitude blocks (a pair ``(P_lat, P_lon)``: a grid of P_lat x P_lon ranks, as
+    :func:`mpidp.init` takes it). ``mixed_precision``
     (FSDP2 only) and ``reshard_after_forward`` are passed to :func:`apply_fsdp2`.
 
     ``data="none"`` leaves data-parallel gradients to :func:`mpidp.sync_gradients`, which
@@ -98,7 +100,7 @@ class ParallelismConfig:
 
     data: str = "none"
     tensor: int = 1
-    domain: int = 1
+    domain: int | tuple[int, int] = 1
     mixed_precision: MixedPrecision | None = None
     reshard_after_forward: bool = True
 
@@ -110,7 +112,16 @@ class ParallelismConfig:
             )
         object.__setattr__(self, "data", data)
         _positive(self.tensor, "tensor")
-        _positive(self.domain, "domain")
+        if isinstance(self.domain, (tuple, list)):
+            if len(self.domain) != 2:
+                raise ConfigError(
+                    f"parallelism config: domain={self.domain!r}: give ranks per domain group "
+                    f"(an int) or a (P_lat, P_lon) grid of two ints"
+                )
+            grid = tuple(_positive(n, "each of domain's (P_lat, P_lon)") for n in self.domain)
+            object.__setattr__(self, "domain", grid)
+        else:
+            _positive(self.domain, "domain")
         object.__setattr__(self, "mixed_precision", MixedPrecision.coerce(self.mixed_precision))
         if self.mixed_precision is not None and data != "fsdp2":
             raise ConfigError(
@@ -134,25 +145,37 @@ class ParallelismConfig:
             raise ConfigError(f"parallelism config: unknown key(s) {unknown}; known: {names}")
         return cls(**{str(k): v for k, v in value.items()})
 
+    @property
+    def grid(self) -> tuple[int, int]:
+        """``(P_lat, P_lon)`` of the domain group: ``(domain, 1)`` for bands."""
+        return self.domain if isinstance(self.domain, tuple) else (self.domain, 1)
+
+    @property
+    def domain_ranks(self) -> int:
+        """Ranks per domain group: ``P_lat x P_lon``."""
+        return self.grid[0] * self.grid[1]
+
     def sizes(self, world_size: int) -> tuple[int, int, int]:
-        """``(dp, tensor, domain)`` for a world of ``world_size`` ranks; ConfigError naming the
-        sizes when the world is not a multiple of tensor x domain."""
-        inner = self.tensor * self.domain
+        """``(dp, tensor, domain ranks)`` for a world of ``world_size`` ranks; ConfigError naming
+        the sizes when the world is not a multiple of tensor x domain."""
+        domain = self.domain_ranks
+        shown = f"{self.grid[0]} x {self.grid[1]}" if isinstance(self.domain, tuple) else domain
+        inner = self.tensor * domain
         if world_size % inner:
             fits = [w for w in range(inner, 4 * inner + 1, inner)]
             raise ConfigError(
                 f"world size {world_size} is not divisible by tensor {self.tensor} x domain "
-                f"{self.domain} = {inner}; launch a multiple of {inner} ranks (e.g. {fits}) or "
+                f"{shown} = {inner}; launch a multiple of {inner} ranks (e.g. {fits}) or "
                 f"change tensor/domain"
             )
         dp = world_size // inner
         if self.data == "none" and self.tensor > 1 and dp > 1:
             raise ConfigError(
                 f"parallelism config: data='none' with tensor {self.tensor} leaves dp = "
-                f"{world_size} / ({self.tensor} x {self.domain}) = {dp} replicas whose "
+                f"{world_size} / ({self.tensor} x {shown}) = {dp} replicas whose "
                 f"tensor-parallel gradients nothing would average; set data='ddp' or 'fsdp2'"
             )
-        return dp, self.tensor, self.domain
+        return dp, self.tensor, domain
 
     def as_dict(self) -> dict[str, Any]:
         mp = self.mixed_precision

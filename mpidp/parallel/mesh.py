@@ -136,12 +136,12 @@ def build_device_mesh(
     world = manager.world_size if manager is not None else DistributedManager.world_from_launcher()
     dp, tp, domain = conf.sizes(world)
     if manager is None:
-        manager = init(domain_parallel_size=domain, device=device)
-    elif manager.domain_world_size != domain:
+        manager = init(domain_parallel_size=conf.domain, device=device)
+    elif manager.grid != conf.grid:
         raise ConfigError(
-            f"rank {manager.rank}: the manager's domain size is {manager.domain_world_size} but "
-            f"the parallelism config asks for domain {domain}; build the manager with "
-            f"domain_parallel_size={domain} (or let build_device_mesh initialise mpidp)"
+            f"rank {manager.rank}: the manager's domain grid is {manager.grid} but the "
+            f"parallelism config asks for {conf.grid}; build the manager with "
+            f"domain_parallel_size={conf.domain} (or let build_device_mesh initialise mpidp)"
         )
     dev = torch.device(device) if device is not None else manager.device
     mesh = init_device_mesh(dev.type, (dp, tp, domain), mesh_dim_names=MESH_DIMS)

@@ -208,13 +208,21 @@ class PartitionPolicy:
 
     def derived(self, n: int, parts: int) -> ShardSpec:
         """The partition of a length the model derived from its input (a layer's output, a
-        reshape, rows picked by an index): the policy's, except that fewer rows than ranks,
-        which the policy would refuse, go one each to the first ``n`` ranks and none to the
-        rest (exact: an empty part takes part in every exchange). The model's input is cut by
-        :meth:`spec` itself."""
-        if n < parts and not self.allow_empty:
+        reshape, rows picked by an index): the policy's, except that a length the policy
+        would refuse for having too few rows (or whole blocks, for :class:`Aligned`) for the
+        ranks is cut by the same rule with empty parts allowed (an empty part takes part in
+        every exchange, so this is exact). At scale a deep level with fewer rows than ranks
+        is normal; the model's input is cut by :meth:`spec` itself, which still refuses."""
+        try:
+            return self.spec(n, parts)
+        except ConfigError:
+            if self.allow_empty:
+                raise
+            if isinstance(self, (Balanced, Weighted, Aligned)):  # the rule, with empty parts
+                return dataclasses.replace(self, allow_empty=True).spec(n, parts)
+            if n >= parts:  # a policy of the user's own refused for another reason
+                raise
             return ShardSpec.balanced(n, parts, allow_empty=True)
-        return self.spec(n, parts)
 
 
 @dataclasses.dataclass(frozen=True)

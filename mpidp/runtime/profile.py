@@ -105,8 +105,14 @@ class Profile:
 
     def rank_seconds(self) -> list[float]:
         """Each rank's mean compute seconds per step, the input of :func:`mpidp.rebalance`.
-        Collective over ``group``."""
-        return self.report().rank_seconds()
+        Collective over ``group``; with the default group and several data-parallel replicas,
+        over the whole world: each domain rank's seconds are the slowest replica's (the
+        replicas share one cut, and the slowest replica sets the step)."""
+        seconds = self.report().rank_seconds()
+        if self.group is None and self.manager.dp_world_size > 1:
+            every = DistributedManager.transport(self.manager, "dp", "cpu")
+            seconds = [max(col) for col in zip(*every.all_gather_object(seconds), strict=True)]
+        return seconds
 
     def summary(self) -> str:
         """The table of mean compute, comm and wait per step, one line per rank. Collective

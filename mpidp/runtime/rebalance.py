@@ -136,7 +136,7 @@ def rebalance(
     every rank.
     """
     p = manager.domain_world_size
-    problems: list[str] = []
+    problems: list[str] = _blocks_refused(manager)
     try:
         current = rows if isinstance(rows, ShardSpec) else manager.spec(int(rows))
     except ConfigError as err:
@@ -145,7 +145,7 @@ def rebalance(
         problems.append(f"rows={current} has {current.parts} parts for {p} domain ranks")
     seconds, bad = _costs(rank_seconds, current) if not problems else ([], [])
     problems += bad
-    facts = {
+    facts = {  # the same in every data-parallel replica too: the replicas share one cut
         "rank_seconds": repr(seconds or rank_seconds),
         "rows": repr(current),
         "policy": repr(manager.partition),
@@ -182,15 +182,45 @@ def set_partition(
     manager.partition = policy
 
 
+def _blocks_refused(manager: DistributedManager) -> list[str]:
+    """Why rebalancing a grid of blocks is refused (empty for bands). Local: every rank's
+    manager has the same grid."""
+    p_lat, p_lon = manager.grid
+    if p_lon == 1:
+        return []
+    return [
+        f"the domain group is a ({p_lat}, {p_lon}) grid of blocks, and rebalance cuts bands: "
+        f"the manager has one policy, which every layer asks for a length and a part count "
+        f"without naming the axis, so a latitude cut and a longitude cut of their own cannot "
+        f"be installed (at {p_lat} x {p_lon} they are not even told apart by their part "
+        f"count); and a block's cost is its rows times its columns, so where the costs are "
+        f"not a latitude factor times a longitude factor (one slow node) no pair of per-axis "
+        f"cuts matches the measured speeds, and the per-axis sums would move work onto the "
+        f"slow block's row and column peers. fix: rebalance bands "
+        f"(domain_parallel_size={p_lat * p_lon}), or pass an explicit Weighted per axis "
+        f"by hand to mpidp.runtime.grid.block_spec"
+    ]
+
+
 def _agree(manager: DistributedManager, what: str, problems: list[str], facts: Any) -> None:
-    """The same ConfigError on every rank of the domain group when any rank found a problem or
-    passed other facts than rank 0."""
+    """The same ConfigError on every rank when any rank found a problem or passed other facts
+    than rank 0: over the domain group, and over the whole world when there are several
+    data-parallel replicas (they share one cut, so they must pass the same facts)."""
     lines = [f"rank {manager.domain_rank}: {msg}" for msg in problems]
-    if manager.domain_world_size > 1:
-        _, lines = manager.transport().agree(problems, facts)
+    replicas = manager.dp_world_size > 1
+    if replicas or manager.domain_world_size > 1:
+        _, lines = manager.transport("world" if replicas else None).agree(problems, facts)
     if lines:
+        hint = (
+            "; the data-parallel replicas share one cut: reduce each domain rank's seconds over "
+            "the replicas first (Profile.rank_seconds() takes the slowest replica's)"
+            if replicas
+            else ""
+        )
         raise ConfigError(
             f"rank {manager.rank}: {what} refused, the partition stays {manager.partition!r}: "
             + "; ".join(lines)
+            + hint
             + "; fix: pass the same, valid arguments on every domain rank"
+            + (" of every replica" if replicas else "")
         )

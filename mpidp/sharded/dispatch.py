@@ -30,9 +30,17 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
+from mpidp.runtime.grid import blocks_refused
 from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
 from mpidp.sharded.partial import summed
-from mpidp.sharded.tensor import Replicated, ShardedTensor, has_sharded, replicated, shard
+from mpidp.sharded.tensor import (
+    GRID_SEEN,
+    Replicated,
+    ShardedTensor,
+    has_sharded,
+    replicated,
+    shard,
+)
 from mpidp.sharded.walk import leaves
 from mpidp.sharded.where import relocated
 
@@ -50,6 +58,11 @@ Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 _HANDLERS: dict[Any, Handler] = {}
 #: handlers that take ShardedTensors whose sharded dim holds blocks (``blocks > 1``)
 _BLOCKS_OK: set[Handler] = set()
+#: on latitude x longitude blocks (``ShardedTensor.grid``): the handlers of calls with a block
+#: argument (:func:`register_grid`), and the band handlers that take blocks as they are
+#: (``register(..., grid=True)``); any other call with a block is refused
+_GRID: dict[Any, Handler] = {}
+_GRID_OK: set[Handler] = set()
 #: functions with a fast path beside their handler (:func:`fast_path`): tried first on calls
 #: without keyword arguments; it answers :data:`NOT_LOCAL` when the call is not its kind
 _FAST: dict[Any, Callable[[Any, tuple[Any, ...]], Any]] = {}
@@ -88,14 +101,15 @@ def op_named(name: str) -> list[Any]:
         ) from None
 
 
-def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
+def register(*funcs: Any, blocks: bool = False, grid: bool = False) -> Callable[[Handler], Handler]:
     """Decorator: the handler of ``funcs`` on ShardedTensors: torch functions, Tensor methods,
     ``("__get__", "name")`` for properties, operator overloads (``torch.ops.aten.add.Tensor``,
     a ``torch.library.custom_op``), or an operator's name (``"mylib::fused_op"``, see
     :func:`op_named`). It is called as ``handler(func, args, kwargs)``. A later registration wins.
     ``blocks=True``: the handler also takes tensors whose sharded dim holds blocks merged
     before the band (``ShardedTensor.blocks > 1``); any other handler never sees one (the
-    call is refused first)."""
+    call is refused first). ``grid=True``: it also takes latitude x longitude blocks
+    (``ShardedTensor.grid``); see :func:`register_grid` for a handler of blocks alone."""
 
     def deco(handler: Handler) -> Handler:
         for f in funcs:
@@ -104,6 +118,20 @@ def register(*funcs: Any, blocks: bool = False) -> Callable[[Handler], Handler]:
                 _FAST.pop(key(op), None)  # a later handler wins over an earlier fast path
         if blocks:
             _BLOCKS_OK.add(handler)
+        if grid:
+            _GRID_OK.add(handler)
+        return handler
+
+    return deco
+
+
+def register_grid(*funcs: Any) -> Callable[[Handler], Handler]:
+    """Decorator: the handler of ``funcs`` when a call has a latitude x longitude block among
+    its arguments (the band handler, if any, keeps the calls without one)."""
+
+    def deco(handler: Handler) -> Handler:
+        for f in funcs:
+            _GRID[key(f)] = handler
         return handler
 
     return deco
@@ -184,6 +212,8 @@ def describe(args: Any, kwargs: Any) -> str:
     def one(a: Any) -> str:
         if isinstance(a, ShardedTensor):
             blocks = f" in {a.blocks} blocks" if a.blocks > 1 else ""
+            if a.grid is not None:
+                blocks += f" and along dim {a.grid.dims[1]} {list(a.grid.lon.sizes)}"
             return (
                 f"ShardedTensor{tuple(a.shape)} sharded along dim {a.shard_dim} "
                 f"{list(a.spec.sizes)}{blocks}"
@@ -286,6 +316,10 @@ def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if GRID_SEEN:  # (no block was ever made: nothing to look for)
+        block = next((a for a in leaves((args, kwargs)) if _is_block(a)), None)
+        if block is not None:
+            return _grid_dispatch(func, args, kwargs, block)
     out = batch_local(func, args, kwargs)
     if out is not NOT_LOCAL:
         return out
@@ -315,6 +349,29 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
+def _is_block(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and a.grid is not None
+
+
+def _grid_dispatch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block: ShardedTensor
+) -> Any:
+    """A call with a latitude x longitude block: its block handler, a band handler that takes
+    blocks, the gathering fallback, or refused on every rank alike (before any message)."""
+    k = key(func)
+    handler = _GRID.get(k)
+    if handler is None:
+        band = _HANDLERS.get(k)
+        handler = band if band in _GRID_OK else None
+    if handler is not None:
+        return handler(func, args, kwargs)
+    if _FALLBACK["on"]:
+        return _gather_fallback(func, args, kwargs)
+    raise blocks_refused(
+        block.manager, f"{name_of(func)}({describe(args, kwargs)}) on a block ShardedTensor"
+    )
+
+
 def _has_blocks(args: Any, kwargs: Any) -> bool:
     return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves((args, kwargs)))
 
@@ -339,10 +396,13 @@ def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         lambda a: a.full_tensor() if isinstance(a, ShardedTensor) else a, (args, kwargs)
     )
     out = func(*full_args, **full_kwargs)
-    d, n = ref.shard_dim, ref.spec.total
+    d, n, g = ref.shard_dim, ref.spec.total, ref.grid
 
     def back(o: Any) -> Any:
-        if isinstance(o, torch.Tensor) and o.dim() == ref.dim() and o.size(d) == n:
+        if g is not None and isinstance(o, torch.Tensor) and o.dim() == ref.dim():
+            if (o.size(g.dims[0]), o.size(g.dims[1])) == g.shape:
+                return shard(o, g.dims, ref.manager, g)
+        elif isinstance(o, torch.Tensor) and o.dim() == ref.dim() and o.size(d) == n:
             return shard(o, d, ref.manager, ref.spec)
         if isinstance(o, torch.Tensor) and not isinstance(o, Replicated):
             return replicated(o, ref.transport)

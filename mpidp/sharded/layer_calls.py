@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mpidp.layers.base import known_spec
 from mpidp.layers.registry import layer_for
 from mpidp.ops.collectives import copy_to
+from mpidp.runtime.grid import BlockSpec
 from mpidp.sharded.dispatch import Handler, refuse
 from mpidp.sharded.dispatch import register as _register
 from mpidp.sharded.tensor import Replicated, ShardedTensor
@@ -35,10 +36,11 @@ __all__ = [
 ]
 
 
-def register(*funcs: Any) -> Any:
+def register(*funcs: Any, grid: bool = False) -> Any:
     """:func:`mpidp.sharded.register` for the functions of this module, whose input (the
     first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) is
-    refused before the handler runs."""
+    refused before the handler runs. ``grid``: it takes latitude x longitude blocks too (its
+    work done by :func:`run_layer`)."""
 
     def deco(handler: Handler) -> Handler:
         def checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -53,7 +55,7 @@ def register(*funcs: Any) -> Any:
                 )
             return handler(func, args, kwargs)
 
-        _register(*funcs)(checked)
+        _register(*funcs, grid=grid)(checked)
         return handler
 
     return deco
@@ -105,18 +107,31 @@ def run_layer(
     func: Any, args: Any, kwargs: Any, module: nn.Module, x: ShardedTensor, *call: Any
 ) -> ShardedTensor:
     """``module``'s domain-parallel wrapper on ``x``'s band; the result on the manager's
-    partition of the global output length."""
+    partition of the global output length. On a block (``x.grid``) the wrapper runs per axis
+    (:meth:`~mpidp.layers.base.DomainParallel._axes`: the longitude is the dim after the
+    latitude), and the result is cut by the policy along each axis."""
     m = x.manager
     found = layer_for(type(module))
     if found is None:
         raise refuse(func, args, kwargs, f"no band form of {type(module).__name__}", "gather")
     wrapper = found[1]
     dp = wrapper.from_module(module, m, x.shard_dim - x.dim())
-    with known_spec(x.local, x.shard_dim, x.spec):
+    g = x.grid
+    if g is None:
+        with known_spec(x.local, x.shard_dim, x.spec):
+            y = dp(x.local, *call)
+        n_out = meta_result(func, args, kwargs)[x.shard_dim]
+        spec = m.partition.derived(n_out, m.domain_world_size)
+        return ShardedTensor(y, spec, x.shard_dim, m)
+    if g.dims[1] != g.dims[0] + 1:
+        raise refuse(
+            func, args, kwargs, "a block whose longitude does not follow its latitude", "permute"
+        )
+    with known_spec(x.local, g.dims[0], g.lat), known_spec(x.local, g.dims[1], g.lon):
         y = dp(x.local, *call)
-    n_out = meta_result(func, args, kwargs)[x.shard_dim]
-    spec = m.partition.derived(n_out, m.domain_world_size)
-    return ShardedTensor(y, spec, x.shard_dim, m)
+    shape = meta_result(func, args, kwargs)
+    lat, lon = (m.partition.derived(shape[d], p) for d, p in zip(g.dims, m.grid, strict=True))
+    return ShardedTensor(y, lat, g.dims[0], m, grid=BlockSpec(lat, lon, g.dims))
 
 
 def check_spatial(func: Any, args: Any, kwargs: Any, x: ShardedTensor, n: int) -> None:

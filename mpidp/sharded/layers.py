@@ -51,7 +51,7 @@ _CONV_T = {
 }
 
 
-@register(*_CONV)
+@register(*_CONV, grid=True)
 def _conv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n, cls = _CONV[func]
     a = bind_args(
@@ -81,7 +81,7 @@ def _conv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return run_layer(func, args, kwargs, mod, x)
 
 
-@register(*_CONV_T)
+@register(*_CONV_T, grid=True)
 def _conv_t(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     n, cls = _CONV_T[func]
     names = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
@@ -130,12 +130,14 @@ _PAD_CLASS = {
 }
 
 
-@register(F.pad, torch._C._nn.pad)
+@register(F.pad, torch._C._nn.pad, grid=True)
 def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = bind_args(
         args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None}
     )
     x, pad = a["input"], [int(p) for p in a["pad"]]
+    if x.grid is not None:
+        return _pad_block(func, args, kwargs, x, pad, a)
     k = x.dim() - 1 - x.shard_dim  # the sharded dim's pair in F.pad's order
     if 2 * k + 1 >= len(pad) or (pad[2 * k] == 0 and pad[2 * k + 1] == 0):
         local = F.pad(x.local, pad, a["mode"], a["value"])
@@ -162,10 +164,33 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return run_layer(func, args, kwargs, mod, x)
 
 
+def _pad_block(
+    func: Any, args: Any, kwargs: Any, x: ShardedTensor, pad: list[int], a: dict[str, Any]
+) -> Any:
+    """F.pad of a block: a pad of neither cut dim is local (the same blocks); one of a cut
+    dim runs the converted pad layer of the last two dims on the block (per axis)."""
+    g = x.grid
+    assert g is not None
+    k = x.dim() - 1 - g.dims[0]  # the latitude's pair in F.pad's order (the longitude's: k - 1)
+    if k != 1 or g.dims[1] != x.dim() - 1:
+        raise refuse(func, args, kwargs, "a block not cut along the last two dims", "permute")
+    if not any(pad[:4]):
+        return x.like(F.pad(x.local, pad, a["mode"], a["value"]))
+    if len(pad) > 4:  # pads of dims before the cut ones: local (padding is separable)
+        x = x.like(F.pad(x.local, [0] * 4 + pad[4:], a["mode"], a["value"]))
+    cls = _PAD_CLASS[(a["mode"], 2)] if (a["mode"], 2) in _PAD_CLASS else None
+    if cls is None:
+        raise refuse(func, args, kwargs, f"mode {a['mode']!r} on blocks", "use a torch mode")
+    attrs: dict[str, Any] = {"padding": tuple(pad[:4])}
+    if a["mode"] == "constant":
+        attrs["value"] = float(a["value"] or 0.0)
+    return run_layer(func, args, kwargs, module_with(cls, **attrs), x)
+
+
 # -- interpolation ------------------------------------------------------------------------------
 
 
-@register(F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear)
+@register(F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear, grid=True)
 def _interpolate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     names = (
         "input",
@@ -193,6 +218,13 @@ def _interpolate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         a["mode"], a["align_corners"] = "bilinear", True
     x = a["input"]
     check_spatial(func, args, kwargs, x, x.dim() - 2)
+    if x.grid is not None and not (a["antialias"] or a["recompute_scale_factor"]):
+        # the converted Upsample on the block, per axis (a scale factor keeps its meaning)
+        keep = ("size", "scale_factor", "mode", "align_corners")
+        mod = module_with(
+            nn.Upsample, name="", recompute_scale_factor=None, **{k: a[k] for k in keep}
+        )
+        return run_layer(F.interpolate, (x,), {k: a[k] for k in keep}, mod, x)
     if a["antialias"] or a["recompute_scale_factor"]:
         raise refuse(
             func, args, kwargs, "antialias / recompute_scale_factor on bands", "leave them off"

@@ -149,3 +149,35 @@ def check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: s
             f"{lo}..{lo + sizes[me] - 1} of the field (its band of that spec), or the spec of "
             f"the partition this band belongs to, or none (then it is learned from the bands)"
         )
+
+
+def to_dtensor(x: Any) -> Any:
+    """A ShardedTensor band as a DTensor ``Shard(shard_dim)`` on the manager's domain mesh.
+    DTensor cuts a dim as ``torch.chunk`` does (``ceil(n / P)`` rows per rank, the last ranks
+    short or empty) and its uneven ``from_local`` is not reliable, so the rows first move to
+    exactly that cut (only boundary rows travel; a block is refused there); differentiable.
+    Collective."""
+    from torch.distributed.tensor import DTensor
+
+    n, p = x.spec.total, x.spec.parts
+    moved = x.redistribute(spec=chunk_spec(n, p))
+    return DTensor.from_local(
+        moved.local,
+        x.manager.domain_mesh,
+        [Shard(x.shard_dim)],
+        run_check=False,
+        shape=x.shape,
+        stride=contiguous_strides(tuple(x.shape)),
+    )
+
+
+def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
+    """The sharded dim of a DTensor ``Shard(d)`` on a 1-D mesh and its global length."""
+    placements = tuple(dt.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise ConfigError(
+            f"rank {m.rank}: from_dtensor needs one Shard(dim) placement on a 1-D mesh; got "
+            f"{placements}: redistribute the DTensor to Shard(dim) first"
+        )
+    d = placements[0].dim % dt.dim()
+    return d, int(dt.shape[d])

@@ -30,9 +30,10 @@ from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
-from mpidp.runtime.grid import blocks_refused
+from mpidp.runtime.grid import BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -72,6 +73,8 @@ def _known(sharded: list[ShardedTensor]) -> Iterator[list[Any]]:
     with contextlib.ExitStack() as stack:
         for a in sharded:
             stack.enter_context(known_spec(a.local, a.shard_dim, a.spec))
+            if a.grid is not None:  # a block: its longitude's cut is known too
+                stack.enter_context(known_spec(a.local, a.grid.dims[1], a.grid.lon))
         yield stack.enter_context(band_call(tuple((a.local, a.shard_dim) for a in sharded)))
 
 
@@ -126,6 +129,8 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
         return tree_map(
             lambda o: replicated(_RankZeroGrad.apply(o, t.rank), t) if _plain(o) else o, out
         )
+    if ref.grid is not None:
+        return _blocks_out(layer, out, notes, ref)
     # a layer that cut its output by the policy (``_out_spec``) cut it along its own sharded
     # dim (a patch recovery: tokens in, pixels out); one that did not keeps the input's cut
     spec = notes[-1][1] if notes else ref.spec
@@ -140,6 +145,32 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
         for o, d in zip(outs, want, strict=True)
     ]
     return _unflatten(wrapped, tree)
+
+
+def _blocks_out(layer: Any, out: Any, notes: list[Any], ref: ShardedTensor) -> Any:
+    """A layer's outputs on blocks: cut along its sharded dim and the next by the output specs
+    it noted per axis (``_out_spec``, latitude then longitude), or the input's blocks."""
+    g = ref.grid
+    assert g is not None
+    m = ref.manager
+    if getattr(layer, "output_dims", None) is not None:
+        raise blocks_refused(m, f"the converted layer {type(layer).__name__} (output dims)")
+    specs = [n[1] for n in notes if n[0] == "spec"]
+    i_lat, i_lon = m.grid_coords
+
+    def one(o: Any) -> Any:
+        if not _plain(o) or o.dim() != ref.dim():
+            return o
+        d = o.dim() + layer.shard_dim if specs else g.dims[0]
+        bs = BlockSpec(specs[-2], specs[-1], (d, d + 1)) if specs else g
+        if (o.size(d), o.size(d + 1)) != (bs.lat.sizes[i_lat], bs.lon.sizes[i_lon]):
+            raise MpidpError(
+                f"rank {m.rank}: internal error: {type(layer).__name__} returned "
+                f"{tuple(o.shape)} for a block of {bs!r}; report it with the model"
+            )
+        return ShardedTensor(o, bs.lat, d, m, grid=bs)
+
+    return tree_map(one, out)
 
 
 def _plain(o: Any) -> bool:
@@ -210,14 +241,53 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
     return _unflatten(leaves, tree)
 
 
-def _to_band(o: Any, inputs: list[ShardSpec]) -> Any:
+def _wrap_blocks(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
+    """:func:`_wrap_bands` on a grid of blocks: every plain tensor argument with the dims
+    ``shard_dim`` (the latitude) and the one after it (the longitude) as the ShardedTensor of
+    this rank's block (the cuts declared with :func:`~mpidp.runtime.partition.known_spec` along
+    both dims, else learned in one all-gather along each axis group)."""
+    if shard_dim > -2:
+        raise blocks_refused(m, f"a converted model cut along dim {shard_dim} (its last)")
+    leaves, tree = tree_flatten((args, kwargs))
+    at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(-shard_dim, 2)]
+    dims = [(leaves[i].dim() + shard_dim, leaves[i].dim() + shard_dim + 1) for i in at]
+    pairs = zip(at, dims, strict=True)
+    known = [(known_for(leaves[i], d0), known_for(leaves[i], d1)) for i, (d0, d1) in pairs]
+    if at and not all(a is not None and b is not None for a, b in known):
+        device = leaves[at[0]].device
+        for k, axis in enumerate(("lat", "lon")):
+            t = axis_transport(m, axis, device)
+            rows = t.all_gather_ints([leaves[i].size(d[k]) for i, d in zip(at, dims, strict=True)])
+            learned = [ShardSpec(tuple(r[j] for r in rows)) for j in range(len(at))]
+            known = [
+                (s, kn[1]) if k == 0 else (kn[0], s) for s, kn in zip(learned, known, strict=True)
+            ]
+    for i, d, (lat, lon) in zip(at, dims, known, strict=True):
+        assert lat is not None and lon is not None  # declared, or learned above
+        bs = BlockSpec(lat, lon, d)
+        check_block(bs, m, "the converted model's input", leaves[i])
+        leaves[i] = ShardedTensor(leaves[i], lat, d[0], m, grid=bs)
+    return _unflatten(leaves, tree)
+
+
+def _to_band(o: Any, inputs: list[Any]) -> Any:
     """A result's band: on an input's cut when it has one (a model that keeps its input's
     partition returns it so), else on the manager's partition of its length."""
     if not isinstance(o, ShardedTensor):
         return o
+    m = o.manager
+    if o.grid is not None:  # a block: on an input's blocks or the policy's, else refused
+        g = o.grid
+        want = tuple(m.partition.derived(n, p) for n, p in zip(g.shape, m.grid, strict=True))
+        if g in inputs or (g.lat, g.lon) == want:
+            return o.local
+        raise ConfigError(
+            f"rank {m.rank}: the converted model returned blocks {g!r}, neither an input's nor "
+            f"the partition policy's {[list(s.sizes) for s in want]}: blocks are not moved; "
+            f"return the result on the policy's blocks (or call .full_tensor())"
+        )
     if o.spec in inputs:
         return o.local
-    m = o.manager
     spec = m.partition.derived(o.spec.total, m.domain_world_size)
     return (o.redistribute(spec=spec) if spec != o.spec else o).local
 
@@ -259,12 +329,13 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             calls.append(None)
             return None
         m = bound(manager)
-        if m._blocks:  # before any message: its plain inputs would be taken for bands
-            raise blocks_refused(m, f"the converted model {type(module).__name__}")
         if m.domain_world_size > 1 and module.training and rng.draws(module):
             _check_rng(m, args, kwargs)
-        args, kwargs = _wrap_bands(args, kwargs, dim, m)
-        specs = [a.spec for a in _sharded(args, kwargs)]
+        if m._blocks:
+            args, kwargs = _wrap_blocks(args, kwargs, dim, m)
+        else:
+            args, kwargs = _wrap_bands(args, kwargs, dim, m)
+        specs = [a.grid or a.spec for a in _sharded(args, kwargs)]
         if not specs and m.domain_world_size > 1:  # the forward would run on bands as if whole
             raise ConfigError(
                 f"rank {m.rank}: the converted {type(module).__name__} got no argument it can "
@@ -277,6 +348,9 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][1].__enter__()
         return args, kwargs
     sharded = _sharded(args, kwargs)
+    if any(a.grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
+        calls.append(None)
+        return None
     if not sharded or not all(_fits(a.shard_dim - a.dim(), dim) and a.blocks == 1 for a in sharded):
         calls.append(None)
         return None

@@ -24,7 +24,7 @@ from mpidp.sharded.tensor import ShardedTensor
 __all__: list[str] = []
 
 
-@register(F.group_norm)
+@register(F.group_norm, grid=True)
 def _group_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = bind_args(
         args,
@@ -82,7 +82,7 @@ def _statistics_norm(
     return x, a, attrs
 
 
-@register(F.batch_norm)
+@register(F.batch_norm, grid=True)
 def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, a, attrs = _statistics_norm(func, args, kwargs, "training", False)
     # F.batch_norm gets the momentum already resolved: the counter is the module's, not ours
@@ -95,7 +95,7 @@ def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     return run_layer(func, args, kwargs, mod, x)
 
 
-@register(F.instance_norm)
+@register(F.instance_norm, grid=True)
 def _instance_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, a, attrs = _statistics_norm(func, args, kwargs, "use_input_stats", True)
     mod = module_with(nn.InstanceNorm2d if x.dim() == 4 else nn.InstanceNorm3d, **attrs)
@@ -103,7 +103,7 @@ def _instance_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return run_layer(func, args, kwargs, mod, x)
 
 
-@register(F.layer_norm)
+@register(F.layer_norm, grid=True)
 def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = bind_args(
         args,

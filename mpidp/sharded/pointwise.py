@@ -87,70 +87,70 @@ META_GETTERS.update(_GLOBAL_GETTERS)  # answered before dispatch (ShardedTensor'
 META_METHODS.update(_GLOBAL_METHODS)
 
 
-@register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS, blocks=True)
+@register(*[("__get__", n) for n in _GLOBAL_GETTERS], *_GLOBAL_METHODS, blocks=True, grid=True)
 def _global_meta(func: Any, args: Any, kwargs: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
 
 
-@register(("__get__", "requires_grad"), blocks=True)
+@register(("__get__", "requires_grad"), blocks=True, grid=True)
 def _requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.requires_grad
 
 
-@register(("__get__", "is_leaf"), blocks=True)
+@register(("__get__", "is_leaf"), blocks=True, grid=True)
 def _is_leaf(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.is_leaf
 
 
-@register(("__get__", "grad_fn"), blocks=True)
+@register(("__get__", "grad_fn"), blocks=True, grid=True)
 def _grad_fn(func: Any, args: Any, kwargs: Any) -> Any:
     return args[0].local.grad_fn
 
 
-@register(("__get__", "grad"), blocks=True)
+@register(("__get__", "grad"), blocks=True, grid=True)
 def _grad(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     g = x.local.grad
     return None if g is None else local_like(x, g)
 
 
-@register(("__set__", "grad"), blocks=True)
+@register(("__set__", "grad"), blocks=True, grid=True)
 def _set_grad(func: Any, args: Any, kwargs: Any) -> Any:
     x, g = args
     x.local.grad = g.local if isinstance(g, ShardedTensor) else g
 
 
-@register(("__set__", "requires_grad"), blocks=True)
+@register(("__set__", "requires_grad"), blocks=True, grid=True)
 def _set_requires_grad(func: Any, args: Any, kwargs: Any) -> Any:
     args[0].local.requires_grad = args[1]
 
 
-@register(("__get__", "_base"), blocks=True)
+@register(("__get__", "_base"), blocks=True, grid=True)
 def _base(func: Any, args: Any, kwargs: Any) -> Any:
     """A ShardedTensor is never a view of another tensor (its band may be one: that is the
     band's business, not the global tensor's)."""
     return None
 
 
-@register(("__get__", "data"), blocks=True)
+@register(("__get__", "data"), blocks=True, grid=True)
 def _data(func: Any, args: Any, kwargs: Any) -> Any:
     return local_like(args[0], args[0].local.data)
 
 
-@register(torch.Tensor.requires_grad_, blocks=True)
+@register(torch.Tensor.requires_grad_, blocks=True, grid=True)
 def _requires_grad_(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     x.local.requires_grad_(*args[1:], **kwargs)
     return x
 
 
-@register(torch.Tensor.retain_grad, blocks=True)
+@register(torch.Tensor.retain_grad, blocks=True, grid=True)
 def _retain_grad(func: Any, args: Any, kwargs: Any) -> Any:
     args[0].local.retain_grad()
 
 
-@register(torch.Tensor.backward, blocks=True)
+@register(torch.Tensor.backward, blocks=True, grid=True)
 def _backward(func: Any, args: Any, kwargs: Any) -> Any:
     x = args[0]
     gradient = args[1] if len(args) > 1 else kwargs.pop("gradient", None)
@@ -167,7 +167,7 @@ def _backward(func: Any, args: Any, kwargs: Any) -> Any:
     x.local.backward(g, *args[2:], **kwargs)
 
 
-@register(torch.Tensor.register_hook, blocks=True)
+@register(torch.Tensor.register_hook, blocks=True, grid=True)
 def _register_hook(func: Any, args: Any, kwargs: Any) -> Any:
     x, hook = args[0], args[1]
 
@@ -189,6 +189,7 @@ def _register_hook(func: Any, args: Any, kwargs: Any) -> Any:
     torch.Tensor.stride,
     torch.Tensor.storage_offset,
     torch.Tensor.untyped_storage,
+    grid=True,
 )
 def _no_band_value(func: Any, args: Any, kwargs: Any) -> Any:
     raise refuse(
@@ -233,7 +234,7 @@ _SAME_LAYOUT = (
 )
 
 
-@register(*_SAME_LAYOUT, blocks=True)
+@register(*_SAME_LAYOUT, blocks=True, grid=True)
 def _same_layout(func: Any, args: Any, kwargs: Any) -> Any:
     """Functions of the band alone whose result has the band's shape (a copy, a cast, a
     tensor like it): run on the band, same partition."""
@@ -438,6 +439,7 @@ def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
                 or a._dim != ref._dim
                 or a._blocks != ref._blocks
                 or a._local.dim() != ref._local.dim()
+                or (a._grid is not ref._grid and a._grid != ref._grid)
             ):
                 return NOT_LOCAL
         elif type(a) not in _NUMBERS:

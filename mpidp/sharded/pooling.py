@@ -124,8 +124,10 @@ def _adaptive_few(
 
 for _n in (1, 2, 3):
     for _kind in ("Max", "Avg"):
-        register(getattr(F, f"{_kind.lower()}_pool{_n}d"))(_pool_handler(_n, _kind))
-        register(getattr(F, f"adaptive_{_kind.lower()}_pool{_n}d"))(_adaptive_handler(_n, _kind))
+        register(getattr(F, f"{_kind.lower()}_pool{_n}d"), grid=True)(_pool_handler(_n, _kind))
+        register(getattr(F, f"adaptive_{_kind.lower()}_pool{_n}d"), grid=True)(
+            _adaptive_handler(_n, _kind)
+        )
 register(F.max_pool2d_with_indices, F.max_pool1d_with_indices, F.max_pool3d_with_indices)(
     lambda func, args, kwargs: (_ for _ in ()).throw(
         refuse(func, args, kwargs, "pooling indices on bands", "pool without indices")

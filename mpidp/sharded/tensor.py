@@ -38,9 +38,10 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.ops.functions import _call, _Shard
-from mpidp.runtime.grid import blocks_refused
+from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
+from mpidp.sharded import block_layout as bl
 from mpidp.sharded import layout as pl
 from mpidp.sharded.layout import chunk_spec  # also mpidp.sharded.tensor.chunk_spec, as before
 from mpidp.sharded.rows import move_to_dim, to_spec
@@ -60,6 +61,8 @@ META_GETTERS: set[str] = set()
 #: :func:`on_first`. A program that imports mpidp and never shards runs torch as it is.
 _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
+#: set once the process makes a block ShardedTensor: until then dispatch never looks for one
+GRID_SEEN: list[bool] = []
 
 Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -96,7 +99,10 @@ def on_first(turn_on: Any) -> None:
 
 
 class ShardedTensor(torch.Tensor):
-    """This rank's band (``.local``) of a global tensor cut along ``shard_dim`` by ``spec``.
+    """This rank's band (``.local``) of a global tensor cut along ``shard_dim`` by ``spec``,
+    or, on a latitude x longitude grid, its block (:attr:`grid`: ``spec`` cuts the latitude
+    ``shard_dim`` over the latitude column, ``grid.lon`` the longitude ``grid.dims[1]`` over the
+    longitude row; docs/sharded_tensor.md, "Blocks").
 
     Build one with :func:`mpidp.shard` (from the full tensor, no communication) or
     :meth:`from_local` (from the band). ``shape``, ``size()``, ``dim()`` and ``numel()`` are
@@ -109,6 +115,7 @@ class ShardedTensor(torch.Tensor):
     _manager: DistributedManager
     _blocks: int
     _shape: torch.Size
+    _grid: BlockSpec | None
 
     @staticmethod
     def __new__(
@@ -118,17 +125,23 @@ class ShardedTensor(torch.Tensor):
         dim: int,
         manager: DistributedManager,
         blocks: int = 1,
+        grid: BlockSpec | None = None,
     ) -> ShardedTensor:
-        if manager._blocks:  # every ShardedTensor is made here: mpidp.shard, from_local, ...
-            raise blocks_refused(manager, "a ShardedTensor (mpidp.shard, from_local)")
         shape = list(local.shape)
+        if grid is not None:  # a block: spec and dim are its latitude's
+            spec, dim = grid.lat, grid.dims[0]
+            shape[grid.dims[1]] = grid.lon.total
+            if not GRID_SEEN:
+                GRID_SEEN.append(True)
+        elif manager._blocks:  # every ShardedTensor is made here: band code meeting blocks
+            raise blocks_refused(manager, "a band ShardedTensor")
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
         out._shape = torch.Size(shape)
-        out._blocks = blocks
+        out._blocks, out._grid = blocks, grid
         if not _FIRST_DONE:
             _FIRST_DONE.append(True)
             for turn_on in _ON_FIRST:
@@ -187,16 +200,25 @@ class ShardedTensor(torch.Tensor):
     def manager(self) -> DistributedManager:
         return self._manager
 
+    @property
+    def grid(self) -> BlockSpec | None:
+        """A block's cut of both dims (``lat`` is :attr:`spec`, ``dims[0]`` :attr:`shard_dim`);
+        None for a band."""
+        return self._grid
+
     def like(
         self, local: torch.Tensor, dim: int | None = None, spec: ShardSpec | None = None
     ) -> ShardedTensor:
-        """``local`` with this tensor's layout (partition, blocks), sharded along ``dim``."""
+        """``local`` with this tensor's layout (partition, blocks, grid), sharded along ``dim``
+        (a block keeps its grid only with its own dim and spec)."""
+        same = (dim is None or dim == self._dim) and (spec is None or spec == self._spec)
         return ShardedTensor(
             local,
             spec if spec is not None else self._spec,
             self._dim if dim is None else dim,
             self._manager,
             self._blocks,
+            self._grid if same else None,
         )
 
     def same_layout(self, local: torch.Tensor) -> ShardedTensor:
@@ -208,7 +230,7 @@ class ShardedTensor(torch.Tensor):
             ShardedTensor, self._shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, self._spec, self._dim, self._manager
-        out._shape, out._blocks = self._shape, self._blocks
+        out._shape, out._blocks, out._grid = self._shape, self._blocks, self._grid
         return out
 
     def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -245,6 +267,8 @@ class ShardedTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]
         blocks = f", blocks={self._blocks}" if self._blocks > 1 else ""
+        if self._grid is not None:
+            blocks += f", lon_dim={self._grid.dims[1]}, lon_spec={list(self._grid.lon.sizes)}"
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, shard_dim={self._dim}, "
             f"spec={list(self._spec.sizes)}{blocks}, rank={self.rank}, local=\n{self._local!r})"
@@ -260,8 +284,8 @@ class ShardedTensor(torch.Tensor):
         placements: Sequence[Any] | None = None,
         sharding_shapes: str | dict[int, list[tuple[int, ...]]] = "infer",
         *,
-        dim: int | None = None,
-        spec: ShardSpec | Sequence[int] | None = None,
+        dim: int | Sequence[int] | None = None,
+        spec: ShardSpec | Sequence[int] | BlockSpec | None = None,
         manager: DistributedManager | None = None,
         global_shape: Sequence[int] | None = None,
     ) -> Any:
@@ -274,7 +298,9 @@ class ShardedTensor(torch.Tensor):
         (mpidp's default; DTensor's is Replicate). The ranks' extents: ``spec`` (checked here),
         ShardTensor's ``sharding_shapes`` (``{0: [shape per rank]}``, or ``"chunk"`` with
         ``global_shape``: torch.chunk's cut, no communication), else learned in one small
-        all-gather (``"infer"``; collective)."""
+        all-gather (``"infer"``; collective). On a grid that cuts the longitude, ``local`` is
+        this rank's block along ``dim=(lat, lon)`` (default ``(-2, -1)``), ``spec`` a
+        :class:`~mpidp.runtime.grid.BlockSpec` or, when None, learned along each axis."""
         if isinstance(device_mesh, int):
             raise ConfigError(
                 f"from_local(band, {device_mesh}): the second argument is the device mesh; "
@@ -288,9 +314,18 @@ class ShardedTensor(torch.Tensor):
             if isinstance(p, Partial):
                 return replicated(pl.partial_sum_of(local, p, m), m.transport(None, local.device))
             dim = cast(Any, p).dim
-        d = pl.normal_dim(local, -2 if dim is None else dim)
+        if m._blocks and dim is None:
+            dim = (-2, -1)
+        if bl.is_pair(dim) and m._blocks:
+            bs = bl.blocks_of_parts(local, dim, m, spec)
+            return cls(local, bs.lat, bs.dims[0], m, grid=bs)
+        if bl.is_pair(dim):  # bands are the grid (P, 1): the latitude alone is cut
+            dim = cast(Any, dim)[0]
+        d = pl.normal_dim(local, -2 if dim is None else cast(int, dim))
         if spec is None:
             spec = pl.spec_of_band(sharding_shapes, d, local, m, global_shape)
+        if isinstance(spec, BlockSpec):
+            spec = spec.lat
         spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
         pl.check_spec(spec, m, local.size(d), "from_local")
         return cls(local, spec, d, m)
@@ -334,6 +369,8 @@ class ShardedTensor(torch.Tensor):
         every rank's use comes back to the band once, the replicated rule)."""
         del grad_placements  # the band's gradient is always a band
         t = self.transport
+        if self._grid is not None:
+            return replicated(bl.whole_of(self._local, self._grid, self._manager), t)
         local, d = self.unblocked()
         whole = all_gather_v_replicated(local, self._spec, d, group=t)
         return replicated(whole.flatten(d - 1, d) if d != self._dim else whole, t)
@@ -354,6 +391,8 @@ class ShardedTensor(torch.Tensor):
         owner travel (one ``all_to_all_v``). ``async_op`` is accepted for DTensor's signature;
         the move completes before the call returns. Collective."""
         del async_op
+        if self._grid is not None:
+            raise blocks_refused(self._manager, "redistribute of a block ShardedTensor")
         if (
             device_mesh is not None
             and pl.manager_of(device_mesh).domain_ranks != self._manager.domain_ranks
@@ -395,23 +434,9 @@ class ShardedTensor(torch.Tensor):
     # -- DTensor -----------------------------------------------------------------------------
 
     def to_dtensor(self) -> Any:
-        """A DTensor ``Shard(shard_dim)`` on the manager's domain mesh. DTensor cuts a dim as
-        ``torch.chunk`` does (``ceil(n / P)`` rows per rank, the last ranks short or empty) and
-        its uneven ``from_local`` is not reliable, so the rows first move to exactly that cut
-        (only boundary rows travel); differentiable. Collective."""
-        from torch.distributed.tensor import DTensor
-
-        n, p = self._spec.total, self._spec.parts
-        x = self.redistribute(spec=chunk_spec(n, p))
-        mesh = self._manager.domain_mesh
-        return DTensor.from_local(
-            x.local,
-            mesh,
-            [Shard(self._dim)],
-            run_check=False,
-            shape=self.shape,
-            stride=pl.contiguous_strides(tuple(self.shape)),
-        )
+        """A DTensor ``Shard(shard_dim)`` on the manager's domain mesh, the rows first moved to
+        DTensor's ``torch.chunk`` cut (:func:`mpidp.sharded.layout.to_dtensor`). Collective."""
+        return pl.to_dtensor(self)
 
     @classmethod
     def from_dtensor(
@@ -421,14 +446,7 @@ class ShardedTensor(torch.Tensor):
         moved to ``spec`` (a ShardSpec, sizes or policy; default: the manager's policy).
         Differentiable. Collective."""
         m = manager if manager is not None else get_manager()
-        placements = tuple(dt.placements)
-        if len(placements) != 1 or not isinstance(placements[0], Shard):
-            raise ConfigError(
-                f"rank {m.rank}: from_dtensor needs one Shard(dim) placement on a 1-D mesh; got "
-                f"{placements}: redistribute the DTensor to Shard(dim) first"
-            )
-        d = placements[0].dim % dt.dim()
-        n = dt.shape[d]
+        d, n = pl.dtensor_dim(dt, m)
         x = cls(dt.to_local(), chunk_spec(n, m.domain_world_size), d, m)
         return x.redistribute(spec=spec if spec is not None else m.partition)
 
@@ -553,24 +571,40 @@ def _share(a: Any, t: Transport) -> Any:
 
 def shard(
     x: torch.Tensor,
-    dim: int = -2,
+    dim: int | Sequence[int] | None = None,
     manager: DistributedManager | None = None,
-    spec: ShardSpec | Sequence[int] | None = None,
+    spec: ShardSpec | Sequence[int] | BlockSpec | None = None,
 ) -> ShardedTensor:
     """This rank's band of the full tensor ``x`` (the same on every rank) as a ShardedTensor:
     cut along ``dim`` by ``spec`` (default: the manager's partition policy). No communication.
     When ``x`` requires grad the band stays attached to it (``x.grad`` then holds this rank's
-    rows of the gradient); otherwise the band is a new leaf."""
+    rows of the gradient); otherwise the band is a new leaf.
+
+    ``dim=(lat, lon)`` gives this rank's latitude x longitude block on a grid that cuts the
+    longitude (``spec`` a :class:`~mpidp.runtime.grid.BlockSpec`), and the band along ``lat``
+    on bands (the grid ``(P, 1)``). ``dim`` None: ``-2`` on bands, ``(-2, -1)`` on blocks; an
+    int on blocks is refused (a band of a grid is no block)."""
     if isinstance(x, ShardedTensor):
         raise ConfigError(f"rank {x.rank}: shard() of a ShardedTensor; use .redistribute()")
     m = manager if manager is not None else get_manager()
     whole = isinstance(x, Replicated)  # its gradient must come back whole: all-gathered
     if whole:
         x = x.as_subclass(torch.Tensor)  # a partial value sums itself here (PartialSum.as_subclass)
-    d = pl.normal_dim(x, dim)
+    if m._blocks and not bl.is_pair(dim) and dim is not None:
+        raise blocks_refused(
+            m, f"mpidp.shard(x, dim={dim}), a ShardedTensor of one cut dim (blocks: dim=(-2, -1)),"
+        )
+    if m._blocks:
+        block, bs = bl.block_of(x, (-2, -1) if dim is None else dim, m, spec, whole)
+        return ShardedTensor(block, bs.lat, bs.dims[0], m, grid=bs)
+    if bl.is_pair(dim):  # bands are the grid (P, 1): the latitude alone is cut
+        dim = cast(Any, dim)[0]
+    d = pl.normal_dim(x, -2 if dim is None else cast(int, dim))
     n = x.size(d)
     if spec is None:
         s = m.partition.spec(n, m.domain_world_size)
+    elif isinstance(spec, BlockSpec):
+        s = spec.lat
     else:
         s = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
     pl.check_spec(s, m, None, "shard")

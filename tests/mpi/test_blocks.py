@@ -387,22 +387,19 @@ def test_halo_refusals(gm):
 
 
 def _band_calls(m):
-    """Each entry point where band code meets the manager: a converted layer and model, a
-    ShardedTensor, the 1-D halo exchange and a v-collective over the domain group, and what each
-    must name."""
+    """Each entry point where band code meets the manager: a converted layer, a ShardedTensor of
+    one cut dim, the 1-D halo exchange and a v-collective over the domain group, and what each
+    must name (converted models and ShardedTensors run on blocks: test_blocks_sharded.py)."""
     p = m.domain_world_size
     x = rand((1, 2, 8, 12), 11)
     # a layer without a block form, 1-D (tests/mpi/test_blocks_layers.py: those with one)
     conv = mpidp.convert_to_domain_parallel(torch.nn.MaxPool1d(3, 1, 1), manager=m)
-    model = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.ReLU()).double()
-    model = mpidp.convert_to_domain_parallel(model, manager=m)
     return {
         "converted conv": (
             lambda: conv(x[..., 0, :]),
             "the converted layer DomainParallelMaxPool1d",
         ),
-        "converted model": (lambda: model(x), "the converted model Sequential"),
-        "mpidp.shard": (lambda: mpidp.shard(x, -2, manager=m), "a ShardedTensor"),
+        "mpidp.shard": (lambda: mpidp.shard(x, -2, manager=m), "a ShardedTensor of one cut"),
         "1-D halo": (
             lambda: mpidp.halo_exchange(x, 1, 1, -2, manager=m),
             "halo_exchange with one dim over the domain group",

@@ -2,7 +2,10 @@
 CrossFormer's deepest level does at 3 ranks: the converted layers after it (a 1x1 conv that
 mpidp runs on the band as it is, a norm, an upsample) take the empty band as the ShardedTensor
 rules do, through both front ends, against serial torch (float64, 1e-10, every gradient).
-Before, torch's convolution refused the zero-row input on that rank alone."""
+Before, torch's convolution refused the zero-row input on that rank alone. Empty bands come by
+default (issue 46, item 6) under every policy: an aligned one whose deep level has fewer whole
+blocks than ranks, a weighted one whose deep level has fewer rows than ranks; the model's
+input keeps its own cut (no empty band there)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
+from mpidp.errors import ConfigError
 from mpidp.testing import assert_matches_serial
 from tests.mpi.helpers import check_sharded, rand
 
@@ -33,10 +37,29 @@ class DeepLevel(nn.Module):
         return self.up(h)[..., : x.shape[-2], :] + x[:, :1]
 
 
+#: name: (the policy, the input's rows): at 2 ranks and more the policy itself refuses the
+#: deep level's rows (too few rows, or whole blocks, for the ranks), but cuts the input
+POLICIES = {
+    "balanced": (mpidp.Balanced(), max(2 * WORLD - 2, 2)),
+    "aligned": (mpidp.Aligned(2), 2 * WORLD + 1),
+    "weighted": (mpidp.Weighted(tuple(range(WORLD, 0, -1))), WORLD),
+}
+
+
 @pytest.fixture(scope="module")
-def m():
-    with mpidp.DistributedManager(domain_parallel_size=WORLD) as manager:
-        yield manager
+def manager():
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as made:
+        yield made
+
+
+@pytest.fixture(params=list(POLICIES))
+def case(request, manager):
+    """(the manager under the case's policy, the input's rows), the policy reset after."""
+    policy, h = POLICIES[request.param]
+    manager.partition = policy
+    assert min(manager.spec(h).sizes) > 0  # the data's own cut: no empty band
+    yield manager, h
+    manager.partition = mpidp.Balanced()
 
 
 def build():
@@ -44,15 +67,20 @@ def build():
     return DeepLevel().to(torch.float64)
 
 
-def test_a_deep_level_with_an_empty_band_through_conversion(m):
+def test_a_deep_level_with_an_empty_band_through_conversion(case):
+    m, h = case
+    if WORLD > 1:  # the case is what it says: the default gives empty bands where the
+        with pytest.raises(ConfigError):  # policy would refuse
+            m.partition.spec((h + 1) // 2, WORLD)
     serial = build()
     dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), m)
     assert_matches_serial(
-        serial, dist, [rand((2, 2, 5, 6), 1)], manager=m, modules=(serial, dist),
+        serial, dist, [rand((2, 2, h, 6), 1)], manager=m, modules=(serial, dist),
         rtol=1e-10, atol=1e-12,
     )  # fmt: skip
 
 
-def test_a_deep_level_with_an_empty_band_on_sharded_tensors(m):
+def test_a_deep_level_with_an_empty_band_on_sharded_tensors(case):
+    m, h = case
     model = build()
-    check_sharded(m, model, rand((2, 2, 5, 6), 2), dim=2, module=model)
+    check_sharded(m, model, rand((2, 2, h, 6), 2), dim=2, module=model)

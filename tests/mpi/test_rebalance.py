@@ -5,6 +5,7 @@ rebalances twice giving the losses and weights of one that never does and of the
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -187,3 +188,31 @@ def test_training_with_two_rebalances_matches_fixed_and_serial(m):
     )
     everyone = m.transport().all_gather_object(gaps)
     assert all(g < 1e-10 for row in everyone for g in row), everyone
+
+
+@pytest.mark.skipif(WORLD != 4, reason="dp 2 x domain 2 needs 4 ranks")
+def test_replicas_must_agree_on_the_costs():
+    """dp 2 x domain 2: the replicas share one cut, so each rank's costs must be the same in
+    both replicas (a clear error on every rank of both, the partition kept); the profile's
+    rank_seconds give every rank the slowest replica's seconds, which rebalance takes."""
+    with mpidp.DistributedManager(domain_parallel_size=2) as dm:
+        d, rep = dm.domain_rank, dm.dp_rank
+        seconds = [1.0, 1.0 + rep]  # replica 1's domain rank 1 is slower
+        try:
+            mpidp.rebalance(dm, seconds, rows=13)
+            error = ""
+        except ConfigError as err:
+            error = str(err)
+        with mpidp.profile(dm) as prof:
+            for _ in range(2):
+                with prof.step():
+                    time.sleep(0.01 * (1 + 4 * (rep == 1 and d == 1)))
+                    dm.transport().barrier()
+        reduced = prof.rank_seconds()
+        before = dm.spec(13)
+        dm.set_partition(mpidp.rebalance(dm, reduced, rows=13), rows=13)
+        after = dm.spec(13)
+        facts = dm.transport("world").all_gather_object((error, reduced, after.sizes))
+    assert all("replicas share one cut" in e and "rank_seconds=" in e for e, _, _ in facts), facts
+    assert all(r == facts[0][1] for _, r, _ in facts) and reduced[1] > 2 * reduced[0], facts
+    assert all(s == after.sizes for _, _, s in facts) and after[1] < before[1], facts

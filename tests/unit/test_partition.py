@@ -122,3 +122,21 @@ def test_aligned_policy_cuts_on_multiples():
     with pytest.raises(ConfigError, match="on multiples of 8"):
         Aligned(8).spec(20, 4)
     assert Aligned(8, allow_empty=True).spec(20, 4).sizes == (8, 8, 0, 4)
+
+
+def test_derived_lengths_get_empty_bands_by_default():
+    """A length the model derived that the policy refuses (too few rows or whole blocks for
+    the ranks) is cut by the same rule with empty parts; the input's cut still refuses."""
+    from mpidp.errors import ConfigError
+    from mpidp.runtime.partition import Aligned
+
+    assert Balanced().derived(3, 4).sizes == (1, 1, 1, 0)
+    assert Aligned(2).derived(6, 4).sizes == (2, 2, 2, 0)  # 3 whole blocks for 4 ranks
+    assert Aligned(2).derived(26, 4) == Aligned(2).spec(26, 4)  # what the policy cuts stays
+    assert Weighted((1, 2, 3, 4)).derived(3, 4).sizes == (0, 1, 1, 1)  # in proportion
+    assert Weighted((1, 3)).derived(16, 2) == Weighted((1, 3)).spec(16, 2)
+    for policy, n in [(Balanced(), 3), (Aligned(2), 6), (Weighted((1, 2, 3, 4)), 3)]:
+        with pytest.raises(ConfigError):
+            policy.spec(n, 4)
+    with pytest.raises(ConfigError, match="2 weights"):  # not a length problem: raised
+        Weighted((1, 2)).derived(3, 4)

@@ -22,7 +22,9 @@ class _Agreeing:
 
 
 def _manager(p, policy):
-    m = SimpleNamespace(domain_world_size=p, rank=0, domain_rank=0, partition=policy)
+    m = SimpleNamespace(
+        domain_world_size=p, rank=0, domain_rank=0, partition=policy, grid=(p, 1), dp_world_size=1
+    )
     m.spec = lambda n: m.partition.spec(n, p)
     m.transport = lambda *a: _Agreeing()
     return m
@@ -100,3 +102,11 @@ def test_aligned_weights_cut_whole_blocks():
     with pytest.raises(ConfigError, match="has 4 weights"):
         a.spec(90, 3)
     assert ShardSpec.from_sizes(Aligned(4).spec(90, 4).sizes) == Aligned(4).spec(90, 4)
+
+
+def test_blocks_are_refused_with_the_reason():
+    m = _manager(4, Balanced())
+    m.grid = (2, 2)
+    with pytest.raises(ConfigError, match=r"\(2, 2\) grid of blocks.*not a latitude factor"):
+        mpidp.rebalance(m, [1.0] * 4, rows=13)
+    assert m.partition == Balanced()

@@ -1,0 +1,236 @@
+"""Handlers of calls with a latitude x longitude block (``ShardedTensor.grid``): element-wise
+functions, the views and joins that leave both cut dims whole, and reductions over them.
+
+A block is cut along its latitude dim over the latitude column and along its longitude dim over
+the longitude row (:mod:`mpidp.runtime.grid`). Each rule here is the band rule once per cut
+axis; a call these rules (or a band handler registered with ``grid=True``: the converted
+layers' calls, metadata, copies) do not know is refused on every rank
+(:func:`mpidp.runtime.grid.blocks_refused`), never computed on the block as if it were a band.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mpidp.ops.collectives import copy_to
+from mpidp.runtime.grid import BlockSpec
+from mpidp.runtime.rng import band_stream
+from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
+from mpidp.sharded.pointwise import POINTWISE, draws
+from mpidp.sharded.tensor import Replicated, ShardedTensor
+
+__all__: list[str] = []
+
+
+def _block_of(x: ShardedTensor) -> BlockSpec:
+    g = x.grid
+    assert g is not None
+    return g
+
+
+@register_grid(*POINTWISE)
+def _pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An element-wise function on the blocks. Other block arguments must share the blocks; a
+    plain tensor broadcasts as in serial (one of the global length along a cut dim is cut to
+    this rank's rows or columns, one of length 1 or without that dim is used whole); a
+    Replicated value enters through ``copy_to``."""
+    if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
+        raise refuse(func, args, kwargs, "the global indices of a block's entries", "gather")
+    every = tree_flatten((args, kwargs))[0]
+    ref = next(a for a in every if isinstance(a, ShardedTensor) and a.grid is not None)
+    g, nd, m = _block_of(ref), ref.dim(), ref.manager
+    cuts = tuple(zip(g.dims, (g.lat, g.lon), m.grid_coords, strict=True))
+    if any(isinstance(a, torch.Tensor) and a.dim() > nd for a in every):
+        raise refuse(func, args, kwargs, "an argument of more dims than the block", "gather")
+
+    def local(a: Any) -> Any:
+        if isinstance(a, ShardedTensor):
+            if a.grid != g or a.dim() != nd:
+                raise refuse(
+                    func, args, kwargs, "ShardedTensors of different blocks meet", "cut alike"
+                )
+            return a.local
+        if not isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, Replicated):
+            a = copy_to(a.as_subclass(torch.Tensor), ref.transport)
+        for d, spec, i in cuts:
+            at = a.dim() - (nd - d)
+            if at < 0 or a.size(at) == 1:
+                continue
+            if a.size(at) != spec.total:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    f"a tensor of shape {tuple(a.shape)} has {a.size(at)} entries along cut dim "
+                    f"{d}, neither its global length {spec.total} nor 1",
+                    "pass a tensor of the global shape or one that broadcasts",
+                )
+            a = a.narrow(at, spec.start(i), spec.sizes[i])
+        return a
+
+    local_args, local_kwargs = tree_map(local, (args, kwargs))
+    with band_stream(ref.rank, ref.local.device, draws(func, args, kwargs)):
+        out = func(*local_args, **local_kwargs)
+    first = args[0] if args else None
+    if isinstance(first, ShardedTensor) and out is local_args[0]:
+        return first  # in place on the block
+    return tree_map(lambda o: ref.like(o) if isinstance(o, torch.Tensor) else o, out)
+
+
+def _moved(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, int]) -> ShardedTensor:
+    """``local``, this rank's block of a result whose cut dims are ``dims`` (the same cuts)."""
+    g = _block_of(x)
+    return ShardedTensor(local, g.lat, dims[0], x.manager, grid=BlockSpec(g.lat, g.lon, dims))
+
+
+# -- reductions ---------------------------------------------------------------------------------
+
+_REDUCE = {
+    f: default
+    for fs, default in (
+        ((torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum), None),
+        ((torch.mean, torch.Tensor.mean, torch.nanmean, torch.Tensor.nanmean), None),
+        ((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin), ()),
+    )
+    for f in fs
+}
+
+
+@register_grid(*_REDUCE)
+def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A reduction over neither cut dim runs on the block; over both, the band rule's exact
+    global value over the domain group (a partial sum and one all-reduce; amax with torch's
+    gradient), Replicated. Over one cut dim alone its result would be cut along the other dim
+    and repeated along the first: refused."""
+    x = args[0]
+    g, nd = _block_of(x), x.dim()
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", _REDUCE[func])
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        dims = set(range(nd))
+    else:
+        dims = {int(d) % nd for d in ([dim] if isinstance(dim, int) else dim)}
+    cut = dims & set(g.dims)
+    if len(cut) == 2:  # the band rule's global path: its "transport" is the domain group
+        return _HANDLERS[key(func)](func, args, kwargs)
+    if cut:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            f"a reduction over one of a block's two cut dims ({sorted(cut)}) leaves a result "
+            f"cut along the other and repeated along the first, which no ShardedTensor is",
+            "reduce over both cut dims (a global value) or neither, or gather (.full_tensor())",
+        )
+    local = func(x.local, *args[1:], **kwargs)
+    if keepdim:
+        return x.like(local)
+    return _moved(x, local, tuple(d - sum(1 for r in dims if r < d) for d in g.dims))  # type: ignore[arg-type]
+
+
+# -- views and joins that leave both cut dims whole ---------------------------------------------
+
+_MOVES = (
+    torch.permute,
+    torch.Tensor.permute,
+    torch.transpose,
+    torch.Tensor.transpose,
+    torch.swapaxes,
+    torch.Tensor.swapaxes,
+    torch.movedim,
+    torch.Tensor.movedim,
+    torch.unsqueeze,
+    torch.Tensor.unsqueeze,
+    torch.squeeze,
+    torch.Tensor.squeeze,
+)
+
+
+#: the sizes that mark the cut dims in :func:`_move`'s probe (a meta tensor: nothing allocated)
+_MARKS = (1_000_003, 1_000_033)
+
+
+@register_grid(*_MOVES)
+def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where the cut dims go: the op applied to a meta tensor of the global shape whose cut
+    dims are marked by sizes no other dim has. A squeeze that could take a cut dim (a field
+    one row tall) is refused."""
+    x = args[0]
+    g = _block_of(x)
+    marker = list(x.shape)
+    marker[g.dims[0]], marker[g.dims[1]] = _MARKS
+    probe = func(torch.empty(marker, device="meta"), *args[1:], **kwargs)
+    shape = list(probe.shape)
+    if min(g.shape) == 1 or any(shape.count(k) != 1 for k in _MARKS):
+        raise refuse(func, args, kwargs, "it could move a cut dim out of sight", "gather first")
+    dims = (shape.index(_MARKS[0]), shape.index(_MARKS[1]))
+    return _moved(x, func(x.local, *args[1:], **kwargs), dims)
+
+
+@register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A reshape that keeps the two cut dims, adjacent, whole: the dims before them and the
+    dims after them each regroup among themselves."""
+    x = args[0]
+    g = _block_of(x)
+    raw = args[1:] if len(args) > 1 else (kwargs.get("shape"),)
+    new = list(raw[0]) if len(raw) == 1 and not isinstance(raw[0], int) else list(raw)
+    old = list(x.shape)
+    if -1 in new:
+        i = new.index(-1)
+        rest = math.prod(n for j, n in enumerate(new) if j != i)
+        new[i] = math.prod(old) // max(rest, 1)
+    lat, lon = g.dims
+    at = None
+    if lon == lat + 1:
+        before = math.prod(old[:lat])
+        for j in range(len(new) - 1):
+            if new[j : j + 2] == old[lat : lat + 2] and math.prod(new[:j]) == before:
+                at = j
+                break
+    if at is None or math.prod(new) != math.prod(old):
+        raise refuse(
+            func, args, kwargs, "a reshape that merges or splits a cut dim", "keep H and W whole"
+        )
+    local_shape = list(new)
+    local_shape[at : at + 2] = x.local.shape[lat : lat + 2]
+    return _moved(x, x.local.reshape(local_shape), (at, at + 1))
+
+
+@register_grid(torch.flatten, torch.Tensor.flatten)
+def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % max(x.dim(), 1)
+    end = int(args[2] if len(args) > 2 else kwargs.get("end_dim", -1)) % max(x.dim(), 1)
+    shape = [*x.shape[:start], math.prod(x.shape[start : end + 1]), *x.shape[end + 1 :]]
+    return _view(torch.reshape, (x, shape), {})
+
+
+@register_grid(torch.cat, torch.concat, torch.concatenate, torch.stack)
+def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Blocks of one layout joined along a dim that is not cut: the blocks joined."""
+    tensors = list(args[0] if args else kwargs["tensors"])
+    d = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    ref = next(t for t in tensors if isinstance(t, ShardedTensor))
+    g, nd = _block_of(ref), ref.dim()
+    stack = func is torch.stack
+    d = d % (nd + 1 if stack else nd)
+    if not all(isinstance(t, ShardedTensor) and t.grid == g for t in tensors) or (
+        not stack and d in g.dims
+    ):
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "blocks joined along a cut dim, or with tensors cut otherwise",
+            "join blocks of one layout along an uncut dim (channels)",
+        )
+    local = func([t.local for t in tensors], d)
+    dims = tuple(c + 1 if stack and c >= d else c for c in g.dims)
+    return _moved(ref, local, dims)  # type: ignore[arg-type]
