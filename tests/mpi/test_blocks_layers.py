@@ -278,8 +278,7 @@ def test_periodic_conv(gm):
 
 class PolarNet(nn.Module):
     """Padding across the poles, a norm, a stride-2 conv, interpolation to the skip's size and
-    a cat: the layers run in a row, each converted alone (a converted model runs on
-    ShardedTensors, which are bands only so far)."""
+    a cat."""
 
     def __init__(self):
         super().__init__()
@@ -296,13 +295,19 @@ class PolarNet(nn.Module):
         return self.out(torch.cat([skip, self.up(self.pad(low))], 1))
 
 
-def test_polar_net(gm):
-    """The net on blocks against serial: output, input gradient, every parameter gradient."""
+@pytest.mark.parametrize("route", ["layers", "model"])
+def test_polar_net(gm, route):
+    """The net on blocks against serial: output, input gradient, every parameter gradient;
+    its layers converted one by one and run in a row, or the model converted (its forward on
+    ShardedTensors: the relu and the cat through dispatch, the layers as its kernels)."""
     torch.manual_seed(3)
     serial = PolarNet().double()
     net = copy.deepcopy(serial)
-    for name, child in list(net.named_children()):
-        setattr(net, name, mpidp.convert_to_domain_parallel(child, manager=gm))
+    if route == "model":
+        net = mpidp.convert_to_domain_parallel(net, manager=gm)
+    else:
+        for name, child in list(net.named_children()):
+            setattr(net, name, mpidp.convert_to_domain_parallel(child, manager=gm))
     full = rand(PERIODIC_SHAPE, 160)
     x = mpidp.shard_tensor(full, dim=(-2, -1), manager=gm).detach().requires_grad_()
     y = net(x)
