@@ -75,14 +75,25 @@ def fetch_halo(
     layer: DomainParallel,
     x: torch.Tensor,
     cuts: Sequence[tuple[Axis, ShardSpec, HaloSpec]],
-    boundary: str,
+    boundary: str | tuple[str, str],
+    roll_dim: int = -1,
 ) -> torch.Tensor:
-    """``x`` extended by each cut axis's halo (``boundary`` along each): the 1-D exchange on
-    bands, the block exchange (corners included) on blocks. Collective over the domain group."""
+    """``x`` extended by each cut axis's halo: the 1-D exchange on bands, the block exchange
+    (corners and the polar fold included) on blocks. ``boundary``: one kind for every cut axis
+    or a ``(latitude, longitude)`` pair; a polar latitude on bands rolls ``roll_dim``.
+    Collective over the domain group."""
+    lat_b, lon_b = (boundary, boundary) if isinstance(boundary, str) else boundary
     if len(cuts) == 1:
         axis, spec, halo = cuts[0]
         return halo_exchange(
-            x, halo.before, halo.after, axis.dim, spec, boundary=boundary, group=axis.transport
+            x,
+            halo.before,
+            halo.after,
+            axis.dim,
+            spec,
+            boundary=lat_b,
+            group=axis.transport,
+            roll_dim=roll_dim,
         )
     (lat, s_lat, h_lat), (lon, s_lon, h_lon) = cuts
     return halo_exchange(
@@ -92,7 +103,7 @@ def fetch_halo(
         (lat.dim, lon.dim),
         BlockSpec(s_lat, s_lon, (lat.dim, lon.dim)),
         layer._manager(),
-        (boundary, boundary),
+        (lat_b, lon_b),
     )
 
 

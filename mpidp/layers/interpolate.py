@@ -6,7 +6,9 @@ interpolating one-hot rows (an identity) with the user's arguments, so coordinat
 the edges, ``align_corners`` and ``size=`` / ``scale_factor=`` semantics are torch's exactly.
 Along the sharded dim a rank fetches the input rows its output rows read (never beyond the
 field: clamping is folded into the weights) and applies its rows of the weights; the other
-dims are interpolated the same way, locally.
+dims are interpolated the same way, locally. On latitude x longitude blocks the longitude is a
+cut dim too and is interpolated as the rows are, over the longitude row's ranks (one dim after
+the other: no corners are needed).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
+from mpidp.layers.base import Axis, DomainParallel, band_forward, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["MODES", "DomainParallelInterpolate", "interpolate"]
@@ -156,8 +159,9 @@ def interpolate(
     shard_dim: int = -2,
     layer: DomainParallel | None = None,
 ) -> torch.Tensor:
-    """:func:`torch.nn.functional.interpolate` of a band (4-D input sharded along
-    ``shard_dim``); ``size`` is the global output size. Collective over the domain group."""
+    """:func:`torch.nn.functional.interpolate` of a band (input sharded along ``shard_dim``)
+    or of a block (on a grid of blocks, the dim after it cut too); ``size`` is the global
+    output size. Collective over the domain group."""
     if mode not in _MODES:
         raise ConfigError(f"interpolate: mode {mode!r} on bands; supported: {', '.join(_MODES)}")
     n = x.dim() - 2
@@ -167,37 +171,62 @@ def interpolate(
         raise ConfigError("interpolate: pass exactly one of size and scale_factor")
     if mode in _NEAREST and align_corners:
         raise ConfigError("interpolate: align_corners only with the linear modes and bicubic")
-    owner = layer if layer is not None else DomainParallel()
-    d = x.dim() + (-1 if n == 1 else shard_dim)  # (B, C, L): the length is the sharded dim
-    t = owner._transport(x)
-    spec = learn_spec(x, d, t)
+    owner = layer if layer is not None else _Owner.at(shard_dim)
+    cut = {axis.dim: axis for axis in _cut_axes(owner, x, n)}
+    specs = {d: learn_spec(x, d, axis.transport) for d, axis in cut.items()}
     sizes = _per_dim(size, n, "size")
     scales = _per_dim(scale_factor, n, "scale_factor")
     y = x
-    for axis, dim in enumerate(range(2, x.dim())):
-        n_in = spec.total if dim == d else x.size(dim)
-        if dim != d:  # not sharded: torch's own kernel, the sharded dim left as it is
-            y = _native_along(y, dim, sizes[axis], scales[axis], mode, align_corners)
+    for k, dim in enumerate(range(2, x.dim())):
+        if dim not in cut:  # not cut: torch's own kernel, the cut dims left as they are
+            y = _native_along(y, dim, sizes[k], scales[k], mode, align_corners)
             continue
+        t, spec = cut[dim].transport, specs[dim]
         one = _ONE_DIM[mode]
-        index, weight = _taps(n_in, sizes[axis], scales[axis], one, align_corners, x.dtype)
-        out_spec: ShardSpec = owner._out_spec(index.size(0))
+        index, weight = _taps(spec.total, sizes[k], scales[k], one, align_corners, x.dtype)
+        out_spec: ShardSpec = owner._out_spec(index.size(0), t)
         # every rank's input rows, from the same taps everywhere: no negotiation
         ranges, halo = read_halo(index, weight, spec, out_spec)
-        before, after = halo.before, halo.after
         lo = ranges[t.rank][0]
         rows = out_spec.slice(t.rank)
         index, weight = index[rows], weight[rows]
-        ext = halo_exchange(y, before, after, dim=dim, spec=spec, boundary="none", group=t)
+        ext = halo_exchange(
+            y, halo.before, halo.after, dim=dim, spec=spec, boundary="none", group=t
+        )
         y = _apply(ext, dim, (index - lo).clamp(min=0).to(x.device), weight.to(x.device))
     return y
 
 
+class _Owner(DomainParallel):
+    """The layer :func:`interpolate` asks for its manager and cut dims when called without
+    one (the function itself, on bands or blocks)."""
+
+    on_blocks = True
+
+    @classmethod
+    def at(cls, shard_dim: int) -> _Owner:
+        owner = cls()
+        owner._dp_setup(None, shard_dim)
+        return owner
+
+
+def _cut_axes(owner: DomainParallel, x: torch.Tensor, n: int) -> list[Axis]:
+    """The dims of ``x`` cut over the domain's ranks: the length of a (B, C, L) input (bands
+    only), else the sharded dim and, on blocks, the longitude after it."""
+    if n > 1:
+        return owner._axes(x)
+    m = owner._manager()
+    if m._blocks:
+        raise blocks_refused(m, "interpolate of a (B, C, L) input (1-D)")
+    return [Axis(x.dim() - 1, owner._transport(x))]
+
+
 class DomainParallelInterpolate(DomainParallel, nn.Upsample):
-    """:class:`torch.nn.Upsample` on bands (nearest, bilinear, bicubic; ``size`` is the global
-    output size). Collective over the domain group."""
+    """:class:`torch.nn.Upsample` on bands or blocks (nearest, bilinear, bicubic; ``size`` is
+    the global output size). Collective over the domain group."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # per cut axis: the rows, and on blocks the columns too
 
     @classmethod
     def halo_of(

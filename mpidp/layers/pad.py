@@ -5,7 +5,9 @@ and rows beyond the field are filled by the pad's rule. So a rank fetches, with 
 exchange, the input rows of its output rows; the halo boundary of the same name fills rows
 beyond the field (reflect, replicate, circular; zeros, then the constant), and negative
 padding (a crop) simply fetches fewer rows. The other dims are padded locally by ``F.pad``.
-The output is cut by the manager's policy of the padded length.
+The output is cut by the manager's policy of the padded length. On latitude x longitude blocks
+the longitude is padded the same way (one block halo exchange fetches both dims, corners
+included: every pad rule is the same whichever dim is padded first).
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec
-from mpidp.ops.halo import halo_exchange
 
 # torch pad module base -> (F.pad mode, halo boundary)
 _MODES: dict[type, tuple[str, str]] = {
@@ -61,6 +62,7 @@ class _Pad(DomainParallel):
     """The forward shared by every pad (``self`` is also the torch pad module)."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # per cut axis: the rows, and on blocks the columns too
 
     @classmethod
     def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
@@ -79,39 +81,44 @@ class _Pad(DomainParallel):
         pad: Any = self
         mode, boundary = _mode(pad)
         padding = list(pad.padding)
-        d = x.dim() + self.shard_dim
-        k = x.dim() - 1 - d  # the sharded dim's pair in F.pad's order (last dim first)
-        top, bottom = padding[2 * k], padding[2 * k + 1]
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
-        out_spec = self._out_spec(spec.total + top + bottom)
-        halo = HaloSpec.for_layer(spec, out_spec, 1, 1, (top, bottom), 1)
-        ext = halo_exchange(
-            x, halo.before, halo.after, dim=d, spec=spec, boundary=boundary, group=t
-        )
         value = float(getattr(pad, "value", 0.0) or 0.0)
+        cuts, fills = [], []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k = x.dim() - 1 - axis.dim  # its pair in F.pad's order (last dim first)
+            top, bottom = padding[2 * k], padding[2 * k + 1]
+            spec = learn_spec(x, axis.dim, axis.transport)
+            out_spec = self._out_spec(spec.total + top + bottom, axis.transport)
+            cuts.append((axis, spec, HaloSpec.for_layer(spec, out_spec, 1, 1, (top, bottom), 1)))
+            # the global input row of the extended part's first row along this axis
+            fills.append((axis.dim, out_spec.start(axis.transport.rank) - top, spec.total))
+            padding[2 * k] = padding[2 * k + 1] = 0
+        ext = fetch_halo(self, x, cuts, boundary)
         if mode == "constant" and value:  # rows beyond the field hold the constant
-            first = out_spec.start(t.rank) - top  # global input row of ext's first row
-            rows = torch.arange(first, first + ext.size(d), device=ext.device)
-            beyond = (rows < 0) | (rows >= spec.total)
-            if bool(beyond.any()):
-                shape = [1] * ext.dim()
-                shape[d] = -1
-                ext = ext.masked_fill(beyond.view(shape), value)
-        padding[2 * k] = padding[2 * k + 1] = 0
+            for d, first, total in fills:
+                at = torch.arange(first, first + ext.size(d), device=ext.device)
+                beyond = (at < 0) | (at >= total)
+                if bool(beyond.any()):
+                    shape = [1] * ext.dim()
+                    shape[d] = -1
+                    ext = ext.masked_fill(beyond.view(shape), value)
         if not any(padding):
             return ext
-        rows_here = ext.size(d)
-        ext = with_rows(ext, d, 1)  # F.pad's reflect and circular refuse an empty dim
+        here = [(d, ext.size(d)) for d, _, _ in fills]  # the output's extents
+        for d, _, _ in fills:
+            ext = with_rows(ext, d, 1)  # F.pad's reflect and circular refuse an empty dim
         kwargs = {"value": value} if mode == "constant" else {}
-        return F.pad(ext, padding, mode=mode, **kwargs).narrow(d, 0, rows_here)
+        y = F.pad(ext, padding, mode=mode, **kwargs)
+        for d, n in here:
+            y = y.narrow(d, 0, n)
+        return y
 
 
 def _wrapper(torch_type: type[nn.Module]) -> type[nn.Module]:
     name = f"DomainParallel{torch_type.__name__}"
     doc = (
-        f":class:`torch.nn.{torch_type.__name__}` on bands: the rows beyond the field from the "
-        f"pad's own rule, the other dims padded locally. Collective over the domain group."
+        f":class:`torch.nn.{torch_type.__name__}` on bands or blocks: the rows beyond the "
+        f"field from the pad's own rule, the other dims padded locally. Collective over the "
+        f"domain group."
     )
     cls = type(name, (_Pad, torch_type), {"__doc__": doc, "__module__": __name__})
     cls.__qualname__ = name

@@ -4,7 +4,9 @@ continued across the pole) in latitude.
 :class:`PeriodicConv2d` is the serial module (the padding a global weather model wants, which
 torch's ``padding_mode`` cannot express per dim); :class:`DomainParallelPeriodicConv2d` computes
 the same on latitude bands: the latitude padding comes from the halo exchange with the matching
-boundary, the longitude padding is local.
+boundary, the longitude padding is local. On latitude x longitude blocks the longitude is a cut
+dim too: one block halo exchange fetches both, and the rows beyond a pole come from the block
+half a circle away in longitude (the polar fold of :mod:`mpidp.ops.block_halo`), another rank.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, learn_spec, with_rows
+from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size
-from mpidp.ops.halo import halo_exchange
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -99,9 +100,11 @@ class PeriodicConv2d(nn.Conv2d):
 
 
 class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
-    """:class:`PeriodicConv2d` on latitude bands. Collective over the domain group."""
+    """:class:`PeriodicConv2d` on latitude bands or latitude x longitude blocks. Collective over
+    the domain group."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True
 
     @classmethod
     def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
@@ -118,20 +121,29 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
             return super().forward(x)
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
-        t = self._transport(x)
-        spec = learn_spec(x, 2, t)
-        ph = self.periodic_padding[0]
-        kernel, stride, dil = self.kernel_size[0], self.stride[0], self.dilation[0]
-        out_spec = self._out_spec(conv_output_size(spec.total, kernel, stride, ph, dil))
-        halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, ph, dil)
-        ext = halo_exchange(
-            x, halo.before, halo.after, dim=2, spec=spec, boundary=self.pole, group=t, roll_dim=3
-        )
-        ext = with_rows(ext, 2, dil * (kernel - 1) + 1)  # a rank without output rows
-        y = F.conv2d(
-            self._pad_w(ext), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
-        )
-        return y.narrow(2, 0, out_spec.sizes[t.rank])
+        pads = list(self.periodic_padding)
+        cuts, outs = [], []
+        for axis in self._axes(x):  # the latitude, and on blocks the longitude too
+            k = axis.dim - 2
+            spec = learn_spec(x, axis.dim, axis.transport)
+            kernel, stride, dil = self.kernel_size[k], self.stride[k], self.dilation[k]
+            n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
+            out_spec = self._out_spec(n_out, axis.transport)
+            halo = HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil)
+            cuts.append((axis, spec, halo))
+            outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
+            pads[k] = 0
+        # the latitude by the pole (on blocks the fold fetches the columns half a circle away),
+        # the longitude circular: on blocks a halo, on bands padded locally below
+        ext = fetch_halo(self, x, cuts, (self.pole, "circular"), roll_dim=3)
+        for axis, _, need in outs:
+            ext = with_rows(ext, axis.dim, need)  # a rank without output rows
+        if pads[1]:
+            ext = F.pad(ext, (pads[1], pads[1], 0, 0), mode="circular")
+        y = F.conv2d(ext, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        for axis, rows, _ in outs:
+            y = y.narrow(axis.dim, 0, rows)
+        return y
 
 
 register_layer(PeriodicConv2d, DomainParallelPeriodicConv2d)

@@ -13,14 +13,17 @@ along the sharded dim):
   ``ceil_mode`` windows running past the end, ``divisor_override``);
 * **along the other dims** torch pools with the module's own arguments.
 
-On latitude x longitude blocks the longitude is pooled by mpidp too, the same way (Max/AvgPool;
-the adaptive pools are bands only).
+On latitude x longitude blocks the longitude is pooled by mpidp too, the same way, over the
+longitude row's ranks (the adaptive pools too: their windows are rectangles, so one cut dim is
+pooled after the other).
 
 The output length along the sharded dim is torch's own (asked of torch on a meta tensor), so
 ``ceil_mode`` gives what torch gives. An adaptive pool whose output has fewer rows than the
 domain has ranks (``AdaptiveAvgPool2d(1)`` of a squeeze-excitation block) returns the whole,
 replicated result on every rank: each rank pools its own rows and one all-reduce (average) or
 all-gather (max) combines them; the gradient of every rank's use is summed back to the rows.
+On blocks the result is whole when it is shorter than the grid along either cut dim (a layout
+cut along one dim and whole along the other would be neither blocks nor replicated).
 """
 
 from __future__ import annotations
@@ -94,15 +97,21 @@ def _inside(spec: ShardSpec, ranges: list[tuple[int, int]]) -> HaloSpec:
 
 
 def _fetch_rows(
-    x: torch.Tensor, d: int, ranges: list[tuple[int, int]], spec: ShardSpec, layer: DomainParallel
-) -> tuple[torch.Tensor, int, int]:
-    """This rank's rows ``ranges[rank]`` of the field along ``d`` (clipped to it) and how many
-    rows of its range lie beyond the low and high edges."""
-    t = layer._transport(x)
+    x: torch.Tensor, d: int, ranges: list[tuple[int, int]], spec: ShardSpec, t: Any
+) -> torch.Tensor:
+    """This rank's rows ``ranges[rank]`` of the field along ``d``, clipped to it, fetched over
+    ``t``."""
     halo = _inside(spec, ranges)
-    ext = halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
-    lo, hi = ranges[t.rank]
-    return ext, max(0, -lo), max(0, hi - spec.total) if hi > lo else 0
+    return halo_exchange(x, halo.before, halo.after, dim=d, spec=spec, boundary="none", group=t)
+
+
+def _adaptive_window(h: int, oh: int) -> Any:
+    """Torch's adaptive window ``o -> [start, stop)`` of ``oh`` outputs over ``h`` rows."""
+
+    def window(o: int) -> tuple[int, int]:
+        return (o * h) // oh, -(-((o + 1) * h) // oh)
+
+    return window
 
 
 def _window_ranges(
@@ -308,6 +317,7 @@ class _Adaptive(DomainParallel):
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
     whole_when_short = True
+    on_blocks = True  # per cut axis, as Max/AvgPool
 
     _n: int
     _max: bool
@@ -317,30 +327,33 @@ class _Adaptive(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         pool: Any = self
-        n, d = self._n, _checked_dim(self, x)
-        k = n + self.shard_dim
-        t = self._transport(x)
-        spec = learn_spec(x, d, t)
+        n = self._n
+        first = _checked_dim(self, x) - n - self.shard_dim  # the first spatial dim
         size = _tuple(pool.output_size, n)
-        oh = size[k] if size[k] is not None else spec.total
-        others = [s if s is not None else x.size(x.dim() - n + i) for i, s in enumerate(size)]
-        h = spec.total
-
-        def window(o: int) -> tuple[int, int]:
-            return (o * h) // oh, -(-((o + 1) * h) // oh)
-
-        if oh < t.size:
-            y = self._replicated(x, d, spec, oh, window, t)
+        others = [s if s is not None else x.size(first + i) for i, s in enumerate(size)]
+        plans = []
+        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+            k = axis.dim - first
+            spec = learn_spec(x, axis.dim, axis.transport)
+            plans.append((axis, spec, size[k] if size[k] is not None else spec.total))
+        # fewer outputs than ranks along a cut axis: the whole result on every rank
+        whole = any(out < axis.transport.size for axis, _, out in plans)
+        y = x
+        for axis, spec, out in plans:  # separable: one cut dim after the other
+            pooled = self._replicated if whole else self._banded
+            y = pooled(y, axis.dim, spec, out, _adaptive_window(spec.total, out), axis.transport)
+            others[axis.dim - first] = y.size(axis.dim)
+        if whole:
             note_replicated()
-        else:
-            y = self._banded(x, d, spec, oh, window)
-        others[k] = y.size(d)
         op = _ADAPTIVE_MAX[n] if self._max else _ADAPTIVE_AVG[n]
-        if y.size(d) == 0:  # no output rows here: pool one zero row, keep none
-            return op(
-                with_rows(y, d, 1), [1 if i == k else s for i, s in enumerate(others)]
-            ).narrow(d, 0, 0)
-        return op(y, others)
+        empty = [axis.dim for axis, _, _ in plans if y.size(axis.dim) == 0]
+        for d in empty:  # no output rows here: pool one zero row, keep none
+            y = with_rows(y, d, 1)
+            others[d - first] = 1
+        y = op(y, others)
+        for d in empty:
+            y = y.narrow(d, 0, 0)
+        return y
 
     def _reduce(self, rows: torch.Tensor, d: int) -> torch.Tensor:
         if self._max:
@@ -348,18 +361,19 @@ class _Adaptive(DomainParallel):
         return rows.mean(d, keepdim=True)
 
     def _banded(
-        self, x: torch.Tensor, d: int, spec: ShardSpec, oh: int, window: Any
+        self, x: torch.Tensor, d: int, spec: ShardSpec, oh: int, window: Any, t: Any
     ) -> torch.Tensor:
-        """Output rows cut by the policy: each rank fetches the rows its windows read."""
-        out_spec = self._out_spec(oh)
+        """Output rows cut by the policy over ``t``: each rank fetches the rows its windows
+        read."""
+        out_spec = self._out_spec(oh, t)
         ranges = []
         for r in range(out_spec.parts):
             rows = range(out_spec.start(r), out_spec.stop(r))
             ranges.append(
                 (window(rows[0])[0], window(rows[-1])[1]) if rows else (spec.start(r),) * 2
             )
-        ext, _, _ = _fetch_rows(x, d, ranges, spec, self)
-        me = self._transport(x).rank
+        ext = _fetch_rows(x, d, ranges, spec, t)
+        me = t.rank
         lo = ranges[me][0]
         parts = [
             self._reduce(ext.narrow(d, a - lo, b - a), d)
@@ -405,9 +419,9 @@ class _Adaptive(DomainParallel):
 def _adaptive_wrapper(torch_type: type[nn.Module], n: int, is_max: bool) -> type[nn.Module]:
     name = f"DomainParallel{torch_type.__name__}"
     doc = (
-        f":class:`torch.nn.{torch_type.__name__}` to a global output size on bands; fewer "
-        f"output rows than ranks give the replicated result on every rank. Collective over "
-        f"the domain group."
+        f":class:`torch.nn.{torch_type.__name__}` to a global output size on bands or "
+        f"blocks; fewer output rows than ranks give the replicated result on every rank. "
+        f"Collective over the domain group."
     )
     attrs = {"__doc__": doc, "__module__": __name__, "_n": n, "_max": is_max}
     cls = type(name, (_Adaptive, torch_type), attrs)

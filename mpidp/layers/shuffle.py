@@ -6,7 +6,8 @@ manager's policy of the output height (:func:`mpidp.repartition`: only rows that
 travel; none when the two cuts agree). ``PixelUnshuffle(r)`` needs whole groups of ``r`` input
 rows: the input moves first to ``r`` times the policy's cut of the output height, then each
 rank unshuffles its own rows. Under :class:`mpidp.Aligned` policies whose cuts line up, no
-rows move at all.
+rows move at all. On latitude x longitude blocks the columns move the same way, over the
+longitude row's ranks.
 """
 
 from __future__ import annotations
@@ -44,44 +45,55 @@ def unshuffle(x: torch.Tensor, r: int) -> torch.Tensor:
 
 
 class DomainParallelPixelShuffle(DomainParallel, nn.PixelShuffle):
-    """:class:`torch.nn.PixelShuffle` on bands of H (dim -2). Collective over the domain
-    group."""
+    """:class:`torch.nn.PixelShuffle` on bands of H (dim -2), or blocks of H and W. Collective
+    over the domain group."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True  # per cut axis: the rows, and on blocks the columns too
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
         r = self.upscale_factor
-        t = self._transport(x)
-        spec = learn_spec(x, x.dim() - 2, t)
+        axes = self._axes(x)
+        specs = [learn_spec(x, axis.dim, axis.transport) for axis in axes]
         y = shuffle(x, r)
-        shuffled = [r * n for n in spec]
-        return repartition(y, shuffled, self._out_spec(r * spec.total), -2, group=t)
+        for axis, spec in zip(axes, specs, strict=True):
+            out_spec = self._out_spec(r * spec.total, axis.transport)
+            y = repartition(y, [r * n for n in spec], out_spec, axis.dim, group=axis.transport)
+        return y
 
 
 class DomainParallelPixelUnshuffle(DomainParallel, nn.PixelUnshuffle):
-    """:class:`torch.nn.PixelUnshuffle` on bands of H (dim -2). Collective over the domain
-    group."""
+    """:class:`torch.nn.PixelUnshuffle` on bands of H (dim -2), or blocks of H and W.
+    Collective over the domain group."""
 
     dry_run = True  # listed by validate_sharding_constraints and mpidp plan
+    on_blocks = True
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
             return super().forward(x)
         r = self.downscale_factor
-        t = self._transport(x)
-        spec = learn_spec(x, x.dim() - 2, t)
-        if spec.total % r:
+        axes = self._axes(x)
+        specs = [learn_spec(x, axis.dim, axis.transport) for axis in axes]
+        odd = [
+            (axis.dim - x.dim(), spec.total)
+            for axis, spec in zip(axes, specs, strict=True)
+            if spec.total % r
+        ]
+        if odd:
             raise ConfigError(
-                f"rank {t.rank}: PixelUnshuffle({r}) of {spec.total} rows: the height must be a "
-                f"multiple of {r} (as torch requires)"
+                f"rank {self._manager().rank}: PixelUnshuffle({r}) of (dim, length) {odd}: "
+                f"the cut dims must be multiples of {r} (as torch requires)"
             )
-        out_spec = self._out_spec(spec.total // r)
-        grouped = repartition(x, spec, [r * n for n in out_spec], -2, group=t)
-        return unshuffle(grouped, r)
+        y = x
+        for axis, spec in zip(axes, specs, strict=True):
+            out_spec = self._out_spec(spec.total // r, axis.transport)
+            y = repartition(y, spec, [r * n for n in out_spec], axis.dim, group=axis.transport)
+        return unshuffle(y, r)
 
 
 register_layer(nn.PixelShuffle, DomainParallelPixelShuffle)

@@ -1,4 +1,5 @@
-"""Exact training math on bands: global reductions, metrics, latitude weights, gradient sync.
+"""Exact training math on bands and blocks: global reductions, metrics, latitude weights,
+gradient sync.
 
 The loss of a domain-parallel model is the serial loss: sums and counts (or weights) are reduced
 over the domain group first and divided after, so uneven shards weigh exactly what their rows
@@ -21,7 +22,6 @@ from mpidp.errors import CommError, ConfigError
 from mpidp.ops.bands import learn_spec
 from mpidp.ops.collectives import reduce_from
 from mpidp.runtime import rng
-from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec
 
@@ -141,8 +141,10 @@ def latitude_weights(
     ``lat`` is the global latitude in degrees (any order), or a row count for an equiangular
     grid from 90 to -90 with the poles on the first and last rows (``poles="rows"``, e.g. 721)
     or half a row beyond them (``poles="half"``, e.g. 720). ``spec``: the partition of the rows
-    (default: the manager's policy); ``spec=[n]`` gives the whole column, for a loss on
-    ShardedTensors (which cuts it to each band). Local: no communication.
+    (default: the manager's policy over the ranks along the latitude: the domain group on
+    bands, this rank's latitude column on blocks, whose rows these are); ``spec=[n]`` gives the
+    whole column, for a loss on ShardedTensors (which cuts it to each band). Local: no
+    communication.
     """
     if isinstance(lat, int):
         n = lat
@@ -161,10 +163,20 @@ def latitude_weights(
         rank = 0
     else:
         m = manager or get_manager()
-        if m._blocks:  # the rows of a block are its latitude column's cut, not the domain's
-            raise blocks_refused(m, "latitude_weights of this rank's rows")
-        spec = m.spec(w.numel()) if spec is None else spec
-        rank = m.domain_rank
+        # the rows are cut over the latitude column: the domain group on bands (the grid (P, 1))
+        parts, rank = m.grid[0], m.grid_coords[0]
+        if spec is None:
+            try:
+                spec = m.partition.spec(w.numel(), parts)
+            except ConfigError as err:
+                raise ConfigError(f"rank {m.rank}: latitude_weights: {err}") from None
+        elif spec.parts != parts:
+            raise ConfigError(
+                f"rank {m.rank}: latitude_weights: the partition {spec} cuts the rows over "
+                f"{spec.parts} ranks but the latitude is cut over {parts} (the grid "
+                f"{m.grid}); pass the rows' partition over the latitude column, e.g. "
+                f"spec=manager.block_spec(shape).lat"
+            )
     if spec.total != w.numel():
         raise ConfigError(
             f"latitude_weights: {w.numel()} latitudes but the partition covers {spec.total} rows"
@@ -314,10 +326,10 @@ class _MeanShare(torch.autograd.Function):
 
 
 def mean_share(
-    band: torch.Tensor, dim: int = -2, manager: DistributedManager | None = None
+    band: torch.Tensor, dim: int | Sequence[int] = -2, manager: DistributedManager | None = None
 ) -> torch.Tensor:
-    """``band`` unchanged, its gradient scaled by ``P * n / N`` (``n`` this rank's rows along
-    ``dim``, ``N`` the rows of all ``P`` domain ranks).
+    """``band`` unchanged, its gradient scaled by ``P * n / N`` (``n`` this rank's points along
+    the cut dims, ``N`` the points of all ``P`` domain ranks).
 
     For training loops written for even bands: each rank's loss is the mean over its own rows
     and the domain ranks' gradients are then averaged. That is the serial gradient only when
@@ -325,8 +337,11 @@ def mean_share(
     over ranks of the local means' gradients is ``P`` times the gradient of the mean over all
     rows, exact for any cut (the scaling sits before the halo exchanges, so gradients that
     cross ranks carry the weight of the loss they came from). Even bands: the weight is 1.
-    No communication when gradients are off; else one all-gather of one integer. Collective
-    over the domain group.
+
+    ``dim``: the cut dim of a band; on latitude x longitude blocks ``(latitude, longitude)``
+    (one int: it and the dim after it, as the layers count), ``n / N`` then the product of the
+    block's shares along both. No communication when gradients are off; else one all-gather of
+    one integer along each cut axis. Collective over the domain group.
     """
     if not (torch.is_grad_enabled() and band.requires_grad):
         return band
@@ -334,10 +349,14 @@ def mean_share(
     m = manager or get_manager()
     if m.domain_world_size == 1:
         return band
-    if m._blocks:
-        raise blocks_refused(m, "mean_share")
-    d = dim % band.dim()
-    spec = learn_spec(band, d, m.transport(None, band.device))
-    if spec.total == 0:
-        return band
-    return _MeanShare.apply(band, spec.parts * spec.sizes[m.domain_rank] / spec.total)
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if m._blocks and len(dims) == 1:
+        dims.append(dims[0] % band.dim() + 1)
+    weight = float(m.domain_world_size)
+    for axis, d in zip(("lat", "lon") if m._blocks else (None,), dims, strict=False):
+        t = m.transport(axis, band.device)
+        spec = learn_spec(band, d % band.dim(), t)
+        if spec.total == 0:
+            return band
+        weight *= spec.sizes[t.rank] / spec.total
+    return _MeanShare.apply(band, weight)

@@ -392,11 +392,13 @@ def _band_calls(m):
     must name (converted models and ShardedTensors run on blocks: test_blocks_sharded.py)."""
     p = m.domain_world_size
     x = rand((1, 2, 8, 12), 11)
-    # a layer without a block form yet (tests/mpi/test_blocks_layers.py: those with one)
-    conv = torch.nn.Upsample(scale_factor=2, mode="bilinear")
-    conv = mpidp.convert_to_domain_parallel(conv, manager=m)
+    # a layer without a block form, 1-D (tests/mpi/test_blocks_layers.py: those with one)
+    conv = mpidp.convert_to_domain_parallel(torch.nn.MaxPool1d(3, 1, 1), manager=m)
     return {
-        "converted conv": (lambda: conv(x), "the converted layer DomainParallelInterpolate"),
+        "converted conv": (
+            lambda: conv(x[..., 0, :]),
+            "the converted layer DomainParallelMaxPool1d",
+        ),
         "mpidp.shard": (lambda: mpidp.shard(x, -2, manager=m), "a ShardedTensor of one cut"),
         "1-D halo": (
             lambda: mpidp.halo_exchange(x, 1, 1, -2, manager=m),

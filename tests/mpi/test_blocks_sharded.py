@@ -88,6 +88,8 @@ def refusal(call):
 
 
 def close(a, b):
+    if a is None or b is None:  # a parameter the net does not use (Net(up=True): no self.t)
+        return a is b
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=TOL, atol=TOL))
 
 
