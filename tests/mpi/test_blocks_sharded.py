@@ -88,6 +88,8 @@ def refusal(call):
 
 
 def close(a, b):
+    if a is None or b is None:  # a parameter the net did not use: no gradient on either side
+        return a is b
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=TOL, atol=TOL))
 
 
