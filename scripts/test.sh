@@ -110,7 +110,7 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_compat_physicsnemo test_partial test_zarr test_zarr_anemoi test_zarr_write test_prefetch
   test_compat_credit_losses test_dropin_setups test_latent_attention test_index_gathers
   test_flat_heads test_empty_bands_converted test_blocks test_blocks_layers test_blocks_fft
-  test_blocks_sharded
+  test_blocks_sharded test_blocks_models test_io_blocks test_layout_invariance
   test_rebalance)
 for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
   files=(tests/mpi)

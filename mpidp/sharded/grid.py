@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mpidp.ops.collectives import copy_to
-from mpidp.runtime.grid import BlockSpec
+from mpidp.ops.collectives import copy_to, repartition
+from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
 from mpidp.sharded.pointwise import POINTWISE, draws
+from mpidp.sharded.select import index_parts, kept
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__: list[str] = []
@@ -49,11 +50,11 @@ def _pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
     def local(a: Any) -> Any:
         if isinstance(a, ShardedTensor):
-            if a.grid != g or a.dim() != nd:
+            if a.dim() != nd or a.grid is None:
                 raise refuse(
                     func, args, kwargs, "ShardedTensors of different blocks meet", "cut alike"
                 )
-            return a.local
+            return to_blocks(a, g, (func, args, kwargs)).local
         if not isinstance(a, torch.Tensor):
             return a
         if isinstance(a, Replicated):
@@ -87,6 +88,77 @@ def _moved(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, int]) -> Shar
     """``local``, this rank's block of a result whose cut dims are ``dims`` (the same cuts)."""
     g = _block_of(x)
     return ShardedTensor(local, g.lat, dims[0], x.manager, grid=BlockSpec(g.lat, g.lon, dims))
+
+
+def to_blocks(x: ShardedTensor, g: BlockSpec, call: tuple[Any, Any, Any]) -> ShardedTensor:
+    """``x`` on the blocks ``g`` (the same global field, cut along the same dims): along each
+    axis whose cut differs (a slice kept each rank's own columns, the other operand did not)
+    only the rows or columns that change owner move, in one repartition over that axis group,
+    as a band meeting another band's cut does. ``call`` names the op in a refusal."""
+    have = _block_of(x)
+    if have == g:
+        return x
+    if have.dims != g.dims or have.shape != g.shape:
+        raise refuse(
+            *call, f"blocks of {have!r} meet blocks of {g!r}", "give them one global shape"
+        )
+    local = x.local
+    for axis, d, a, b in zip(AXES, g.dims, (have.lat, have.lon), (g.lat, g.lon), strict=True):
+        if a != b:  # the same on every rank: every rank of the axis group takes part
+            t = axis_transport(x.manager, axis, local.device)
+            local = repartition(local, a.sizes, b.sizes, d, group=t)
+    return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
+
+
+# -- selecting ----------------------------------------------------------------------------------
+
+
+def _sliced(x: ShardedTensor, parts: list[Any], call: tuple[Any, Any, Any]) -> ShardedTensor:
+    """``x[parts]`` for ints and slices: along a cut dim each rank keeps its own rows of the
+    slice (no communication; the cut may become uneven, or empty on some ranks), as on bands."""
+    g = _block_of(x)
+    cuts = dict(zip(g.dims, zip((g.lat, g.lon), x.manager.grid_coords, strict=True), strict=True))
+    local_idx: list[Any] = []
+    out_specs: dict[int, tuple[int, Any]] = {}
+    dim = out = 0
+    for p in parts:
+        if p is None:
+            local_idx.append(None)
+            out += 1
+            continue
+        if not isinstance(p, (int, slice)):
+            raise refuse(*call, "tensor, list or boolean indexing of a block", "use slices")
+        if dim in cuts:
+            spec, i = cuts[dim]
+            if isinstance(p, int):
+                raise refuse(*call, "an integer index along a cut dim", "slice it (i:i+1)")
+            if p != slice(None):
+                spec, p = kept(spec, i, *p.indices(spec.total))
+            out_specs[dim] = (out, spec)
+        local_idx.append(p)
+        if not isinstance(p, int):
+            out += 1
+        dim += 1
+    (lat_at, lat), (lon_at, lon) = out_specs[g.dims[0]], out_specs[g.dims[1]]
+    grid = BlockSpec(lat, lon, (lat_at, lon_at))
+    return ShardedTensor(x.local[tuple(local_idx)], lat, lat_at, x.manager, grid=grid)
+
+
+@register_grid(torch.Tensor.__getitem__)
+def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    if not isinstance(x, ShardedTensor) or x.grid is None:
+        raise refuse(func, args, kwargs, "indexing by a block", "index with ints and slices")
+    return _sliced(x, index_parts(x, args[1]), (func, args, kwargs))
+
+
+@register_grid(torch.narrow, torch.Tensor.narrow)
+def _narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, dim, start, length = args[0], int(args[1]) % args[0].dim(), int(args[2]), int(args[3])
+    start %= x.shape[dim]
+    parts: list[Any] = [slice(None)] * x.dim()
+    parts[dim] = slice(start, start + length)
+    return _sliced(x, parts, (func, args, kwargs))
 
 
 # -- reductions ---------------------------------------------------------------------------------
@@ -221,7 +293,7 @@ def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     g, nd = _block_of(ref), ref.dim()
     stack = func is torch.stack
     d = d % (nd + 1 if stack else nd)
-    if not all(isinstance(t, ShardedTensor) and t.grid == g for t in tensors) or (
+    if not all(isinstance(t, ShardedTensor) and t.grid is not None for t in tensors) or (
         not stack and d in g.dims
     ):
         raise refuse(
@@ -231,6 +303,6 @@ def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "blocks joined along a cut dim, or with tensors cut otherwise",
             "join blocks of one layout along an uncut dim (channels)",
         )
-    local = func([t.local for t in tensors], d)
+    local = func([to_blocks(t, g, (func, args, kwargs)).local for t in tensors], d)
     dims = tuple(c + 1 if stack and c >= d else c for c in g.dims)
     return _moved(ref, local, dims)  # type: ignore[arg-type]

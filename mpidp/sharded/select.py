@@ -26,24 +26,29 @@ __all__: list[str] = []
 # -- selecting rows --------------------------------------------------------------------------------
 
 
-def _keep(x: ShardedTensor, start: int, stop: int, step: int) -> tuple[ShardSpec, slice]:
-    """The partition of rows ``range(start, stop, step)`` when each rank keeps its own, and
-    this rank's local slice."""
+def kept(spec: ShardSpec, rank: int, start: int, stop: int, step: int) -> tuple[ShardSpec, slice]:
+    """The partition of rows ``range(start, stop, step)`` of ``spec`` when each rank keeps its
+    own, and ``rank``'s local slice (a band's rows; one cut axis of a block)."""
     sizes = []
     mine = slice(0, 0)
-    for r in range(x.spec.parts):
-        lo, hi = x.spec.start(r), x.spec.stop(r)
+    for r in range(spec.parts):
+        lo, hi = spec.start(r), spec.stop(r)
         first = start if lo <= start else start + -(-(lo - start) // step) * step
         last = min(hi, stop)
         count = max(0, -(-(last - first) // step)) if first < last else 0
         sizes.append(count)
-        if r == x.rank:
+        if r == rank:
             mine = (
                 slice(first - lo, first - lo + (count - 1) * step + 1, step)
                 if count
                 else slice(0, 0)
             )
     return ShardSpec(tuple(sizes)), mine
+
+
+def _keep(x: ShardedTensor, start: int, stop: int, step: int) -> tuple[ShardSpec, slice]:
+    """:func:`kept` for the band ``x``."""
+    return kept(x.spec, x.rank, start, stop, step)
 
 
 def _one_row(x: ShardedTensor, i: int) -> Replicated:
@@ -56,7 +61,8 @@ def _one_row(x: ShardedTensor, i: int) -> Replicated:
     return replicated(whole.as_subclass(torch.Tensor).squeeze(x.shard_dim), x.transport)
 
 
-def _index_parts(x: ShardedTensor, index: Any) -> list[Any]:
+def index_parts(x: ShardedTensor, index: Any) -> list[Any]:
+    """The index ``x[index]`` as one part per dim of ``x`` (Ellipsis expanded, ``None`` kept)."""
     parts = list(index) if isinstance(index, tuple) else [index]
     used = sum(1 for p in parts if p is not None and p is not Ellipsis and not isinstance(p, bool))
     at = next((i for i, p in enumerate(parts) if p is Ellipsis), None)
@@ -80,7 +86,7 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "indexing a whole tensor by a sharded tensor other than one 1-D integer index",
             "use index_select(dim, index) with a 1-D sharded index",
         )
-    parts = _index_parts(x, index)
+    parts = index_parts(x, index)
     by_index = _one_index_along_rows(x, parts)
     if by_index is not None:
         return _index_select(torch.index_select, (x, x.shard_dim, by_index), {})
@@ -315,7 +321,7 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
             "a band written into a tensor that is not a band and cannot become one",
             "make the target from the band (x.new_zeros(global shape)) so it is a band too",
         )
-    parts = _index_parts(x, index)
+    parts = index_parts(x, index)
     slices = [i for i, p in enumerate(parts) if not isinstance(p, int)]
     at = value.shard_dim + (len(slices) - value.dim())
     if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts) or not (
@@ -341,7 +347,7 @@ def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, index, value = args
     if not isinstance(x, ShardedTensor):
         x = _adopt(func, args, kwargs)
-    parts = _index_parts(x, index)
+    parts = index_parts(x, index)
     if any(p is None or isinstance(p, (torch.Tensor, list, bool)) for p in parts):
         raise refuse(
             func, args, kwargs, "tensor, list, bool or None indices", "use ints and slices"

@@ -25,8 +25,6 @@ from torch import nn
 
 import mpidp
 from mpidp.errors import MpidpError
-from mpidp.layers.interpolate import DomainParallelInterpolate
-from mpidp.layers.registry import layer_for
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.partition import ShardSpec
 
@@ -37,13 +35,6 @@ ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2,
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 3, 13, 20)
 TOL = 1e-10
-
-#: the converted layers the whole net needs on blocks beyond the convolutions, pools and norms
-#: (F.pad and F.interpolate of a block run them): helper H2's branch layers-blocks
-FULL_READY = bool(
-    DomainParallelInterpolate.on_blocks and layer_for(nn.CircularPad2d)[1].on_blocks  # type: ignore[index]
-)
-
 
 @pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
 def gm(request):
@@ -158,11 +149,40 @@ def test_converted(gm):
     assert not failed, f"rank {gm.rank}: {failed}"
 
 
-@pytest.mark.skipif(not FULL_READY, reason="F.pad / F.interpolate on blocks: layers-blocks")
 def test_whole_net(gm):
     """Circular padding (F.pad of a block) and interpolate to the skip's size, both routes."""
     torch.manual_seed(0)
     failed = front_end(gm, Net()) + converted(gm, Net())
+    assert not failed, f"rank {gm.rank}: {failed}"
+
+
+class Sliced(nn.Module):
+    """Slices along both cut dims (each rank keeps its own rows and columns: uneven cuts), a
+    sum and a cat of tensors sliced differently (their blocks moved to one cut), a narrow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 2, 3, padding=1)
+        self.out = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)  # (13, 20)
+        inner = y[:, :, 1:12, 3:18:2] * 2.0  # (11, 8)
+        other = y[..., 2:13, 0:15:2] + inner  # a different cut of the same shape
+        both = torch.cat([inner, other.narrow(-1, 0, 8)], 1)
+        return self.out(both)
+
+
+def test_slices(gm):
+    """Slices and narrows along the cut dims, and blocks cut differently meeting, both routes."""
+    torch.manual_seed(0)
+    net = Sliced().double()
+    full, w = rand(SHAPE, 0), rand((2, 2, 11, 8), 1)
+    model = copy.deepcopy(net)
+    x = mpidp.shard(full, dim=(-2, -1), manager=gm).requires_grad_()
+    y = model(x)
+    (y * w).sum().backward()
+    failed = checks(gm, model, serial_run(net, full, w), y.local, x.local.grad, blocks_of(y))
     assert not failed, f"rank {gm.rank}: {failed}"
 
 
