@@ -13,8 +13,9 @@
 # its variable unset fails at once, naming the variable. The summary lists both.
 #
 # `--quick`: the development tier (a few minutes): ruff, mypy, unit tests, and the MPI tests
-# at 3 ranks (uneven bands, an interior rank, both transports) without the gradcheck tests;
-# no composition, one-rank, launch or cluster stages. MPIDP_TEST_RANKS overrides the rank counts.
+# at 3 ranks (uneven bands, an interior rank, both transports, and dp 3 x domain 1 where the
+# data-parallel average is checked) without the gradcheck tests; no composition, one-rank,
+# launch or cluster stages. MPIDP_TEST_RANKS overrides the rank counts (none: no MPI stage).
 #
 # Limits: every stage runs under a limit of a few times MPIDP_TEST_TIMEOUT (default 600 s; the
 # MPI stages 2x, the launch and zoo stages 3x), generous for a loaded 2-core machine: quiet,
@@ -88,7 +89,9 @@ run_stage "unit tests" 1 "$py" -m pytest -q tests/unit
 if [ "$quick" = 1 ]; then
   # gradcheck tests verify the Functions' math; the full suite runs them at 1-3 ranks
   export MPIDP_GRADCHECK_MAX_RANKS="${MPIDP_GRADCHECK_MAX_RANKS:-2}"
-  for n in ${MPIDP_TEST_RANKS:-3}; do
+  ranks="${MPIDP_TEST_RANKS:-3}"
+  if [ "$ranks" = none ]; then ranks=""; fi
+  for n in $ranks; do
     run_stage "MPI tests, $n ranks" 2 mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi \
       tests/mpi --ignore=tests/mpi/test_parallel.py
   done
@@ -138,9 +141,10 @@ if [ -n "$big" ]; then
     mpiexec "${oversub[@]}" -n "$big" "$py" -m mpi4py -m pytest -q --with-mpi \
     tests/mpi/test_parallel.py -k five_steps
 fi
-# 53 real jobs (examples trained at 1-4 ranks, torchrun, docs at 1 and 2 ranks): 6-9 minutes on
-# a 2-core machine, and it varies with the load (354 s and 508 s measured an hour apart, 427 s
-# quiet), so the stage gets three times the limit.
+# Real jobs: examples trained at 1-4 ranks, torchrun, the faults, and every doc page's code in
+# one job at 1 rank and one at 2 (28 jobs before). It was 6-9 minutes on a 2-core machine with
+# 28 page jobs and longer trainings, and it varies with the load (354 s and 508 s measured an
+# hour apart, 427 s quiet), so the stage gets three times the limit.
 run_stage "launch tests" 3 "$py" -m pytest -q tests/launch
 if stage_gate cluster; then  # root and apt-get (scripts/prereqs.sh); else listed, at once
   # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python

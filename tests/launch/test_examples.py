@@ -17,6 +17,10 @@ from test_launch import BIN, LAUNCHER, MPIEXEC, clean_env, timed_out
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples" / "train.py")
 F64 = ["--precision", "float64", "--no-plot"]
+# Steps of the runs compared with one process: enough to learn and to compare several losses
+# (validation and the checkpoint come at the end either way, --val-every 50). A float64 step
+# costs about 0.45 s of CPU here (one process: 8.7 s for 1 step, 14.4 s for 8, 19.5 s for 20).
+STEPS, HALF, MLP_STEPS = "8", "4", "5"
 
 
 def launch(n: int, script: str, *args: str, timeout: int = 400) -> str:
@@ -40,12 +44,12 @@ def metrics(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def serial_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("serial")
-    launch(1, TRAIN, "--steps", "20", *F64, "--out", str(out))
+    launch(1, TRAIN, "--steps", STEPS, *F64, "--out", str(out))
     return out
 
 
 def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
-    log = launch(4, TRAIN, "--steps", "20", *F64, "--out", str(tmp_path))
+    log = launch(4, TRAIN, "--steps", STEPS, *F64, "--out", str(tmp_path))
     one, four = metrics(serial_run), metrics(tmp_path)
     assert one["val_skill"]["variables"]["t2m"]["units"] == "K"
     assert one["val_skill"]["lead_hours"] == [6.0]  # the data's 6-hourly time coordinate
@@ -72,7 +76,7 @@ def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
 @pytest.fixture(scope="module")
 def serial_mlp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("serial-mlp")
-    launch(1, TRAIN, "--steps", "10", "--mlp", "5", *F64, "--out", str(out))
+    launch(1, TRAIN, "--steps", MLP_STEPS, "--mlp", "5", *F64, "--out", str(out))
     return out
 
 
@@ -84,7 +88,7 @@ def _same_run(one: dict, other: dict) -> None:
 
 @pytest.mark.parametrize("data", ["ddp", "fsdp2"])
 def test_ddp_and_fsdp2_by_domain_two_by_two_match_one_process(serial_run, tmp_path, data):
-    log = launch(4, TRAIN, "--steps", "20", "--data-parallel", data, *F64, "--out", str(tmp_path))
+    log = launch(4, TRAIN, "--steps", STEPS, "--data-parallel", data, *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert (got["dp"], got["tensor"], got["domain"], got["data_parallel"]) == (2, 1, 2, data)
     assert f"dp 2 x domain 2 ({data})" in log
@@ -99,19 +103,19 @@ def test_ddp_and_fsdp2_by_domain_two_by_two_match_one_process(serial_run, tmp_pa
 def test_tensor_parallel_layouts_match_one_process(serial_mlp_run, tmp_path, layout):
     data, tensor, domain = layout
     args = ["--data-parallel", data, "--tensor", tensor, "--domain", domain, "--mlp", "5"]
-    launch(4, TRAIN, "--steps", "10", *args, *F64, "--out", str(tmp_path))
+    launch(4, TRAIN, "--steps", MLP_STEPS, *args, *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert (got["tensor"], got["domain"], got["dp"]) == (2, int(domain), 4 // (2 * int(domain)))
     _same_run(metrics(serial_mlp_run), got)
 
 
 def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_path):
-    launch(4, TRAIN, "--steps", "10", *F64, "--out", str(tmp_path))
-    launch(2, TRAIN, "--steps", "20", *F64, "--out", str(tmp_path), "--resume", "--domain", "1")
+    launch(4, TRAIN, "--steps", HALF, *F64, "--out", str(tmp_path))
+    launch(2, TRAIN, "--steps", STEPS, *F64, "--out", str(tmp_path), "--resume", "--domain", "1")
     got, want = metrics(tmp_path), metrics(serial_run)
-    assert (got["dp"], got["domain"], got["steps_run"]) == (2, 1, 10)
+    assert (got["dp"], got["domain"], got["steps_run"]) == (2, 1, int(STEPS) - int(HALF))
     assert abs(got["val_loss"] - want["val_loss"]) <= 1e-12 * abs(want["val_loss"])
-    assert len(got["history"]["train"]) == 20
+    assert len(got["history"]["train"]) == int(STEPS)
 
 
 @pytest.mark.parametrize("model", ["afno", "swin", "graph"])
@@ -131,22 +135,6 @@ def test_token_models_four_ranks_match_one_process(tmp_path, model):
     assert one["val_loss"] < one["history"]["train"][0][1]  # it learned something
 
 
-def test_train_from_a_zarr_store(tmp_path):
-    """``--data PATH.zarr``: the Zarr reader feeds training (2 ranks, domain 2); an HDF5
-    reader would fail on a directory."""
-    pytest.importorskip("zarr")
-    from mpidp.io import make_sample_data
-
-    store = make_sample_data(tmp_path / "sample.zarr", n_time=20, format="zarr")
-    args = ["--steps", "3", "--val-every", "3", "--val-samples", "4", "--no-plot"]
-    log = launch(2, TRAIN, "--data", str(store), *args, "--out", str(tmp_path / "o"))
-    m = metrics(tmp_path / "o")
-    assert m["steps"] == 3 and (m["dp"], m["domain"]) == (1, 2), log[-2000:]
-    losses = [v for _, v in m["history"]["train"]] + [m["val_loss"]]
-    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
-    assert m["val_skill"]["lead_hours"] == [6.0]  # the store's time units
-
-
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     res = subprocess.run(
         [sys.executable, TRAIN, "--steps", "2", "--out", str(tmp_path), "--resume"],
@@ -159,13 +147,25 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     assert res.returncode != 0 and "--resume: no checkpoint at" in res.stderr
 
 
-def test_yaml_config_and_loss_curve(tmp_path):
+def test_yaml_config_zarr_store_and_loss_curve(tmp_path):
+    """A YAML config (a flag wins over it) whose ``data`` is a Zarr store: the Zarr reader
+    feeds training (2 ranks, domain 2; an HDF5 reader would fail on a directory), and the loss
+    curve is drawn. One job for the three."""
+    pytest.importorskip("zarr")
+    from mpidp.io import make_sample_data
+
+    store = make_sample_data(tmp_path / "sample.zarr", n_time=20, format="zarr")
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("steps: 3\nwidth: 4\nval_every: 3\nlog_every: 1\n")
+    cfg.write_text(
+        f"data: {store}\nsteps: 3\nwidth: 4\nval_every: 3\nval_samples: 4\nlog_every: 1\n"
+    )
     log = launch(2, TRAIN, "--config", str(cfg), "--out", str(tmp_path / "o"), "--lr", "1e-3")
     m = metrics(tmp_path / "o")
-    assert m["steps"] == 3 and (m["dp"], m["domain"]) == (1, 2)
+    assert m["steps"] == 3 and (m["dp"], m["domain"]) == (1, 2), log[-2000:]
     assert "step     3/3" in log
+    losses = [v for _, v in m["history"]["train"]] + [m["val_loss"]]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    assert m["val_skill"]["lead_hours"] == [6.0]  # the store's time units
     png = (tmp_path / "o" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -243,13 +243,15 @@ def test_torchrun_launcher_trains(tmp_path):
 def test_torchrun_fsdp2_by_tensor_parallel_matches_one_process(serial_mlp_run, tmp_path):
     """Without MPI: FSDP2 over dp 2 and the tensor-parallel layers over gloo, tp 2."""
     args = ["--data-parallel", "fsdp2", "--tensor", "2", "--domain", "1", "--mlp", "5"]
-    torchrun(4, *args, "--steps", "10", *F64, "--out", str(tmp_path))
+    torchrun(4, *args, "--steps", MLP_STEPS, *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert got["launcher"] == "torchrun" and (got["dp"], got["tensor"]) == (2, 2)
     _same_run(metrics(serial_mlp_run), got)
 
 
 def test_mpirun_launcher_script(tmp_path):
+    """launchers/mpirun.sh running `mpidp info -d 2 --json` at 4 ranks: its flags, and the
+    2 x 2 mesh (each rank's place in it, 4 processes)."""
     res = subprocess.run(
         ["bash", "launchers/mpirun.sh", "-m", "mpidp", "info", "-d", "2", "--json"],
         env=clean_env(NP="4", MPIRUN=MPIEXEC, PYTHON=sys.executable),
@@ -263,8 +265,11 @@ def test_mpirun_launcher_script(tmp_path):
     flag = "-x OMP_NUM_THREADS=" if LAUNCHER == "openmpi" else "-genv OMP_NUM_THREADS"
     assert flag in res.stderr, res.stderr[-2000:]
     doc = json.loads(res.stdout)
-    assert doc["mesh"] == {"dp": 2, "domain": 2}
+    assert doc["world_size"] == 4 and doc["mesh"] == {"dp": 2, "domain": 2}
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    assert [r["mesh_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert {r["launcher"] for r in doc["ranks"]} == {LAUNCHER}
+    assert len({r["pid"] for r in doc["ranks"]}) == 4
 
 
 def test_gpu_script_dry_run_on_cpu():
@@ -305,9 +310,8 @@ def test_a_training_mistake_is_one_sentence_once_exit_2(tmp_path, args, said):
     assert not (tmp_path / "o").exists()  # stopped before any work
 
 
-def test_inference_mistakes_stop_before_the_rollout(tmp_path):
-    launch(1, TRAIN, "--steps", "1", "--width", "4", "--no-plot", "--out", str(tmp_path / "t"))
-    ckpt = str(tmp_path / "t" / "checkpoint.pt")
+def test_inference_mistakes_stop_before_the_rollout(serial_run, tmp_path):
+    ckpt = str(serial_run / "checkpoint.pt")
     res = _mistake(2, "examples/inference.py", "--checkpoint", ckpt, "--map", "foo",
                    "--out", str(tmp_path / "p"))  # fmt: skip
     out = res.stdout + res.stderr

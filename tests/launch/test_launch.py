@@ -71,7 +71,7 @@ m = mpidp.init(domain_parallel_size=int(sys.argv[1]), transport=sys.argv[2])
 total = m.transport("world").all_reduce(torch.ones(1) * m.rank).item()
 assert total == m.world_size * (m.world_size - 1) / 2, total
 print(f"OK rank={m.rank} size={m.world_size} launcher={m.launch_info.launcher} "
-      f"transport={m.transport().name}", flush=True)
+      f"transport={m.transport().name} {m}", flush=True)
 m.shutdown()
 """
 
@@ -104,17 +104,6 @@ def timed_out(exc: subprocess.TimeoutExpired) -> AssertionError:
     return AssertionError(
         f"{exc.cmd} timed out after {exc.timeout} s:\n{out[-3000:]}\n{err[-12000:]}"
     )
-
-
-def test_info_json_four_ranks_two_by_two():
-    res = run([MPIEXEC, "-n", "4", str(BIN / "mpidp"), "info", "-d", "2", "--json"])
-    assert res.returncode == 0, res.stderr
-    doc = json.loads(res.stdout)
-    assert doc["world_size"] == 4 and doc["mesh"] == {"dp": 2, "domain": 2}
-    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
-    assert [r["mesh_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    assert {r["launcher"] for r in doc["ranks"]} == {LAUNCHER}
-    assert len({r["pid"] for r in doc["ranks"]}) == 4
 
 
 def test_info_table_one_process_without_launcher():
@@ -155,31 +144,40 @@ def test_info_rejects_bad_domain_size_on_every_rank():
 
 def test_info_shows_a_grid_of_blocks():
     """``mpidp info -d 2x2``: the domain group as a 2 x 2 grid, each rank's place in it."""
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "mpidp", "info", "-d", "2x2"]
-    res = run(cmd)
+    res = run(
+        [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", "-m", "mpidp", "info", "-d", "2x2"]
+    )
     assert res.returncode == 0, res.stderr
     assert "1 x 4 (a 2 x 2 grid of latitude x longitude blocks)" in res.stdout
-    doc = json.loads(run([*cmd, "--json"]).stdout)
-    assert doc["grid"] == [2, 2]
+    # the same through the `mpidp` console script under mpiexec (no `python -m mpi4py`)
+    res = run([MPIEXEC, "-n", "4", str(BIN / "mpidp"), "info", "-d", "2x2", "--json"])
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["world_size"] == 4 and doc["grid"] == [2, 2]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
     assert [r["grid_coords"] for r in doc["ranks"]] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert {r["launcher"] for r in doc["ranks"]} == {LAUNCHER}
+    assert len({r["pid"] for r in doc["ranks"]}) == 4
 
 
 def test_two_jobs_at_once_do_not_collide():
-    """Two 2-rank jobs started together on one node both initialise (no fixed port)."""
+    """Two jobs started together on one node both initialise (no fixed port), a 2-rank and a
+    3-rank one, each a ``python -c`` program under mpiexec that prints the manager."""
     procs = [
         subprocess.Popen(
-            [MPIEXEC, "-n", "2", sys.executable, "-c", JOB, "2", "auto"],
+            [MPIEXEC, "-n", str(n), sys.executable, "-c", JOB, str(n), "auto"],
             env=clean_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for n in (2, 3)
     ]
-    for proc in procs:
+    for n, proc in zip((2, 3), procs, strict=True):
         out, err = proc.communicate(timeout=TIMEOUT)
         assert proc.returncode == 0, err
-        assert out.count("OK rank=") == 2 and "transport=mpi" in out
+        assert out.count("OK rank=") == n and "transport=mpi" in out
+        assert out.count("DistributedManager(rank=") == n, out
 
 
 def test_torchrun_without_mpi_rendezvous():
@@ -299,11 +297,3 @@ def test_slurm_singletons_are_an_error_on_every_task():
         assert res.returncode != 0
         assert f"rank {r}: srun started 2 tasks (SLURM_NTASKS=2) but MPI" in res.stderr
         assert "--mpi=pmi2" in res.stderr and "transport='torch'" in res.stderr
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_python_dash_c_init_prints_manager(n):
-    code = "import mpidp; m = mpidp.init(domain_parallel_size=1); print(m)"
-    res = run([MPIEXEC, "-n", str(n), sys.executable, "-c", code])
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.count("DistributedManager(rank=") == n

@@ -3,6 +3,7 @@ gradient sync gives the serial gradients on a dp x domain mesh."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -82,14 +83,30 @@ def test_global_mean_gradient_is_the_serial_one(manager):
     torch.testing.assert_close(gathered(manager, x.grad), ref.grad, rtol=1e-13, atol=1e-15)
 
 
-def test_sync_gradients_gives_serial_gradients(manager):
+# dp > 1 at every rank count above 1: at 2 and 3 ranks DOMAIN is the world (dp 1), where a
+# sync_gradients that summed over dp instead of averaging would pass, so the whole world as dp
+# (domain 1) runs too; the quick tier (3 ranks) catches that bug here.
+SYNC_DOMAINS = [DOMAIN, 1] if DOMAIN == WORLD > 1 else [DOMAIN]
+
+
+@pytest.mark.parametrize("domain", SYNC_DOMAINS, ids=lambda d: f"domain{d}")
+def test_sync_gradients_gives_serial_gradients(manager, domain):
     """dp x domain: each dp replica takes its part of the global batch, each domain rank its
     band; after sync every rank holds the serial gradient of the global-batch mean loss."""
+    with contextlib.ExitStack() as stack:
+        if domain != DOMAIN:
+            manager = stack.enter_context(mpidp.DistributedManager(domain_parallel_size=domain))
+        worst = _sync_gradients_error(manager)
+    assert max(worst) < 1e-12, worst
+
+
+def _sync_gradients_error(manager):
+    """Every rank's largest gap between its synced gradients and the serial ones."""
     torch.manual_seed(0)
     serial = nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Conv2d(3, 1, 1)
     ).to(F64)
-    batch = rand((2 * manager.dp_world_size, 2, 2 * DOMAIN + 3, 6), 4)
+    batch = rand((2 * manager.dp_world_size, 2, 2 * manager.domain_world_size + 3, 6), 4)
     mpidp.broadcast_parameters(serial, manager)
     dist = copy.deepcopy(serial)
     dist[0] = mpidp.DomainParallelConv2d.from_module(dist[0], manager)
@@ -103,8 +120,7 @@ def test_sync_gradients_gives_serial_gradients(manager):
         float((p_d.grad - p_s.grad).abs().max())
         for p_d, p_s in zip(dist.parameters(), serial.parameters(), strict=True)
     )
-    everyone = manager.transport("world").all_gather_object(worst)
-    assert max(everyone) < 1e-12, everyone
+    return manager.transport("world").all_gather_object(worst)
 
 
 def test_broadcast_parameters(manager):
