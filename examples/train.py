@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "data_parallel": meshes.config.data,
         "tensor": meshes.tp_size,
         "domain": manager.domain_world_size,
+        "grid": list(manager.grid),
         "launcher": manager.launch_info.launcher,
         "steps": step,
         "steps_run": step - first_step,

@@ -329,8 +329,8 @@ def climatology(
     if not times:
         raise ConfigError("climatology over no times; pass the time indices to average")
     dp_rank, dp_size = (0, 1) if manager is None else (manager.dp_rank, manager.dp_world_size)
-    h = dataset.spec.sizes[dataset.rank]
-    total = torch.zeros((len(dataset.channels), h, dataset.grid[1]), dtype=torch.float64)
+    h, w = dataset.blocks.block_shape(dataset.rank)  # this rank's rows x columns (bands: all)
+    total = torch.zeros((len(dataset.channels), h, w), dtype=torch.float64)
     for t in times[dp_rank::dp_size]:  # none when there are more replicas than times
         total += physical_band(dataset, t)
     if dp_size > 1 and manager is not None:
@@ -341,10 +341,11 @@ def climatology(
 def physical_band(dataset: Any, time: int) -> torch.Tensor:
     """This rank's band of ``dataset``'s input channels at time index ``time`` (a
     :class:`~mpidp.io.ShardedH5Dataset`), halo rows dropped, in physical units (normalisation
-    undone): float64 ``(C, rows, lon)``. Local: each rank reads its own rows."""
+    undone): float64 ``(C, rows, lon)``. Local: each rank reads its own rows (on blocks its
+    rows x columns; the halo of both dropped)."""
     x = dataset.read_band(time).double()
-    before, after = dataset.halo
-    x = x.narrow(1, before, x.size(1) - before - after)
+    for d, (before, after) in ((1, dataset.halo), (2, dataset.lon_halo)):
+        x = x.narrow(d, before, x.size(d) - before - after)
     if dataset.mean is None or dataset.std is None:
         return x
     c = len(dataset.channels)  # the first statistics: channels, then target-only ones

@@ -95,6 +95,16 @@ def test_ddp_and_fsdp2_by_domain_two_by_two_match_one_process(serial_run, tmp_pa
     _same_run(metrics(serial_run), got)
 
 
+def test_blocks_two_by_two_match_one_process(serial_run, tmp_path):
+    """``--domain 2x2``: latitude x longitude blocks (the reader's blocks, the converted U-Net
+    on block ShardedTensors, the polar fold across longitude ranks) train the serial run."""
+    log = launch(4, TRAIN, "--steps", STEPS, "--domain", "2x2", *F64, "--out", str(tmp_path))
+    got = metrics(tmp_path)
+    assert (got["dp"], got["domain"], got["grid"]) == (1, 4, [2, 2])
+    assert "dp 1 x domain 2 x 2 blocks" in log
+    _same_run(metrics(serial_run), got)
+
+
 @pytest.mark.parametrize(
     "layout",
     [("none", "2", "2"), ("fsdp2", "2", "1")],
