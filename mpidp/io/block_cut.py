@@ -200,32 +200,36 @@ def assemble(
     cols: AxisCut,
     shape: tuple[int, int],
 ) -> torch.Tensor:
-    """The extended block ``(channels, rows, columns)`` of a field of ``shape``: each run of
-    needed rows by each run of needed columns read once (``read(r0, r1, c0, c1)`` gives
-    ``(channels, r1 - r0, c1 - c0)``), then placed by the index maps. Exact: every entry is a
-    copy of one read entry, or zero. The block alone (no halo) is returned as read."""
-    w = shape[1]
-    half = w // 2
-    wanted = cols.source
-    if rows.rolled.any():
-        shifted = np.where(wanted >= 0, (wanted + half) % w, -1)
-        wanted = np.concatenate([wanted, shifted])
-    row_runs, col_runs = runs(rows.source), runs(wanted)
-    pieces = [_cat([read(*r, *c) for c in col_runs], 2) for r in row_runs]
-    data = _cat(pieces, 1)
+    """The extended block ``(channels, rows, columns)`` of a field of ``shape``, placed by the
+    index maps from reads of ``read(r0, r1, c0, c1)`` (``(channels, r1 - r0, c1 - c0)``).
+
+    Rows are grouped by the columns they take (their own; under the polar kinds, those of
+    the rows beyond a pole half a circle away): each group reads each run of its rows by each
+    run of its columns once. On bands both take every column, so they are one group and no
+    row is read twice. Exact: every entry is a copy of one read entry, or zero. The block
+    alone (no halo) is returned as read."""
     if rows.plain and cols.plain:
-        return data
-    r_at, c_at = _positions(row_runs, shape[0]), _positions(col_runs, w)
-    out = data.new_zeros((data.size(0), len(rows.source), len(cols.source)))
-    c_ok = cols.source >= 0
-    for rolled in (False, True):
-        r_sel = np.nonzero((rows.source >= 0) & (rows.rolled == rolled))[0]
-        if not len(r_sel) or not c_ok.any():
-            continue
-        c_src = (cols.source[c_ok] + half) % w if rolled else cols.source[c_ok]
-        picked = data.index_select(1, torch.from_numpy(r_at[rows.source[r_sel]]))
-        picked = picked.index_select(2, torch.from_numpy(c_at[c_src]))
-        out[:, torch.from_numpy(r_sel)[:, None], torch.from_numpy(np.nonzero(c_ok)[0])[None]] = (
-            picked
-        )
+        return read(*rows.own, *cols.own)
+    w = shape[1]
+    c_at = np.nonzero(cols.source >= 0)[0]
+    own = cols.source[c_at]
+    groups: dict[tuple[tuple[int, int], ...], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for rolled, c_src in ((False, own), (True, (own + w // 2) % w)):
+        r_at = np.nonzero((rows.source >= 0) & (rows.rolled == rolled))[0]
+        if len(r_at) and len(c_at):
+            groups.setdefault(tuple(runs(c_src)), []).append((r_at, c_src))
+    out: torch.Tensor | None = None
+    for col_runs, members in groups.items():
+        row_runs = runs(np.concatenate([rows.source[r_at] for r_at, _ in members]))
+        data = _cat([_cat([read(*r, *c) for c in col_runs], 2) for r in row_runs], 1)
+        if out is None:
+            out = data.new_zeros((data.size(0), len(rows.source), len(cols.source)))
+        r_pos, c_pos = _positions(row_runs, shape[0]), _positions(col_runs, w)
+        for r_at, c_src in members:
+            picked = data.index_select(1, torch.from_numpy(r_pos[rows.source[r_at]]))
+            picked = picked.index_select(2, torch.from_numpy(c_pos[c_src]))
+            out[:, torch.from_numpy(r_at)[:, None], torch.from_numpy(c_at)[None]] = picked
+    if out is None:  # zeros only: an empty read gives the channels
+        empty = read(0, 0, 0, 0)
+        out = empty.new_zeros((empty.size(0), len(rows.source), len(cols.source)))
     return out

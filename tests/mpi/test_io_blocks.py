@@ -331,7 +331,7 @@ def test_write_blocks_refusals(gm, shared):
 # -- checkpoints across layouts ----------------------------------------------------------------
 
 SAVE = (2, 2) if WORLD == 4 else (1, WORLD)  # blocks that cut the longitude where they can
-LOADS = [(WORLD, 1), 1] + ([(1, 4)] if WORLD == 4 else [])  # bands, data parallel, blocks
+LOADS = [(WORLD, 1), 1]  # bands, data parallel
 
 
 def _net():
@@ -374,9 +374,10 @@ def _close(a, b):
 
 
 def test_checkpoint_across_layouts(shared):
-    """Two steps at SAVE blocks; saved (the replicas verified equal, a diverged one refused)
-    and loaded at bands, at data-parallel size WORLD and at other blocks: the same weights
-    and Adam state bitwise, and a third step there equals the serial run's third step."""
+    """Two steps at SAVE blocks (2 x 2 at 4 ranks) equal the serial steps; saved (the
+    replicas verified equal, a diverged one refused) and loaded at bands (4 x 1) and at
+    domain size 1 (data parallel): the same weights and Adam state bitwise, and a third step
+    there equals the serial run's third step."""
     path = shared / "blocks.pt"
     serial = _net()
     s_opt = torch.optim.Adam(serial.parameters(), lr=1e-2)
@@ -428,4 +429,17 @@ def test_checkpoint_across_layouts(shared):
                 if not _close(p.detach(), dict(serial.named_parameters())[n].detach())
             ]
             failures += [] if state["step"] == 2 else [f"rank {ME}: step {state['step']}"]
+    assert not agreed(failures), agreed(failures)
+
+
+def test_computed_statistics_on_blocks(gm, sample):
+    """``normalize="compute"`` on blocks (each rank its own block of every time, merged over
+    the world) gives the whole file's per-channel mean and std."""
+    ds = ShardedH5Dataset(sample[0], manager=gm, normalize="compute")
+    fields = torch.stack([whole_field(sample[0], k) for k in range(T)], 1).flatten(1)
+    mean, std = fields.mean(1), fields.std(1, unbiased=False)
+    ok = torch.allclose(ds.mean, mean, rtol=1e-10, atol=0) and torch.allclose(
+        ds.std, std, rtol=1e-10, atol=0
+    )
+    failures = [] if ok else [f"rank {ME}: computed statistics {ds.mean} {ds.std}"]
     assert not agreed(failures), agreed(failures)
