@@ -36,9 +36,17 @@ from mpidp.io.write_paths import (
     whose_band,
     writes_zarr,
 )
-from mpidp.runtime.manager import DistributedManager
+from mpidp.runtime.grid import blocks_refused
+from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 
 __all__ = ["RolloutWriter"]
+
+
+def manager_or_default(manager: DistributedManager | None) -> DistributedManager | None:
+    """``manager``, else mpidp's when it is initialised, else None (one process)."""
+    if manager is not None:
+        return manager
+    return get_manager() if is_initialized() else None
 
 
 class RolloutWriter:
@@ -93,6 +101,10 @@ class RolloutWriter:
         chunk_rows: int | None = None,
         zarr_format: int = 3,
     ) -> None:
+        if group is None and manager_or_default(manager) is not None:
+            m = manager_or_default(manager)
+            if m is not None and m._blocks:  # each rank's block would be written as a band
+                raise blocks_refused(m, "RolloutWriter (it writes latitude bands)")
         self.t = io_transport(manager, group)
         self.path = Path(path)
         self.channels = list(channels)
