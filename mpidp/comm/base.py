@@ -20,7 +20,7 @@ import torch
 
 from mpidp.errors import CommError
 
-__all__ = ["PendingExchange", "Transport", "REDUCE_OPS"]
+__all__ = ["PendingExchange", "PreparedExchange", "Transport", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 
@@ -56,6 +56,30 @@ class PendingExchange:
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter()
+
+
+class PreparedExchange:
+    """An exchange made again and again with the same peers and the same receive buffers
+    (:meth:`Transport.prepare_exchange`): what :meth:`Transport.start_exchange` checks and
+    derives on every call is done once here, and :meth:`start` posts the messages.
+
+    This generic form is :meth:`Transport.start_exchange` itself (a wrapping transport, such
+    as the counting one, sees every message); a backend may keep more (the MPI one keeps its
+    buffers' addresses, tags and byte counts)."""
+
+    def __init__(
+        self,
+        t: Transport,
+        send_peers: Sequence[int],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        self.t, self.peers, self.recvs = t, tuple(send_peers), list(recvs)
+
+    def start(self, sends: Sequence[torch.Tensor], number: int = 0) -> PendingExchange:
+        """Post ``sends`` (one tensor per send peer, in order) and the receives into the
+        prepared buffers; ``wait()`` on the result, as for :meth:`Transport.start_exchange`.
+        The buffers are reused by the next call: read them before it."""
+        return self.t.start_exchange(list(zip(self.peers, sends, strict=True)), self.recvs, number)
 
 
 class Transport(abc.ABC):
@@ -337,6 +361,14 @@ class Transport(abc.ABC):
         if not (out or inn):
             return PendingExchange(None)
         return PendingExchange(self._start_exchange(_tagged(out, number), _tagged(inn, number)))
+
+    def prepare_exchange(
+        self, send_peers: Sequence[int], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> PreparedExchange:
+        """An exchange to be made many times (:class:`PreparedExchange`): one message to each
+        of ``send_peers`` (in that order) per :meth:`PreparedExchange.start`, and receives
+        into ``recvs``' ``(peer, buffer)`` pairs, kept and reused. Local."""
+        return PreparedExchange(self, send_peers, recvs)
 
     # -- objects and synchronisation ---------------------------------------------------------
 

@@ -28,8 +28,16 @@ import torch
 from mpi4py import MPI
 
 from mpidp.comm import alarm
-from mpidp.comm.base import TAGS_PER_EXCHANGE, Transport, disagreement, fingerprint, pair_weight
+from mpidp.comm.base import (
+    TAGS_PER_EXCHANGE,
+    PreparedExchange,
+    Transport,
+    disagreement,
+    fingerprint,
+    pair_weight,
+)
 from mpidp.comm.buffers import BufferCache
+from mpidp.comm.prepared import WaitingFor, _Prepared
 from mpidp.errors import CommError
 
 __all__ = ["MPITransport", "deadline_seconds"]
@@ -62,7 +70,7 @@ class _Watchdog:
         #: thread -> (began, deadline, what, transport, kind, number, needs): the kind of call
         #: (``collective``, ``exchange``: ``number`` is its tags' number; ``other``) and the
         #: ranks of the group it waits for (None: all), for :mod:`mpidp.comm.alarm`
-        self.waits: dict[int, tuple[float, float, str, MPITransport, str, int, Any]] = {}
+        self.waits: dict[int, tuple[float, float, object, MPITransport, str, int, Any]] = {}
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -113,10 +121,10 @@ def start_watchdog() -> None:
     _WATCHDOG.start()
 
 
-def _call_of(what: str, t: MPITransport, kind: str, number: int, needs: Any) -> alarm.Call:
+def _call_of(what: object, t: MPITransport, kind: str, number: int, needs: Any) -> alarm.Call:
     """A wait as a peer's report carries it (made only for the watchdog, never per call)."""
     ranks = t.world_ranks if needs is None else tuple(t.world_ranks[r] for r in needs)
-    return alarm.Call(t.world_ranks, kind, number, what, ranks)
+    return alarm.Call(t.world_ranks, kind, number, str(what), ranks)
 
 
 class deadline:
@@ -126,7 +134,12 @@ class deadline:
     __slots__ = ("key",)
 
     def __init__(
-        self, t: MPITransport, what: str, kind: str = "other", number: int = 0, needs: Any = None
+        self,
+        t: MPITransport,
+        what: object,
+        kind: str = "other",
+        number: int = 0,
+        needs: Any = None,
     ) -> None:
         if _WATCHDOG.thread is None:
             _WATCHDOG.start()
@@ -502,42 +515,59 @@ class MPITransport(Transport):
             for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)
         ]
         reqs += [self.comm.Isend(self._bytes(t), dest=peer, tag=tag) for peer, tag, t in sends]
+        # the exchange's number (halo.py numbers its exchanges; 0: unnumbered) rides in the
+        # tags: a peer's report of another number is another exchange
+        number = recvs[0][1] // TAGS_PER_EXCHANGE if recvs else 0
+        peers = [peer for peer, _, _ in recvs]
+        bufs = [buf for _, buf in staged]
 
         def wait() -> None:
-            statuses = [MPI.Status() for _ in recvs]
-            peers = sorted({peer for peer, _, _ in recvs})
-            what = (
-                f"a point-to-point exchange (halo) waiting for messages from ranks {peers}: a "
-                f"peer skipped it (a forward or a backward that ran on some ranks only?)"
-            )
-            failure = None
-            # the exchange's number (halo.py numbers its exchanges; 0: unnumbered) rides in
-            # the tags: a peer's report of another number is another exchange
-            number = recvs[0][1] // TAGS_PER_EXCHANGE if recvs else 0
-            with deadline(self, what, "exchange", number, peers):
-                try:
-                    MPI.Request.Waitall(reqs[: len(recvs)], statuses)
-                except MPI.Exception as exc:
-                    failure = exc
-            failure = self._wait(reqs[len(recvs) :], "a point-to-point exchange's sends") or failure
-            for (peer, _, _), (_, buf), st in zip(recvs, staged, statuses, strict=False):
-                want = buf.numel() * buf.element_size()
-                got = st.Get_count(MPI.BYTE)
-                if failure is not None or got != want:
-                    raise CommError(
-                        f"{self._where()}: a point-to-point receive from rank {peer} expected "
-                        f"{want} bytes {tuple(buf.shape)} {buf.dtype} and got "
-                        f"{'more (' + str(failure) + ')' if failure is not None else got}: the "
-                        f"two ranks disagree on the rows or the shape they exchange (a halo of "
-                        f"another width, another dtype); check that every rank runs the same "
-                        f"layer on the same partition"
-                    )
+            self._complete(reqs, peers, bufs, [MPI.Status() for _ in recvs], number)
             for target, buf in staged:
                 if buf is not target:
                     target.copy_(buf)
             sends.clear()  # the send tensors lived until here
 
         return wait
+
+    def _complete(
+        self,
+        reqs: list[MPI.Request],
+        peers: Sequence[int],
+        bufs: Sequence[torch.Tensor],
+        statuses: list[MPI.Status],
+        number: int,
+    ) -> None:
+        """Wait for an exchange's receives (the first ``len(peers)`` requests), then its sends,
+        under the deadline, and check that every receive brought the bytes of its buffer."""
+        failure = None
+        with deadline(self, WaitingFor(peers), "exchange", number, sorted(set(peers))):
+            try:
+                MPI.Request.Waitall(reqs[: len(peers)], statuses)
+            except MPI.Exception as exc:
+                failure = exc
+        failure = self._wait(reqs[len(peers) :], "a point-to-point exchange's sends") or failure
+        for peer, buf, st in zip(peers, bufs, statuses, strict=True):
+            want = buf.numel() * buf.element_size()
+            got = st.Get_count(MPI.BYTE)
+            if failure is not None or got != want:
+                raise CommError(
+                    f"{self._where()}: a point-to-point receive from rank {peer} expected "
+                    f"{want} bytes {tuple(buf.shape)} {buf.dtype} and got "
+                    f"{'more (' + str(failure) + ')' if failure is not None else got}: the "
+                    f"two ranks disagree on the rows or the shape they exchange (a halo of "
+                    f"another width, another dtype); check that every rank runs the same "
+                    f"layer on the same partition"
+                )
+
+    def prepare_exchange(
+        self, send_peers: Sequence[int], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> PreparedExchange:
+        if any(p == self.rank for p in (*send_peers, *(p for p, _ in recvs))) or not all(
+            b.is_cpu and b.is_contiguous() for _, b in recvs
+        ):
+            return super().prepare_exchange(send_peers, recvs)
+        return _Prepared(self, send_peers, recvs)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.comm.allgather(obj))

@@ -23,11 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
 from mpidp.layers.registry import register_layer
+from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
-from mpidp.runtime.partition import ShardSpec
+from mpidp.ops.halo import halo_exchange
+from mpidp.runtime.partition import ShardSpec, known_for
 
 __all__ = [
     "DomainParallelConv1d",
@@ -99,6 +102,32 @@ class _Conv(DomainParallel):
 
     _n: int
 
+    def _geometry(
+        self, spec: ShardSpec, k: int, pads: tuple[int, int], t: Transport
+    ) -> tuple[ShardSpec, HaloSpec]:
+        """The output partition and the halo of spatial dim ``k`` for an input cut by
+        ``spec``: kept by their arguments and the manager's partition policy (outside a
+        ShardedTensor call, whose notes :meth:`_out_spec` makes)."""
+        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
+        policy = self._manager().partition
+        key: Any = (spec, k, pads, t.size, kernel, stride, dil, policy)
+        kept: dict[Any, tuple[ShardSpec, HaloSpec]] = self.__dict__.setdefault("_geometries", {})
+        try:
+            found = None if _NOTES.get() is not None else kept.get(key)
+        except TypeError:  # a policy that is not a plain value: derived afresh
+            key, found = None, None
+        if found is not None:
+            return found
+        n_out = conv_output_size(spec.total, kernel, stride, pads, dil)
+        out_spec = self._out_spec(n_out, t)
+        found = (out_spec, HaloSpec.for_layer(spec, out_spec, kernel, stride, pads, dil))
+        if key is not None:
+            if len(kept) > 64:
+                kept.clear()
+            kept[key] = found
+        return found
+
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._alone():
@@ -107,19 +136,32 @@ class _Conv(DomainParallel):
         _spatial(conv, x, self._n, self.shard_dim)
         first = x.dim() - self._n  # the tensor dim of the first spatial dim
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
-        cuts, outs = [], []
-        for axis in self._axes(x):  # the sharded dim, and on blocks the longitude too
+        boundary = _BOUNDARY[conv.padding_mode]
+        axes = self._axes(x)  # the sharded dim, and on blocks the longitude too
+        ext, guess = None, None
+        if len(axes) == 1 and known_for(x, axes[0].dim) is None and not _BANDS.get():
+            # bands, the partition unknown: the halo's own agreement learns it (no all-gather
+            # of its own), with the widths of an output cut as its input is; when the output
+            # is cut otherwise (every rank learns the same partition), the right halo follows
+            axis = axes[0]
             k = axis.dim - first
-            spec = learn_spec(x, axis.dim, axis.transport)
-            kernel, stride, dil = conv.kernel_size[k], conv.stride[k], conv.dilation[k]
-            n_out = conv_output_size(spec.total, kernel, stride, pads[k], dil)
-            out_spec = self._out_spec(n_out, axis.transport)
-            cuts.append(
-                (axis, spec, HaloSpec.for_layer(spec, out_spec, kernel, stride, pads[k], dil))
-            )
+            ks, dil, (lo, hi) = conv.kernel_size[k], conv.dilation[k], pads[k]
+            if conv.stride[k] == 1 and lo + hi == dil * (ks - 1):
+                guess = ({lo}, {hi})
+                ext = halo_exchange(x, lo, hi, axis.dim, boundary=boundary, group=axis.transport)
+        cuts, outs = [], []
+        for axis in axes:
+            k = axis.dim - first
+            spec = known_for(x, axis.dim)  # the partition the halo just learned, if it did
+            if spec is None:
+                spec = learn_spec(x, axis.dim, axis.transport)
+            out_spec, halo = self._geometry(spec, k, pads[k], axis.transport)
+            cuts.append((axis, spec, halo))
+            kernel, dil = conv.kernel_size[k], conv.dilation[k]
             outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
             pads[k] = (0, 0)
-        ext = fetch_halo(self, x, cuts, _BOUNDARY[conv.padding_mode])
+        if ext is None or guess != (set(cuts[0][2].before), set(cuts[0][2].after)):
+            ext = fetch_halo(self, x, cuts, boundary)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):

@@ -108,6 +108,11 @@ class _Known:
     b: Boundary
     spec: ShardSpec | None
     ops: dict[tuple[int, ...], _Op] = dataclasses.field(default_factory=dict)
+    #: the learned-partition path's neighbour exchange, prepared (mpidp.ops.halo_band._Near)
+    near: Any = None
+    #: that path's last agreement and what it gave: (agreed ints, partition, op, whether the
+    #: neighbours' rows were the halo, their concatenation recipe or None)
+    last: Any = None
 
 
 def _hashable(w: Any) -> Any:

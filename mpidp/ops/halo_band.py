@@ -37,7 +37,7 @@ from mpidp.ops.halo_plan import Layout, Piece, Plan, neighbours_only
 from mpidp.ops.halo_plan import layout as layout_for
 from mpidp.ops.halo_plan import plan as plan_for
 from mpidp.runtime.manager import DistributedManager
-from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.runtime.partition import ShardSpec, known_for, learned
 
 __all__ = [
     "PendingHalo",
@@ -314,34 +314,17 @@ def _fetch_now(
     check = getattr(t, "max_ints", None)
     if spec is not None or check is None or t.size == 1:
         op = _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim, strips, t)
-        return _call(_HaloFetch, x, op, None)
+        return _planned(x, op)
     k, problems = _known_of(t, x, before, after, dim, None, boundary, roll_dim, strips)
-    p, me, d = t.size, t.rank, k.d
-    n = x.size(d) if x.dim() and not problems else 0
-    eligible = not problems and k.b.low in _LOCAL_KINDS and k.b.high in _LOCAL_KINDS
-    eligible = eligible and min(k.bw + k.aw) >= 0
-    table = [-1] * p
-    table[me] = n
+    near = k.near
+    if near is None or problems:
+        near = _Near(t, k, x, problems)
+        if not problems:
+            k.near = near
     t.fetches += 1
     number = 2 * t.fetches
-    shape = x.shape if x.dim() else torch.Size([0])
-    # (peer, rows this rank gives from its low or high end, rows it takes from the peer)
-    peers = []
-    if me > 0:  # the rank above needs this band's first rows, and has its rows before it
-        peers.append((me - 1, True, k.aw[me - 1], k.bw[me]))
-    if me < p - 1:
-        peers.append((me + 1, False, k.bw[me + 1], k.aw[me]))
-    sends, recvs = [], []
-    for peer, low, give, take in peers:
-        give, take = (give, take) if eligible else (0, 0)
-        if give <= n and x.dim():
-            rows = x.narrow(d, 0 if low else n - give, give)
-        else:  # a thin band: stands in (the all-reduce sends every rank to the plan)
-            rows = x.new_zeros(_rows(shape, d, give))
-        sends.append((peer, rows))
-        recvs.append((peer, t.scratch(_rows(shape, d, take), x.dtype, x.device)))
-    pending = t.start_exchange(sends, recvs, number)
-    agreed = check([k.checksum, -k.checksum, 1 if problems else 0, *table], _CHECK)
+    pending = near.exchange.start(near.sends(x), number)
+    agreed = check(near.values, _CHECK)
     if agreed[2] or agreed[0] != -agreed[1]:
         try:
             pending.wait()
@@ -349,18 +332,138 @@ def _fetch_now(
             pass
         _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
     pending.wait()
-    sizes = tuple(agreed[3:])
-    if not (eligible and neighbours_only(sizes, k.bw, k.aw, k.b)):
-        op = _op_of(k, sizes, t, x, strips)  # the plan's exchange, numbered anew
-        return _call(_HaloFetch, x, op, None)
-    op = _op_of(k, sizes, t, x, strips)
-    got = {peer: buf for peer, buf in recvs}
-    bufs = [got[peer] for peer, _, _ in op.plan.recv]
+    last = k.last
+    if last is None or last[0] != agreed:  # another partition than the last call's
+        sizes = tuple(agreed[3:])
+        op = _op_of(k, sizes, t, x, strips)
+        last = (agreed, ShardSpec(sizes), op, False, None)
+        if near.eligible and neighbours_only(sizes, k.bw, k.aw, k.b):
+            bufs = [near.got[peer] for peer, _, _ in op.plan.recv]
+            last = (agreed, last[1], op, True, _recipe(op, bufs, x))
+        k.last = last
+    _, learnt, op, done, recipe = last
+    learned(x, k.d, learnt)  # the partition the agreement learned: a layer reads it next
+    if not done:  # the plan's exchange, numbered anew
+        return _planned(x, op)
+    if recipe is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        return _one_or_tuple([_assemble(parts, x, k.d) for parts in recipe])
+    bufs = [near.got[peer] for peer, _, _ in op.plan.recv]
     outs = [t.scratch(op.rows(x.shape, rows), x.dtype, x.device) for rows in op.layout.rows]
     for buf, direct in zip(bufs, op.layout.direct, strict=True):
         if direct is not None:  # received in place by the planned exchange: placed here
-            outs[direct[0]].narrow(d, direct[1], buf.size(d)).copy_(buf)
+            outs[direct[0]].narrow(k.d, direct[1], buf.size(k.d)).copy_(buf)
     return _call(_HaloFetch, x, op, (PendingExchange(None), bufs, outs, number))
+
+
+def _planned(x: torch.Tensor, op: _Op) -> Any:
+    """The plan's exchange, made in one go: without a gradient, and when its outputs are
+    concatenations (:func:`_recipe`), through an exchange prepared once per op with kept
+    receive buffers; otherwise :class:`_HaloFetch`."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _call(_HaloFetch, x, op, None)
+    kept: dict[Any, Any] = op.t.__dict__.setdefault("_halo_prepared", {})
+    key = (op, x.shape, x.dtype, x.device)  # ops of other shapes can be equal
+    fast = kept.get(key, False)
+    if fast is False:
+        pl = op.plan
+        recvs = [(peer, x.new_empty(op.rows(x.shape, hi - lo))) for peer, lo, hi in pl.recv]
+        recipe = _recipe(op, [buf for _, buf in recvs], x)
+        fast = None
+        if recipe is not None:
+            fast = (op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs), recipe)
+        if len(kept) > 256:
+            kept.clear()
+        kept[key] = fast
+    if fast is None:
+        return _call(_HaloFetch, x, op, None)
+    op.t.fetches += 1
+    d = op.dim
+    sends = [x.narrow(d, lo, hi - lo) for _, lo, hi in op.plan.send]
+    fast[0].start(sends, 2 * op.t.fetches).wait()
+    return _one_or_tuple([_assemble(parts, x, d) for parts in fast[1]])
+
+
+class _Near:
+    """The learned-partition path's first exchange, prepared once per call key: one message
+    to each neighbour and one from each, whatever the call (so every message meets its
+    receive, even between ranks that disagree), and the ints of the agreement beside it."""
+
+    def __init__(self, t: Transport, k: _Known, x: torch.Tensor, problems: list[str]) -> None:
+        p, me, d = t.size, t.rank, k.d
+        n = x.size(d) if x.dim() and not problems else 0
+        eligible = not problems and k.b.low in _LOCAL_KINDS and k.b.high in _LOCAL_KINDS
+        self.eligible = eligible = eligible and min(k.bw + k.aw) >= 0
+        table = [-1] * p
+        table[me] = n
+        self.values = [k.checksum, -k.checksum, 1 if problems else 0, *table]
+        shape = x.shape if x.dim() else torch.Size([0])
+        # (peer, rows this rank gives from its low or high end, rows it takes from the peer)
+        peers = []
+        if me > 0:  # the rank above needs this band's first rows, and has its rows before it
+            peers.append((me - 1, True, k.aw[me - 1], k.bw[me]))
+        if me < p - 1:
+            peers.append((me + 1, False, k.bw[me + 1], k.aw[me]))
+        #: per send: the band's rows (first row, count) or a stand-in (a thin band: the
+        #: agreement sends every rank to the plan)
+        self.gives: list[tuple[int, int] | torch.Tensor] = []
+        recvs = []
+        for _, low, give, take in peers:
+            give, take = (give, take) if eligible else (0, 0)
+            if give <= n and x.dim():
+                self.gives.append((0 if low else n - give, give))
+            else:
+                self.gives.append(x.new_zeros(_rows(shape, d, give)))
+            recvs.append(torch.empty(_rows(shape, d, take), dtype=x.dtype, device=x.device))
+        self.d = d
+        self.exchange = t.prepare_exchange(
+            [peer for peer, _, _, _ in peers],
+            [(peer, buf) for (peer, _, _, _), buf in zip(peers, recvs, strict=True)],
+        )
+        self.got = {peer: buf for (peer, _, _, _), buf in zip(peers, recvs, strict=True)}
+
+    def sends(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [g if isinstance(g, torch.Tensor) else x.narrow(self.d, *g) for g in self.gives]
+
+
+#: one output's pieces in row order: the band's rows (first row, count), or a tensor (rows
+#: received into a kept buffer, or zeros)
+_Parts = list[tuple[int, int] | torch.Tensor]
+
+
+def _recipe(op: _Op, bufs: list[torch.Tensor], x: torch.Tensor) -> list[_Parts] | None:
+    """The outputs of a neighbours-only exchange as concatenations (one copy of each row),
+    or None when a piece is not a plain copy (flipped, rolled, repeated: placed by
+    :func:`_finish_fetch`)."""
+    lay, d = op.layout, op.dim
+    if lay.arrive or any(p.flip or p.roll or p.repeat for _, p in lay.local):
+        return None
+    segs: list[list[tuple[int, int, tuple[int, int] | torch.Tensor]]] = [[] for _ in lay.rows]
+    for i, at, n in lay.zeros:
+        segs[i].append((at, n, x.new_zeros(op.rows(x.shape, n))))
+    for i, p in lay.local:
+        segs[i].append((p.at, p.rows, (p.lo, p.rows)))
+    for buf, direct in zip(bufs, lay.direct, strict=True):
+        if direct is not None:
+            segs[direct[0]].append((direct[1], buf.size(d), buf))
+    out = []
+    for rows, parts in zip(lay.rows, segs, strict=True):
+        parts.sort(key=lambda s: s[0])
+        at = 0
+        for start, n, _ in parts:
+            if start != at:  # rows no piece fills (cannot happen): the general placement
+                return None
+            at += n
+        if at != rows:
+            return None
+        out.append([part for _, n, part in parts if n])
+    return out
+
+
+def _assemble(parts: _Parts, x: torch.Tensor, d: int) -> torch.Tensor:
+    """One output of a :func:`_recipe`: a new tensor (never a view of the kept buffers)."""
+    if not parts:
+        return x.new_empty(_rows(x.shape, d, 0))
+    return torch.cat([p if isinstance(p, torch.Tensor) else x.narrow(d, *p) for p in parts], d)
 
 
 _CHECK = "a halo exchange's agreement (an all-reduce beside the neighbours' rows)"

@@ -1,8 +1,12 @@
 """The per-call fast paths keep every check (issue 47): a call whose key was seen and agreed
-before, met on another rank by a call with another key, still fails on every rank; and the
-element-wise fast path of ShardedTensor dispatch gives what the general path gives."""
+before, met on another rank by a call with another key, still fails on every rank; the
+element-wise fast path of ShardedTensor dispatch gives what the general path gives; and a
+converted conv that learns its partition in its halo's agreement (no all-gather of its own)
+computes what the serial conv computes, on the policy's partition and on another."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import test_halo as th  # its cases and reference (a module: pytest collects nothing from it)
@@ -115,7 +119,7 @@ def test_learned_partition_matches_serial_reference(manager, spec_name, boundary
     reference, twice (the second call takes the kept facts); unservable widths refused on every
     rank."""
     t = MPITransport(manager.domain_comm)
-    spec = th.specs(t.size)[spec_name]
+    spec, b = th.specs(t.size)[spec_name], boundary
     p, me = t.size, t.rank
     full = th.field(spec, -2, 1)
     problems = []
@@ -133,6 +137,9 @@ def test_learned_partition_matches_serial_reference(manager, spec_name, boundary
             out = mpidp.halo_exchange(x, wb, wa, boundary=boundary, group=t)
             if not torch.equal(out, want):
                 problems.append(f"case {case} ({wb}, {wa}): forward differs")
+            with torch.no_grad():  # the kept concatenation, without autograd
+                if not torch.equal(mpidp.halo_exchange(x, wb, wa, boundary=b, group=t), want):
+                    problems.append(f"case {case} ({wb}, {wa}): no-grad forward differs")
             g = rand(out.shape, 50 + case)
             out.backward(g)
             ref = full.clone().requires_grad_()
@@ -152,3 +159,56 @@ def test_learned_partition_matches_serial_reference(manager, spec_name, boundary
                 problems.append(f"case {case} ({wb}, {wa}): strips differ")
     everyone = t.all_gather_object(problems)
     assert not any(everyone), everyone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_conv_learning_its_partition_in_the_halo_matches_serial(manager):
+    """A stride-1 'same' conv on bands of unknown partition: on the policy's partition its
+    first halo is the one it needs; on another (rank 0 one row short) every rank learns so in
+    the agreement and fetches the right halo. Forward, input and parameter gradients against
+    the serial conv, each call made twice (the second takes what was kept)."""
+    p, me = WORLD, manager.domain_rank
+    torch.manual_seed(0)
+    serial = torch.nn.Conv2d(2, 3, (3, 5), padding=(2, 2), dilation=(2, 1), dtype=torch.float64)
+    conv = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+    h = 4 * p + 1
+    full = rand((2, 2, h, 6), 7)
+    ref = full.clone().requires_grad_()
+    want = serial(ref)
+    want.backward(torch.ones_like(want))
+    problems = []
+    for spec in (
+        manager.spec(h),
+        ShardSpec.from_sizes([3] + [4] * (p - 2) + [h - 3 - 4 * (p - 2)]),
+    ):
+        out_spec = manager.spec(h)
+        for _ in range(2):
+            x = full.narrow(-2, spec.start(me), spec.sizes[me]).clone().requires_grad_()
+            conv.zero_grad()
+            y = conv(x)
+            y.backward(torch.ones_like(y))
+            mpidp.sync_gradients(conv, manager)
+            rows = want.narrow(-2, out_spec.start(me), out_spec.sizes[me])
+            grad = ref.grad.narrow(-2, spec.start(me), spec.sizes[me])
+            if not torch.allclose(y, rows, rtol=1e-10, atol=1e-12):
+                problems.append(f"{spec}: forward differs")
+            if not torch.allclose(x.grad, grad, rtol=1e-10, atol=1e-12):
+                problems.append(f"{spec}: input gradient differs")
+            for name, param in conv.named_parameters():
+                ser = dict(serial.named_parameters())[name].grad
+                if not torch.allclose(param.grad, ser, rtol=1e-10, atol=1e-12):
+                    problems.append(f"{spec}: {name} gradient differs")
+    everyone = MPI.COMM_WORLD.allgather(problems)
+    assert not any(everyone), everyone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_conv_other_channels_on_one_rank_after_a_kept_call_fail_everywhere(manager):
+    """The conv's halo kept its call; rank 1 then passes a band of another channel count:
+    the halo's agreement fails on every rank (none waits for the others)."""
+    conv = mpidp.convert_to_domain_parallel(torch.nn.Conv2d(2, 2, 3, padding=1), manager)
+    n = manager.spec(4 * WORLD).sizes[manager.domain_rank]
+    _twice(lambda: conv(rand((1, 2, n, 5), 8, torch.float32)))
+    x = rand((1, 3 if manager.domain_rank == 1 else 2, n, 5), 8, torch.float32)
+    with pytest.raises(CommError, match=r"rank 1: shape without dim=.* but rank 0 passed"):
+        conv(x)

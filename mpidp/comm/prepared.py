@@ -1,0 +1,84 @@
+"""The MPI transport's prepared exchange (:meth:`mpidp.comm.mpi.MPITransport.prepare_exchange`):
+an exchange made again and again with the same peers and receive buffers, its checks and
+bookkeeping done once, its messages posted straight on the communicator, its wait and byte-count
+checks the transport's own (:meth:`~mpidp.comm.mpi.MPITransport._complete`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from mpi4py import MPI
+
+from mpidp.comm.base import (
+    EXCHANGE_NUMBERS,
+    TAGS_PER_EXCHANGE,
+    PendingExchange,
+    PreparedExchange,
+    _tagged,
+)
+
+if TYPE_CHECKING:
+    from mpidp.comm.mpi import MPITransport
+
+
+class WaitingFor:
+    """What an exchange's wait names when its deadline passes (made into text only then)."""
+
+    __slots__ = ("peers",)
+
+    def __init__(self, peers: Sequence[int]) -> None:
+        self.peers = peers
+
+    def __str__(self) -> str:
+        return (
+            f"a point-to-point exchange (halo) waiting for messages from ranks "
+            f"{sorted(set(self.peers))}: a peer skipped it (a forward or a backward that ran "
+            f"on some ranks only?)"
+        )
+
+
+class _Prepared(PreparedExchange):
+    """:class:`PreparedExchange` over MPI: peers checked, tags counted, the receive buffers'
+    addresses and the statuses made once; :meth:`start` posts the messages straight on the
+    communicator, and the wait checks every receive's byte count as every exchange does."""
+
+    def __init__(
+        self,
+        t: MPITransport,
+        send_peers: Sequence[int],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+    ) -> None:
+        super().__init__(t, send_peers, recvs)
+        self.mpi = t
+        for peer in (*send_peers, *(p for p, _ in recvs)):
+            t._root(peer, "peer")
+        self.rtags = [tag for _, tag, _ in _tagged(list(recvs))]
+        self.stags = [tag for _, tag, _ in _tagged([(p, None) for p in send_peers])]  # type: ignore[misc]
+        self.bufs = [b for _, b in recvs]
+        self.raw = [t._bytes(b) for b in self.bufs]
+        self.rpeers = [p for p, _ in recvs]
+        self.statuses = [MPI.Status() for _ in recvs]
+        self.numbered = max([*self.rtags, *self.stags], default=0) < TAGS_PER_EXCHANGE
+
+    def start(self, sends: Sequence[torch.Tensor], number: int = 0) -> PendingExchange:
+        t, comm = self.mpi, self.mpi.comm
+        base = (number % EXCHANGE_NUMBERS + 1) * TAGS_PER_EXCHANGE if number > 0 else 0
+        base = base if self.numbered else 0
+        reqs = [
+            comm.Irecv(raw, source=peer, tag=base + tag)
+            for raw, peer, tag in zip(self.raw, self.rpeers, self.rtags, strict=True)
+        ]
+        held = [s.detach().contiguous() for s in sends]
+        reqs += [
+            comm.Isend(t._bytes(s), dest=peer, tag=base + tag)
+            for s, peer, tag in zip(held, self.peers, self.stags, strict=True)
+        ]
+
+        def wait() -> None:
+            t._complete(reqs, self.rpeers, self.bufs, self.statuses, base // TAGS_PER_EXCHANGE)
+            held.clear()  # the send tensors lived until here
+
+        return PendingExchange(wait)
