@@ -36,6 +36,7 @@ GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 3, 13, 20)
 TOL = 1e-10
 
+
 @pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
 def gm(request):
     """A manager whose whole world is one domain grid."""

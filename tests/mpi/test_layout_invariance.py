@@ -27,8 +27,8 @@ from mpidp.models import WeatherUNet
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD.Get_size()
-LAYOUTS = [(WORLD, 1), (1, WORLD)] + [(2, WORLD // 2)] * (WORLD == 4) + [(2, 3), (3, 2)] * (
-    WORLD == 6
+LAYOUTS = (
+    [(WORLD, 1), (1, WORLD)] + [(2, WORLD // 2)] * (WORLD == 4) + [(2, 3), (3, 2)] * (WORLD == 6)
 )
 LAYOUTS = list(dict.fromkeys(LAYOUTS))  # world 1: the one layout (1, 1)
 SHAPE = (2, 3, 13, 20)  # uneven over every grid above; W a multiple of 4 (the U-Net's rule)
