@@ -5,15 +5,15 @@
     mpiexec -n 2 python -m mpi4py examples/rebalance.py --cost poles --factor 3 --rounds 3
 
 All ranks form one domain group and train the example U-Net with SGD on one field. Each rank
-also does a synthetic amount of work per step on its rows (a sleep): with ``--cost slow``
+also does a synthetic amount of work per step on its rows (a sleep): with --cost slow
 (the default) --row-ms per row, --factor times more on rank --slow (a slow node); with
-``--cost poles`` every rank alike, but a row at latitude phi costs
-``row_ms * (1 + (factor - 1) * |sin phi|)``, rising toward the poles (a reduced grid, polar
+--cost poles every rank alike, but a row at latitude phi costs
+row_ms * (1 + (factor - 1) * |sin phi|), rising toward the poles (a reduced grid, polar
 filtering, a polar fold). The script trains --steps steps on the balanced cut under
-``mpidp.profile``, asks ``mpidp.rebalance`` for the cut whose slowest rank is fastest from
-the profile's measured ``prof.rank_seconds()`` (each rank's compute seconds per step: its
+mpidp.profile, asks mpidp.rebalance for the cut whose slowest rank is fastest from
+the profile's measured prof.rank_seconds() (each rank's compute seconds per step: its
 share of the model and its synthetic work; no formula), installs it with
-``manager.set_partition`` (parameters and optimizer state stay: they are replicated), and
+manager.set_partition (parameters and optimizer state stay: they are replicated), and
 trains --steps more; --rounds times. rebalance takes a rank's speed as its rows over its
 seconds, one speed per rank: right for a slow node, an approximation when rows cost
 differently (the rows a rank takes over cost what they cost where they come from), which the
@@ -22,7 +22,7 @@ step without the synthetic work plus all the work shared so that every rank fini
 together (the total work over P when the ranks are equally fast). With --profile FILE.json
 each phase's profile (compute, communication and waiting for the slowest peer, per rank) is
 printed, written (FILE-balanced.json, FILE-round1.json, ...) and plotted beside it (PNG;
-``mpidp profile-report FILE-balanced.json`` redraws one). Rank 0 prints.
+mpidp profile-report FILE-balanced.json redraws one). Rank 0 prints.
 """
 
 from __future__ import annotations
