@@ -14,12 +14,24 @@ irfft2's), each twice per step; a patch head adds the boundary rows it moves to 
 cut. Normalisation layers add one small all-reduce each (a few numbers per channel group), not
 counted.
 
+Blocks (``parts=(P_lat, P_lon)``) are priced per axis from each layer's own halo geometry
+(:func:`~mpidp.preflight.validate.axis_sharding`: the rule of the dry run, along the latitude
+over ``P_lat`` ranks and along the longitude over ``P_lon``), as mpidp.ops.block_halo moves
+them: the latitude rows, as wide as the block; the rows beyond a pole, whose columns come from
+half a circle away (the polar fold); then the longitude columns, as tall as the latitude-
+extended block, which carry the corners. Bands are the grid ``(P, 1)``: the same pricing, no
+columns move. The dry run's simulated ranks check the latitude cut; spectral layers, windows,
+patch heads and graphs (transposes, not halos) are priced on bands only, and a plan of blocks
+for a model with them is refused. Every plan also prices the halo bytes of every grid of as
+many ranks (:func:`compare_shapes`) and says whether bands or blocks move the fewest.
+
 Activation memory is what autograd saves for the backward pass on the rank: the model's forward
 runs on meta tensors of the global shape with every saved tensor's storage counted once
 (parameters left out), and each rank takes its share of each from the spatial layer it was
 saved in, or the last one before it: its rows of that layer's input, halo rows included (a
 converted layer saves the band it extended, a storage of its own), of its output, or, in a
-spectral layer, its W modes (the spectra live in the transposed layout). bench/memory.py
+spectral layer, its W modes (the spectra live in the transposed layout); on blocks, the product
+of its shares along both axes. bench/memory.py
 measures the real bytes beside it: the U-Net to 0.05%, AFNO and Swin-style models to 5-11%.
 """
 
@@ -30,6 +42,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,21 +52,27 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.graph.module import GraphExchange
 from mpidp.layers import base
-from mpidp.ops.halo_plan import Boundary, plan
+from mpidp.ops.halo_plan import Boundary, _check_widths, _messages, _pieces
 from mpidp.preflight.validate import (
     LayerSharding,
     ShardingReport,
     _meta_inputs,
+    axis_sharding,
     needs_values,
     validate_sharding_constraints,
 )
-from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
+from mpidp.runtime.grid import grid_shape
+from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec, Weighted
 
 __all__ = [
     "EXAMPLE_MODELS",
     "ModelPlan",
     "RankCost",
+    "ShapeCost",
+    "best_blocks",
+    "block_shapes",
     "build_model",
+    "compare_shapes",
     "parse_partition",
     "plan_model",
 ]
@@ -94,6 +113,9 @@ class RankCost:
     #: of ``send_bytes``: what this rank hands to the halo exchanges of graphs (mpidp.graph;
     #: an all-gather counts this rank's part once, its reduce-scatter backward every node)
     graph_bytes: int = 0
+    #: columns owned (of the input: all of them on bands), and halo columns per layer
+    cols: int = 0
+    halo_cols: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +129,14 @@ class ModelPlan:
     report: ShardingReport
     ranks: tuple[RankCost, ...]
     serial_activation_bytes: int
+    #: ``(P_lat, P_lon)``: bands are ``(parts, 1)``; rank ``i_lat * P_lon + i_lon``
+    grid: tuple[int, int] = (1, 1)
+    #: the spatial layers cut along the longitude (``report.layers``: along the latitude)
+    across: tuple[LayerSharding, ...] = ()
+    #: the halo bytes of every grid of ``parts`` ranks (:func:`compare_shapes`)
+    shapes: tuple[ShapeCost, ...] = ()
+    #: why a grid of ``parts`` ranks could not be priced
+    unpriced: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -129,60 +159,133 @@ class ModelPlan:
             ],
             "ranks": [dataclasses.asdict(r) for r in self.ranks],
             "serial_activation_bytes": self.serial_activation_bytes,
+            "grid": list(self.grid),
+            "columns": [
+                {
+                    "path": layer.path,
+                    "cols_in": list(layer.rows_in),
+                    "halo_before": list(layer.halo_before),
+                    "halo_after": list(layer.halo_after),
+                }
+                for layer in self.across
+            ],
+            "shapes": [dataclasses.asdict(c) for c in self.shapes],
+            "unpriced": list(self.unpriced),
         }
 
     def __str__(self) -> str:
+        p_lat, p_lon = self.grid
+        blocks = p_lon > 1
+        cut = f"{p_lat} x {p_lon} = " if blocks else ""
+        what = f"blocks of latitude x longitude, {self.partition}" if blocks else self.partition
         head = (
-            f"mpidp plan: input {'x'.join(map(str, self.shape))} over {self.parts} domain ranks "
-            f"({self.partition}), {self.itemsize}-byte values"
+            f"mpidp plan: input {'x'.join(map(str, self.shape))} over {cut}{self.parts} domain "
+            f"ranks ({what}), {self.itemsize}-byte values"
         )
-        per_rank = [
-            f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
-            f"{'comm MB/step out':>18}{'of it transposes':>18}{'of it graphs':>14}"
-            f"{'activations MB':>16}"
-        ]
-        for r in self.ranks:
-            per_rank.append(
-                f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
-                f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
-                f"{r.graph_bytes / 1e6:>14.3f}{r.activation_bytes / 1e6:>16.2f}"
-            )
+        if blocks:
+            per_rank = [
+                f"{'rank':<6}{'block':>9}{'rows':>6}{'cols':>6}{'halo rows':>11}"
+                f"{'halo cols':>11}{'comm MB/step in':>17}{'comm MB/step out':>18}"
+                f"{'activations MB':>16}"
+            ]
+            for r in self.ranks:
+                at = "{},{}".format(*divmod(r.rank, p_lon))
+                per_rank.append(
+                    f"{r.rank:<6}{at:>9}{r.rows:>6}{r.cols:>6}{sum(r.halo_rows):>11}"
+                    f"{sum(r.halo_cols):>11}{r.recv_bytes / 1e6:>17.3f}"
+                    f"{r.send_bytes / 1e6:>18.3f}{r.activation_bytes / 1e6:>16.2f}"
+                )
+        else:
+            per_rank = [
+                f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
+                f"{'comm MB/step out':>18}{'of it transposes':>18}{'of it graphs':>14}"
+                f"{'activations MB':>16}"
+            ]
+            for r in self.ranks:
+                per_rank.append(
+                    f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
+                    f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
+                    f"{r.graph_bytes / 1e6:>14.3f}{r.activation_bytes / 1e6:>16.2f}"
+                )
         most = max(r.activation_bytes for r in self.ranks)
         per_rank.append(
             f"serial activations {self.serial_activation_bytes / 1e6:.2f} MB; the fullest rank "
             f"holds {most / max(self.serial_activation_bytes, 1):.3f} of them"
         )
-        ranks = range(self.parts)
-        layers = [f"{'layer':<24}{'kind':<18}{'boundary':<12}" + "".join(f"r{r:<6}" for r in ranks)]
-        for layer in self.report.layers:
-            cells = "".join(
-                f"{max(b, 0)}+{max(a, 0)}".ljust(7)
-                for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
-            )
-            layers.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+        if blocks:
+            layers = [
+                *_halo_table("halo rows per layer (before+after), by latitude index i",
+                             self.report.layers, "i"),
+                "",
+                *_halo_table("halo columns per layer (before+after), by longitude index j",
+                             self.across, "j"),
+            ]  # fmt: skip
+        else:
+            layers = _halo_table("halo rows per layer (before+after)", self.report.layers, "r")
         graphs = []
         for (path, route), found in _by_exchange(self.report.graph_exchanges).items():
             cells = "".join(f"{x.received}/{x.sent}".ljust(12) for x in found)
             graphs.append(f"{path:<24.24}{route:<8}{found[0].elements:<10}{cells}")
         if graphs:
             title = f"{'graph':<24}{'route':<8}{'per node':<10}" + "".join(
-                f"r{r:<11}" for r in ranks
+                f"r{r:<11}" for r in range(self.parts)
             )
             graphs = ["", "graph halo nodes in/out per exchange:", title, *graphs]
         problems = [f"problem: {p}" for p in self.report.problems] or ["no problems"]
         return "\n".join(
-            [
-                head,
-                "",
-                *per_rank,
-                "",
-                "halo rows per layer (before+after):",
-                *layers,
-                *graphs,
-                "",
-                *problems,
-            ]
+            [head, "", *per_rank, "", *layers, *graphs, *self._shapes_text(), "", *problems]
         )
+
+    def _shapes_text(self) -> list[str]:
+        """The halo bytes of bands and of every block shape of as many ranks, and which moves
+        the fewest."""
+        if not self.shapes and not self.unpriced:
+            return []
+        lines = [
+            "",
+            f"bands or blocks for {self.parts} ranks: halo MB per training step",
+            f"{'grid':<16}{'busiest rank':>14}{'mean rank':>11}",
+        ]
+        for c in self.shapes:
+            name = f"{c.grid[0]} x {c.grid[1]}" + (" (bands)" if c.grid[1] == 1 else "")
+            lines.append(f"{name:<16}{c.busiest_bytes / 1e6:>14.3f}{c.mean_bytes / 1e6:>11.3f}")
+        lines += [f"not priced: {why}" for why in self.unpriced]
+        bands = next((c for c in self.shapes if c.grid[1] == 1), None)
+        best = best_blocks(self.shapes)
+        if best is not None:
+            shape = f"{best.grid[0]} x {best.grid[1]}"
+            if bands is None:
+                lines.append(f"bands cannot cut this grid over {self.parts} ranks; the best "
+                             f"blocks are {shape}")  # fmt: skip
+            elif best.busiest_bytes < bands.busiest_bytes:
+                ratio = bands.busiest_bytes / max(best.busiest_bytes, 1)
+                lines.append(
+                    f"blocks {shape} move the fewest halo bytes: "
+                    f"{best.busiest_bytes / 1e6:.3f} MB per step on the busiest rank, "
+                    f"{ratio:.2f}x fewer than bands ({self.parts} x 1)"
+                )
+            else:
+                ratio = best.busiest_bytes / max(bands.busiest_bytes, 1)
+                lines.append(
+                    f"bands ({self.parts} x 1) move the fewest halo bytes: "
+                    f"{bands.busiest_bytes / 1e6:.3f} MB per step on the busiest rank; the best "
+                    f"blocks, {shape}, move {ratio:.2f}x more"
+                )
+        return lines
+
+
+def _halo_table(title: str, layers: Sequence[LayerSharding], index: str) -> list[str]:
+    """Each layer's halo (before+after) at each rank ``index`` of its axis."""
+    n = len(layers[0].rows_in) if layers else 0
+    out = [f"{title}:", f"{'layer':<24}{'kind':<18}{'boundary':<12}"]
+    out[1] += "".join(f"{index}{r:<6}" for r in range(n))
+    for layer in layers:
+        cells = "".join(
+            f"{max(b, 0)}+{max(a, 0)}".ljust(7)
+            for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
+        )
+        out.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+    return out
 
 
 def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], list[Any]]:
@@ -195,27 +298,31 @@ def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], li
     return out
 
 
-def _spatial_elements(shape: tuple[int, ...], d: int) -> int:
-    """Elements of one row of ``shape`` along dim ``d`` (every other dim multiplied)."""
-    out = 1
-    for i, n in enumerate(shape):
-        if i != d:
-            out *= n
-    return out
-
-
-def _recv_send(layer: LayerSharding, rank: int) -> tuple[int, int]:
-    """Rows this rank receives from and sends to other ranks in the layer's forward fetch."""
+def axis_exchange(layer: LayerSharding) -> list[tuple[int, int, int, int]]:
+    """Every rank of a layer's axis in its forward fetch: (rows received from other ranks,
+    rows sent to them, messages received, messages sent), from the halo exchange's own pieces
+    and messages (mpidp.ops.halo_plan), each rank's asked for once (the exchange's per-rank
+    plan asks for every rank's: quadratic in the ranks, too slow to price 1024)."""
+    n = len(layer.rows_in)
     if not any(layer.halo_before) and not any(layer.halo_after):
-        return 0, 0
-    p = plan(
-        layer.rows_in,
-        layer.halo_before,
-        layer.halo_after,
-        Boundary.of(layer.boundary, -1),
-        rank,
-    )
-    return sum(hi - lo for _, lo, hi in p.recv), sum(hi - lo for _, lo, hi in p.send)
+        return [(0, 0, 0, 0)] * n
+    spec = ShardSpec(layer.rows_in)
+    bound = Boundary.of(layer.boundary, -1)
+    _check_widths(spec, layer.halo_before, layer.halo_after, bound)
+    rows_in, rows_out = [0] * n, [0] * n
+    got: list[set[int]] = [set() for _ in range(n)]
+    to: list[set[int]] = [set() for _ in range(n)]
+    for r in range(n):
+        s = spec.offsets[r]
+        pieces, _ = _pieces(
+            spec, s - layer.halo_before[r], s + spec.sizes[r] + layer.halo_after[r], bound
+        )
+        for q, lo, hi in _messages([p for p in pieces if p.owner != r]):
+            rows_in[r] += hi - lo
+            rows_out[q] += hi - lo
+            got[r].add(q)
+            to[q].add(r)
+    return [(rows_in[r], rows_out[r], len(got[r]), len(to[r])) for r in range(n)]
 
 
 def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
@@ -225,74 +332,86 @@ def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
     return 0 if layer.form is None else layer.form.transpose_bytes(layer, rank, itemsize)
 
 
+def _axis_share(
+    lay: LayerSharding | None,
+    first: LayerSharding,
+    t: torch.Tensor,
+    inside: bool,
+    parts: int,
+) -> tuple[list[float], bool]:
+    """Each rank's share, along one axis of the grid, of a tensor autograd saved inside
+    spatial layer ``lay`` (or after it; None: before the first, ``first``), and whether the
+    rank saves its rows extended by their halo (a storage of the layer's own)."""
+    if parts == 1:
+        return [1.0], False
+    d0 = len(first.shape_in) + first.dim_in
+    if lay is None:  # before the first spatial layer: the input's rows
+        return [n / first.shape_in[d0] for n in first.rows_in], False
+    if inside and lay.modes:
+        # what a spectral layer saves is its spectra, in the transposed layout: this rank's
+        # W modes of every row
+        return [k / sum(lay.modes) for k in lay.modes], False
+    d_in = len(lay.shape_in) + lay.dim_in
+    h_in = lay.shape_in[d_in]
+    at = t.dim() + lay.dim_in
+    ends = zip(lay.halo_before, lay.halo_after, strict=True)
+    pad = [max(0, b) + max(0, a) for b, a in ends]
+    length = t.shape[at] if 0 <= at < t.dim() else -1
+    # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
+    # the rows across the poles: each rank saves its rows and their halo
+    padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
+    if inside and (length == h_in or padded):
+        return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
+    shares = lay.form.saved_shares(lay) if inside and lay.form else None
+    if shares is not None:
+        return shares, False
+    h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
+    return [min(n, h_out) / h_out for n in lay.rows_out], False
+
+
 def _saved_bytes(
     model: nn.Module,
     inputs: list[Any],
-    report: ShardingReport,
-    parts: int,
+    cut: tuple[tuple[LayerSharding, ...], tuple[LayerSharding, ...]],
+    grid: tuple[int, int],
     itemsize: int,
+    report_ok: bool,
 ) -> tuple[list[int], int]:
-    """What autograd saves for the backward pass on each rank, and on one process (the serial
-    figure, from the same pass), in bytes: the model's forward
+    """What autograd saves for the backward pass on each rank of the ``grid`` (row-major),
+    and on one process (the serial figure, from the same pass), in bytes: the model's forward
     on meta tensors of the global shape, every saved tensor's storage counted once (parameters
     left out), and each rank's share of it from the spatial layer it was saved in (or the last
-    one before it): its rows of that layer's input, halo rows included (a converted layer saves
-    the band it extended, a storage of its own), or of its output. bench/memory.py measures
-    the real thing."""
-    layers = {lay.path: lay for lay in report.layers}
+    one before it), along each axis of the grid (``cut``: the layers cut along the latitude
+    and along the longitude): its rows (columns) of that layer's input, halo included (a
+    converted layer saves the block it extended, a storage of its own), or of its output.
+    bench/memory.py measures the real thing."""
+    lat, lon = cut
+    parts = grid[0] * grid[1]
+    by_path = {a.path: (a, b) for a, b in zip(lat, lon, strict=True)}
     meta = copy.deepcopy(model).to("meta")
     first = next(iter(meta.parameters()), None)
     args = _meta_inputs(None, inputs, first.dtype if first is not None else torch.float32)
     lead = next((t for t in args if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
-    if lead is None or not report.layers:
+    if lead is None or not lat:
         return [0] * parts, 0
-    stack: list[LayerSharding] = []
-    last: list[LayerSharding | None] = [None]
+    stack: list[str] = []
+    last: list[str | None] = [None]
     hooks = []
     for path, module in meta.named_modules():
-        if path in layers:
-            lay = layers[path]
-            hooks.append(module.register_forward_pre_hook(lambda *_, lay=lay: stack.append(lay)))
+        if path in by_path:
+            hooks.append(module.register_forward_pre_hook(lambda *_, p=path: stack.append(p)))
 
-            def done(*_: Any, lay: LayerSharding = lay) -> None:
+            def done(*_: Any, p: str = path) -> None:
                 stack.pop()
-                last[0] = lay
+                last[0] = p
 
             hooks.append(module.register_forward_hook(done))
-    first_layer = report.layers[0]
-    h0 = first_layer.shape_in[len(first_layer.shape_in) + first_layer.dim_in]
     ours = {p.untyped_storage()._cdata for p in meta.parameters()}
     ours |= {b.untyped_storage()._cdata for b in meta.buffers()}
     seen: set[Any] = set()
     serial_seen: set[Any] = set()
     totals = [0.0] * parts
     serial = [0]
-
-    def share(lay: LayerSharding | None, t: torch.Tensor, inside: bool) -> tuple[list[float], bool]:
-        if lay is None:  # before the first spatial layer: the input's rows
-            rows = first_layer.rows_in if parts > 1 else (h0,)
-            return [n / h0 for n in rows], False
-        if inside and parts > 1 and lay.modes:
-            # what a spectral layer saves is its spectra, in the transposed layout: this rank's
-            # W modes of every row
-            return [k / sum(lay.modes) for k in lay.modes], False
-        d_in = len(lay.shape_in) + lay.dim_in
-        h_in = lay.shape_in[d_in]
-        at = t.dim() + lay.dim_in
-        ends = zip(lay.halo_before, lay.halo_after, strict=True)
-        pad = [max(0, b) + max(0, a) for b, a in ends]
-        length = t.shape[at] if 0 <= at < t.dim() else -1
-        # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
-        # the rows across the poles: each rank saves its rows and their halo
-        padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
-        if inside and parts > 1 and (length == h_in or padded):
-            return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
-        shares = lay.form.saved_shares(lay) if inside and parts > 1 and lay.form else None
-        if shares is not None:
-            return shares, False
-        h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
-        rows_out = lay.rows_out if parts > 1 else (h_out,)
-        return [min(n, h_out) / h_out for n in rows_out], False
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key: Any = t.untyped_storage()._cdata
@@ -305,22 +424,25 @@ def _saved_bytes(
             serial_seen.add(key)
             serial[0] += nbytes
         inside = bool(stack)
-        lay = stack[-1] if inside else last[0]
-        fractions, extended = share(lay, t, inside)
-        if extended and lay is not None:  # the converted layer's own extended band
-            key = (key, lay.path)
+        path = stack[-1] if inside else last[0]
+        a, b = by_path[path] if path is not None else (None, None)
+        rows, ext_rows = _axis_share(a, lat[0], t, inside, grid[0])
+        cols, ext_cols = _axis_share(b, lon[0], t, inside, grid[1])
+        if (ext_rows or ext_cols) and path is not None:  # the layer's own extended block
+            key = (key, path)
         if key in seen:
             return t
         seen.add(key)
-        for r in range(parts):
-            totals[r] += nbytes * fractions[r]
+        for i, share_i in enumerate(rows):
+            for j, share_j in enumerate(cols):
+                totals[i * grid[1] + j] += nbytes * share_i * share_j
         return t
 
     try:
         with base.torch_path(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             meta(*args)
     except Exception as err:  # what was saved up to there (the report's notes say where)
-        if not needs_values(err) and report.ok:
+        if not needs_values(err) and report_ok:
             raise
     finally:
         for hook in hooks:
@@ -328,10 +450,166 @@ def _saved_bytes(
     return [round(v) for v in totals], serial[0]
 
 
+def block_shapes(parts: int) -> list[tuple[int, int]]:
+    """Every ``(P_lat, P_lon)`` grid of ``parts`` ranks, bands ``(parts, 1)`` first."""
+    return [(parts // n, n) for n in range(1, parts + 1) if parts % n == 0]
+
+
+def _cut(
+    model: nn.Module,
+    layers: Sequence[LayerSharding],
+    grid: tuple[int, int],
+    partition: PartitionPolicy,
+    shard_dim: int,
+) -> tuple[tuple[LayerSharding, ...], tuple[LayerSharding, ...], list[str]]:
+    """The dry run's spatial ``layers`` cut along the latitude over ``grid[0]`` ranks and
+    along the longitude over ``grid[1]`` (:func:`~mpidp.preflight.validate.axis_sharding` per
+    axis, from each layer's own halo geometry), and the problems of either cut."""
+    lat: list[LayerSharding] = []
+    lon: list[LayerSharding] = []
+    problems: list[str] = []
+    for layer in layers:
+        module = model.get_submodule(layer.path)
+        cuts: list[LayerSharding | None] = []
+        for parts, across in ((grid[0], False), (grid[1], True)):
+            if not across and len(layer.rows_in) == parts:  # the dry run's own cut
+                cuts.append(layer)
+                continue
+            policy = partition if parts > 1 else Balanced()  # one rank: the whole axis
+            found, why = axis_sharding(
+                layer.path, module, layer.shape_in, layer.shape_out, parts, policy,
+                shard_dim, across,
+            )  # fmt: skip
+            problems += [f"{p} (along the {'longitude' if across else 'latitude'})" for p in why]
+            cuts.append(found)
+        if cuts[0] is not None and cuts[1] is not None:
+            lat.append(cuts[0])
+            lon.append(cuts[1])
+    return tuple(lat), tuple(lon), problems
+
+
+def fold_rows(lat: LayerSharding, i: int) -> int:
+    """Rows beyond a polar edge that latitude index ``i`` fetches in a layer (on blocks they
+    take the columns half a circle away: mpidp.ops.block_halo, step 2, the polar fold)."""
+    bound = Boundary.of(lat.boundary, -1)
+    low, high = bound.low.startswith("polar"), bound.high.startswith("polar")
+    if not (low or high):
+        return 0
+    h = lat.shape_in[len(lat.shape_in) + lat.dim_in]
+    start = sum(lat.rows_in[:i])
+    lo, hi = start - lat.halo_before[i], start + lat.rows_in[i] + lat.halo_after[i]
+    return (max(0, min(hi, 0) - lo) if low else 0) + (max(0, hi - max(lo, h)) if high else 0)
+
+
+def fold_cut(lon: LayerSharding) -> LayerSharding:
+    """The polar fold's column exchange of a layer cut along the longitude: each column takes
+    the one half a circle away, from the block of its longitude row that owns it."""
+    n, w = len(lon.rows_in), lon.shape_in[len(lon.shape_in) + lon.dim_in]
+    return dataclasses.replace(
+        lon, halo_before=(w // 2,) * n, halo_after=(-(w // 2),) * n, boundary="circular"
+    )
+
+
+def _halo_bytes(
+    lat: Sequence[LayerSharding], lon: Sequence[LayerSharding], grid: tuple[int, int], itemsize: int
+) -> tuple[list[int], list[int]]:
+    """Bytes each rank of the ``grid`` (row-major) receives and sends in one training step in
+    the halo exchanges of the layers cut along both axes (``lat``, ``lon``): the latitude
+    rows (as wide as the block), the polar fold's rows, then the longitude columns as tall as
+    the latitude-extended block (which brings the corners); forward, and the adjoint in the
+    backward pass (each rank receives what it sent and sends what it received)."""
+    p_lat, p_lon = grid
+    moved = [0] * (p_lat * p_lon)
+    sent = [0] * (p_lat * p_lon)
+    for a, b in zip(lat, lon, strict=True):
+        d = len(a.shape_in) + a.dim_in
+        point = math.prod(a.shape_in) // (a.shape_in[d] * a.shape_in[d + 1]) * itemsize
+        rows = axis_exchange(a)
+        cols = axis_exchange(b)
+        fold = [fold_rows(a, i) if p_lon > 1 else 0 for i in range(p_lat)]
+        folded = axis_exchange(fold_cut(b)) if any(fold) else [(0, 0, 0, 0)] * p_lon
+        for i in range(p_lat):
+            tall = max(0, a.rows_in[i] + a.halo_before[i] + a.halo_after[i])
+            for j in range(p_lon):
+                recv = rows[i][0] * b.rows_in[j] + cols[j][0] * tall + fold[i] * folded[j][0]
+                send = rows[i][1] * b.rows_in[j] + cols[j][1] * tall + fold[i] * folded[j][1]
+                moved[i * p_lon + j] += (recv + send) * point
+                sent[i * p_lon + j] += (recv + send) * point
+    return moved, sent
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeCost:
+    """The halo bytes of one grid of the same ranks: per training step, its busiest rank's
+    (the larger of what it receives and sends) and the mean over ranks."""
+
+    grid: tuple[int, int]
+    busiest_bytes: int
+    mean_bytes: float
+
+
+def compare_shapes(
+    model: nn.Module,
+    layers: Sequence[LayerSharding],
+    global_shape: Sequence[int],
+    parts: int,
+    partition: PartitionPolicy,
+    itemsize: int,
+    shard_dim: int = -2,
+) -> tuple[list[ShapeCost], list[str]]:
+    """The halo bytes of ``model`` (the dry run's spatial ``layers``, on inputs of
+    ``global_shape``) on every grid of ``parts`` ranks (:func:`block_shapes`), and why a grid
+    cannot be priced (the input's rows or columns cannot be cut over it: the data's own
+    partition refuses empty parts; a model whose transposes are priced on bands only: none).
+    Local."""
+    refused = _unpriced(layers, False, itemsize)
+    if refused:
+        return [], [refused]
+    found, why = [], []
+    extents = (global_shape[shard_dim], global_shape[shard_dim + 1])
+    for grid in block_shapes(parts):
+        problems = []
+        for n, p, what in ((extents[0], grid[0], "rows"), (extents[1], grid[1], "columns")):
+            try:
+                partition.spec(n, p)
+            except ConfigError as err:
+                problems.append(f"the input's {n} {what} over {p} ranks: {err}")
+        if not problems:
+            lat, lon, problems = _cut(model, layers, grid, partition, shard_dim)
+        if problems:
+            why.append(f"{grid[0]} x {grid[1]}: {problems[0]}")
+            continue
+        recv, send = _halo_bytes(lat, lon, grid, itemsize)
+        per_rank = [max(r, s) for r, s in zip(recv, send, strict=True)]
+        found.append(ShapeCost(grid, max(per_rank), sum(per_rank) / len(per_rank)))
+    return found, why
+
+
+def best_blocks(shapes: Sequence[ShapeCost]) -> ShapeCost | None:
+    """The block shape (``P_lon > 1``) whose busiest rank moves the fewest halo bytes (of
+    equals, the one with fewer longitude ranks), or None when there is none."""
+    blocks = [c for c in shapes if c.grid[1] > 1]
+    return min(blocks, key=lambda c: (c.busiest_bytes, c.grid[1])) if blocks else None
+
+
+def _unpriced(layers: Sequence[LayerSharding], graphs: bool, itemsize: int) -> str | None:
+    """Why a model's exchanges cannot be priced on blocks (spectral layers' and windows'
+    transposes, patch heads, graphs: their block forms are not priced), or None."""
+    for layer in layers:
+        if any(_moved_bytes(layer, r, itemsize) for r in range(len(layer.rows_in))):
+            return (
+                f"{layer.path} ({layer.kind}) moves data in transposes, whose cost on blocks "
+                f"is not priced; price its bands (a domain of N ranks)"
+            )
+    if graphs:
+        return "the model's graphs exchange nodes, not priced on blocks; price its bands"
+    return None
+
+
 def plan_model(
     model: nn.Module,
     global_shape: Sequence[int],
-    parts: int,
+    parts: int | tuple[int, int],
     *,
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
@@ -340,19 +618,26 @@ def plan_model(
     progress: Callable[[str], None] | None = None,
     input_dim: int | None = None,
     simulate: bool = True,
+    compare: bool = True,
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
     ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
     that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
-    balanced). ``progress`` is called with the name of each of its two stages as it begins
-    (``mpidp plan`` shows them on big models); ``input_dim`` and ``simulate`` as for
+    balanced): an int P (latitude bands, the grid ``(P, 1)``) or a ``(P_lat, P_lon)`` pair
+    (blocks, rank ``i_lat * P_lon + i_lon``; the latitude cut is the one the dry run checks,
+    the longitude cut is priced from each layer's halo geometry along it). ``compare``: also
+    price the halo bytes of every other grid of as many ranks (:func:`compare_shapes`).
+    ``progress`` is called with the name of each of its stages as it begins (``mpidp plan``
+    shows them on big models); ``input_dim`` and ``simulate`` as for
     :func:`~mpidp.validate_sharding_constraints`. Local: no communication, no data."""
+    grid = grid_shape(parts, 0, 0)  # 0: no world to divide
+    count = grid[0] * grid[1]
     policy = partition if partition is not None else Balanced()
     if progress is not None:
         progress("checking how each layer cuts")
     report = validate_sharding_constraints(
         model,
-        parts=parts,
+        parts=grid[0],
         partition=policy,
         shard_dim=shard_dim,
         example_inputs=[tuple(global_shape), *extra_inputs],
@@ -360,40 +645,51 @@ def plan_model(
         simulate=simulate,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
-    ranks = []
+    refused = _unpriced(report.layers, bool(report.graph_exchanges), itemsize)
+    if grid[1] > 1 and refused:
+        raise ConfigError(f"pricing {grid[0]} x {grid[1]} blocks: {refused}")
+    lat, lon, problems = _cut(model, report.layers, grid, policy, shard_dim)
+    report = dataclasses.replace(report, layers=lat, problems=(*report.problems, *problems))
     inputs = [tuple(global_shape), *extra_inputs]
     if progress is not None:
         progress("counting the activation memory")
-    saved, serial = _saved_bytes(model, inputs, report, parts, itemsize)
-    for r in range(parts):
-        recv = send = moved_all = 0
-        for layer in report.layers:
-            d_in = len(layer.shape_in) + layer.dim_in
-            row_in = _spatial_elements(layer.shape_in, d_in) * itemsize
-            rows_recv, rows_send = _recv_send(layer, r)
-            # forward: receive rows_recv, send rows_send; backward: the adjoint, reversed
-            recv += (rows_recv + rows_send) * row_in
-            send += (rows_send + rows_recv) * row_in
-            moved = _moved_bytes(layer, r, itemsize)
-            recv += moved
-            send += moved
-            moved_all += moved
-        graph = 0
+    saved, serial = _saved_bytes(model, inputs, (lat, lon), grid, itemsize, report.ok)
+    recv, send = _halo_bytes(lat, lon, grid, itemsize)
+    ranks = []
+    w_dim = len(global_shape) + shard_dim + 1
+    for d in range(count):
+        i, j = divmod(d, grid[1])
+        moved = sum(_moved_bytes(layer, i, itemsize) for layer in lat)
+        graph = got = 0
         for x in report.graph_exchanges:
-            if x.rank == r:
+            if x.rank == i:
                 graph += (x.sent + x.sent_back) * x.elements * itemsize
-                recv += (x.received + x.received_back) * x.elements * itemsize
-        send += graph
-        if report.layers:
-            rows = report.layers[0].rows_in[r]
-        else:
-            rows = policy.spec(global_shape[shard_dim], parts)[r]
-        halo = tuple(
-            max(0, lay.halo_before[r]) + max(0, lay.halo_after[r]) for lay in report.layers
-        )
-        ranks.append(RankCost(r, rows, halo, recv, send, saved[r], moved_all, graph))
+                got += (x.received + x.received_back) * x.elements * itemsize
+        rows = lat[0].rows_in[i] if lat else policy.spec(global_shape[shard_dim], grid[0])[i]
+        cols = lon[0].rows_in[j] if lon else policy.spec(global_shape[w_dim], grid[1])[j]
+        halo = tuple(max(0, a.halo_before[i]) + max(0, a.halo_after[i]) for a in lat)
+        halo_cols = tuple(max(0, b.halo_before[j]) + max(0, b.halo_after[j]) for b in lon)
+        ranks.append(
+            RankCost(
+                d, rows, halo, recv[d] + moved + got, send[d] + moved + graph, saved[d],
+                moved, graph, cols, halo_cols,
+            )
+        )  # fmt: skip
     name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
-    return ModelPlan(tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial)
+    shapes: list[ShapeCost] = []
+    why: list[str] = []
+    if compare and count > 1 and refused:
+        why = [refused]
+    elif compare and count > 1 and not isinstance(policy, Balanced):
+        why = [f"other grids: grids are compared under balanced cuts only (this one is {name})"]
+    elif compare and count > 1:
+        shapes, why = compare_shapes(
+            model, report.layers, global_shape, count, policy, itemsize, shard_dim
+        )
+    return ModelPlan(
+        tuple(global_shape), count, name, itemsize, report, tuple(ranks), serial,
+        grid, lon, tuple(shapes), tuple(why),
+    )  # fmt: skip
 
 
 def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:
