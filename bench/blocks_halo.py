@@ -7,7 +7,8 @@ moved per rank from 16 to 1024 ranks (bands against the best block shape of each
 1. Measured, one ``mpiexec -n 4`` job per grid (the first job 4 x 1, the second 2 x 2), float32,
    one thread per rank: the halo exchange one 3x3 conv makes (``mpidp.halo_exchange`` of one
    row and one column with their corners, ``dim=(-2, -1)``: bands are the grid (4, 1), the same
-   code), and a training step of the converted stack (forward, backward, no optimizer);
+   code), and a training step of the stack of converted convs called on the rank's block
+   (``DomainParallelConv2d``; forward, backward, no optimizer);
    medians over rounds, slowest rank. On a 2-core machine 4 ranks are **oversubscribed**: the
    times are two ranks per core, not what 4 cores give; the bytes are exact either way.
 2. Priced (``mpidp plan``'s pricing, :func:`mpidp.preflight.plan.plan_model`): the halo bytes
@@ -43,12 +44,15 @@ def worker(args: argparse.Namespace) -> dict[str, object]:
     from mpi4py import MPI
 
     import mpidp
+    from mpidp.layers.conv import DomainParallelConv2d
 
     world = MPI.COMM_WORLD
     grid = tuple(args.grid)
     m = mpidp.init(domain_parallel_size=grid)
     torch.manual_seed(0)
-    model = mpidp.convert_to_domain_parallel(stack(SHAPE[1]), m)
+    # the converted convs called on the block (a converted container is band code on main)
+    convs = [DomainParallelConv2d(SHAPE[1], SHAPE[1], 3, padding=1) for _ in range(DEPTH)]
+    model = torch.nn.Sequential(*convs)
     spec = m.block_spec(SHAPE)
     rows, cols = spec.block_shape(m.domain_rank)
     x = torch.randn(*SHAPE[:2], rows, cols)
