@@ -422,7 +422,7 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from mpidp.errors import MpidpError
-    from mpidp.preflight.plan import build_model, plan_model, to_json
+    from mpidp.preflight.plan import build_model, parse_partition, plan_model, to_json
     from mpidp.runtime.progress import Progress
 
     try:
@@ -453,7 +453,7 @@ def _plan(args: argparse.Namespace) -> int:
                 model,
                 (args.batch, args.channels, *grid),
                 args.domain,
-                partition=_partition(args),
+                partition=parse_partition(args.partition, args.domain),
                 dtype=getattr(torch, args.dtype),
                 extra_inputs=extra,
                 progress=stages.advance,
@@ -463,19 +463,6 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     print(to_json(result) if args.json else result)
     return 1 if result.report.problems else 0
-
-
-def _partition(args: argparse.Namespace) -> Any:
-    """The plan's partition policy: weights are one per rank of bands."""
-    from mpidp.errors import ConfigError
-    from mpidp.preflight.plan import parse_partition
-
-    if isinstance(args.domain, tuple) and args.partition != "balanced":
-        raise ConfigError(
-            f"--partition {args.partition} with --domain {args.domain[0]}x{args.domain[1]}: "
-            f"weights are one per rank of latitude bands; blocks are priced balanced"
-        )
-    return parse_partition(args.partition, args.domain)
 
 
 def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:

@@ -41,14 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp.preflight.plan import (
-    axis_exchange,
-    best_blocks,
-    compare_shapes,
-    fold_cut,
-    fold_rows,
-    plan_model,
-)
+from mpidp.preflight.grids import axis_exchange, best_blocks, compare_shapes, fold_cut, fold_rows
+from mpidp.preflight.plan import plan_model
 from mpidp.preflight.validate import LayerSharding, validate_sharding_constraints
 from mpidp.runtime.partition import Balanced, PartitionPolicy
 
