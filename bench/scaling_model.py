@@ -13,7 +13,8 @@ this machine, and its predictions to 1024 ranks.
 3. The model's prediction for the same P from the measured serial step (P = 1), the measured
    network and the per-call cost of ``docs/bench/percall.json`` (its converted conv over
    torch's), with the error of each; then predictions to P = 1024 for this machine's network
-   and the assumed cluster networks (``mpidp.preflight.scaling.NETWORKS``).
+   and the assumed cluster networks (``mpidp.preflight.scaling.NETWORKS``), on bands and on
+   blocks (each P's block shape that moves the fewest halo bytes).
 Not a test.
 """
 
@@ -168,9 +169,15 @@ def main() -> None:
     curves = {}
     for network in (here, *NETWORKS.values()):
         points = predict_scaling(model, shape, parts, network=network, **kw)
-        curves[network.name] = {"network": network.__dict__, "points": as_dicts(points)}
+        blocks = predict_scaling(model, shape, parts, network=network, blocks=True, **kw)
+        curves[network.name] = {
+            "network": network.__dict__,
+            "points": as_dicts(points),
+            "blocks": as_dicts(blocks),
+        }
         print()
         print(table(points, serial, network))
+        print(table(blocks, serial, network, "blocks (the shape moving the fewest halo bytes)"))
     doc = {
         "shape": list(shape),
         "per_call": per_call,
@@ -192,9 +199,18 @@ def _plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, curve in doc["curves"].items():
+    for i, (name, curve) in enumerate(doc["curves"].items()):
+        color = f"C{i}"
         pts = curve["points"]
-        ax.loglog([p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], marker=".", label=name)
+        ax.loglog(
+            [p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], marker=".", color=color,
+            label=name,
+        )  # fmt: skip
+        pts = curve.get("blocks", [])
+        ax.loglog(
+            [p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], ":", color=color,
+            label=f"{name}, blocks" if pts else None,
+        )  # fmt: skip
     got = doc["checked"]
     ax.loglog(
         [r["parts"] for r in got], [r["measured"] * 1e3 for r in got], "kx", label="measured here"

@@ -54,16 +54,18 @@ def _table(ranks: list[dict[str, Any]]) -> str:
 
 
 def _domain_size(text: str) -> int | tuple[int, int]:
-    """``-d 4`` (bands) or ``-d 2x2`` (a grid of blocks)."""
+    """``-d 4`` (bands) or ``-d 2x2`` (a grid of blocks: latitude x longitude ranks)."""
+    usage = (
+        f"{text!r} is not a domain: give N ranks (latitude bands) or LATxLON ranks (blocks), "
+        f"each a whole number >= 1, e.g. 4 or 2x2"
+    )
     try:
         parts = [int(v) for v in text.lower().split("x")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use N or LATxLON, e.g. 4 or 2x2") from None
-    if len(parts) == 1:
-        return parts[0]
-    if len(parts) == 2:
-        return parts[0], parts[1]
-    raise argparse.ArgumentTypeError(f"{text!r}: use N or LATxLON, e.g. 4 or 2x2")
+        raise argparse.ArgumentTypeError(usage) from None
+    if len(parts) not in (1, 2) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(usage)
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -112,7 +114,10 @@ prints one table, or with --json one JSON document.
 """
 _PLAN = """Price a domain-parallel run of a model on a grid before submitting it: per rank, the
 rows it owns, the halo rows every layer fetches, the bytes its halo exchanges move in one
-training step and the activation memory its bands hold.
+training step and the activation memory its bands hold. -d LATxLON (e.g. 4x8) prices blocks:
+rows and columns per rank, halo rows and columns (corners and the polar fold included). Both
+forms end with the halo bytes of bands and of every block shape of as many ranks, and say
+which moves the fewest.
 
 No MPI and no data: shape arithmetic on meta tensors, and every rank's forward simulated on
 meta ShardedTensors. Exits 1 when the model cannot be cut this way (the problems are printed).
@@ -120,7 +125,8 @@ Big models show their stages on stderr.
 
 --scaling instead predicts the busiest rank's step time (compute, communication, the fixed
 cost of the calls), its speed-up and efficiency and its memory at P = 1, 2, 4, ... up to
-1024 (or the grid's rows) from the model's serial step (timed here, or --step-seconds) and a
+1024 (bands up to the grid's rows; then blocks, the shape of each P that moves the fewest
+halo bytes) from the model's serial step (timed here, or --step-seconds) and a
 latency/bandwidth model of the network (--network, or --alpha and --beta);
 bench/scaling_model.py measures this machine's and checks the predictions against real steps.
 """
@@ -194,7 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     plan.add_argument("--grid", default="721x1440", help="LATxLON, or TIMExLATxLON for a 5-D input")
-    plan.add_argument("-d", "--domain", type=int, default=4, metavar="N", help="domain ranks")
+    plan.add_argument(
+        "-d",
+        "--domain",
+        type=_domain_size,
+        default=4,
+        metavar="N|LATxLON",
+        help="domain ranks: N latitude bands, or LATxLON blocks (e.g. 4x8)",
+    )
     plan.add_argument(
         "--model",
         default="unet",
@@ -457,7 +470,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
 
     import torch
 
-    from mpidp.errors import MpidpError
+    from mpidp.errors import ConfigError, MpidpError
     from mpidp.preflight.plan import build_model
     from mpidp.preflight.scaling import (
         NETWORKS,
@@ -490,16 +503,16 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
         if step is None:
             print("mpidp plan: timing one serial step of the model here", file=sys.stderr)
             step = serial_step_seconds(model, shape, dtype=dtype)
-        points = predict_scaling(
-            model,
-            shape,
-            [2**k for k in range(11)],
-            serial_step=step,
-            network=network,
-            per_call=args.per_call,
-            fixed=args.fixed,
-            dtype=dtype,
-        )
+        kw = {"serial_step": step, "network": network, "per_call": args.per_call}
+        counts = [2**k for k in range(11)]
+        points = predict_scaling(model, shape, counts, fixed=args.fixed, dtype=dtype, **kw)
+        try:  # blocks: the best shape of each rank count
+            blocks = predict_scaling(
+                model, shape, counts, fixed=args.fixed, dtype=dtype, blocks=True, **kw
+            )
+            unpriced = ""
+        except ConfigError as err:  # a model whose exchanges are priced on bands only
+            blocks, unpriced = [], str(err)
     except MpidpError as err:
         print(f"mpidp plan: {err}", file=sys.stderr)
         return 2
@@ -508,10 +521,17 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
             "serial_step": step,
             "network": dataclasses.asdict(network),
             "points": as_dicts(points),
+            "blocks": as_dicts(blocks),
+            "blocks_unpriced": unpriced,
         }
         print(json.dumps(doc, indent=1))
     else:
         print(table(points, step, network))
+        print()
+        if blocks:
+            print(table(blocks, step, network, "blocks (the shape moving the fewest halo bytes)"))
+        else:
+            print(f"blocks not priced: {unpriced}")
     return 0
 
 

@@ -14,12 +14,24 @@ irfft2's), each twice per step; a patch head adds the boundary rows it moves to 
 cut. Normalisation layers add one small all-reduce each (a few numbers per channel group), not
 counted.
 
+Blocks (``parts=(P_lat, P_lon)``) are priced per axis from each layer's own halo geometry
+(:func:`~mpidp.preflight.validate.axis_sharding`: the rule of the dry run, along the latitude
+over ``P_lat`` ranks and along the longitude over ``P_lon``), as mpidp.ops.block_halo moves
+them: the latitude rows, as wide as the block; the rows beyond a pole, whose columns come from
+half a circle away (the polar fold); then the longitude columns, as tall as the latitude-
+extended block, which carry the corners. Bands are the grid ``(P, 1)``: the same pricing, no
+columns move. The dry run's simulated ranks check the latitude cut; spectral layers, windows,
+patch heads and graphs (transposes, not halos) are priced on bands only, and a plan of blocks
+for a model with them is refused. Every plan also prices the halo bytes of every grid of as
+many ranks (:func:`compare_shapes`) and says whether bands or blocks move the fewest.
+
 Activation memory is what autograd saves for the backward pass on the rank: the model's forward
 runs on meta tensors of the global shape with every saved tensor's storage counted once
 (parameters left out), and each rank takes its share of each from the spatial layer it was
 saved in, or the last one before it: its rows of that layer's input, halo rows included (a
 converted layer saves the band it extended, a storage of its own), of its output, or, in a
-spectral layer, its W modes (the spectra live in the transposed layout). bench/memory.py
+spectral layer, its W modes (the spectra live in the transposed layout); on blocks, the product
+of its shares along both axes. bench/memory.py
 measures the real bytes beside it: the U-Net to 0.05%, AFNO and Swin-style models to 5-11%.
 """
 
@@ -39,7 +51,16 @@ from torch import nn
 from mpidp.errors import ConfigError
 from mpidp.graph.module import GraphExchange
 from mpidp.layers import base
-from mpidp.ops.halo_plan import Boundary, plan
+from mpidp.preflight.grids import (
+    ShapeCost,
+    _cut,
+    _halo_bytes,
+    _moved_bytes,
+    _unpriced,
+    best_blocks,
+    block_shapes,
+    compare_shapes,
+)
 from mpidp.preflight.validate import (
     LayerSharding,
     ShardingReport,
@@ -47,13 +68,18 @@ from mpidp.preflight.validate import (
     needs_values,
     validate_sharding_constraints,
 )
+from mpidp.runtime.grid import grid_shape
 from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
 
 __all__ = [
     "EXAMPLE_MODELS",
     "ModelPlan",
     "RankCost",
+    "ShapeCost",
+    "best_blocks",
+    "block_shapes",
     "build_model",
+    "compare_shapes",
     "parse_partition",
     "plan_model",
 ]
@@ -94,6 +120,9 @@ class RankCost:
     #: of ``send_bytes``: what this rank hands to the halo exchanges of graphs (mpidp.graph;
     #: an all-gather counts this rank's part once, its reduce-scatter backward every node)
     graph_bytes: int = 0
+    #: columns owned (of the input: all of them on bands), and halo columns per layer
+    cols: int = 0
+    halo_cols: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +136,14 @@ class ModelPlan:
     report: ShardingReport
     ranks: tuple[RankCost, ...]
     serial_activation_bytes: int
+    #: ``(P_lat, P_lon)``: bands are ``(parts, 1)``; rank ``i_lat * P_lon + i_lon``
+    grid: tuple[int, int] = (1, 1)
+    #: the spatial layers cut along the longitude (``report.layers``: along the latitude)
+    across: tuple[LayerSharding, ...] = ()
+    #: the halo bytes of every grid of ``parts`` ranks (:func:`compare_shapes`)
+    shapes: tuple[ShapeCost, ...] = ()
+    #: why a grid of ``parts`` ranks could not be priced
+    unpriced: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -129,60 +166,133 @@ class ModelPlan:
             ],
             "ranks": [dataclasses.asdict(r) for r in self.ranks],
             "serial_activation_bytes": self.serial_activation_bytes,
+            "grid": list(self.grid),
+            "columns": [
+                {
+                    "path": layer.path,
+                    "cols_in": list(layer.rows_in),
+                    "halo_before": list(layer.halo_before),
+                    "halo_after": list(layer.halo_after),
+                }
+                for layer in self.across
+            ],
+            "shapes": [dataclasses.asdict(c) for c in self.shapes],
+            "unpriced": list(self.unpriced),
         }
 
     def __str__(self) -> str:
+        p_lat, p_lon = self.grid
+        blocks = p_lon > 1
+        cut = f"{p_lat} x {p_lon} = " if blocks else ""
+        what = f"blocks of latitude x longitude, {self.partition}" if blocks else self.partition
         head = (
-            f"mpidp plan: input {'x'.join(map(str, self.shape))} over {self.parts} domain ranks "
-            f"({self.partition}), {self.itemsize}-byte values"
+            f"mpidp plan: input {'x'.join(map(str, self.shape))} over {cut}{self.parts} domain "
+            f"ranks ({what}), {self.itemsize}-byte values"
         )
-        per_rank = [
-            f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
-            f"{'comm MB/step out':>18}{'of it transposes':>18}{'of it graphs':>14}"
-            f"{'activations MB':>16}"
-        ]
-        for r in self.ranks:
-            per_rank.append(
-                f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
-                f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
-                f"{r.graph_bytes / 1e6:>14.3f}{r.activation_bytes / 1e6:>16.2f}"
-            )
+        if blocks:
+            per_rank = [
+                f"{'rank':<6}{'block':>9}{'rows':>6}{'cols':>6}{'halo rows':>11}"
+                f"{'halo cols':>11}{'comm MB/step in':>17}{'comm MB/step out':>18}"
+                f"{'activations MB':>16}"
+            ]
+            for r in self.ranks:
+                at = "{},{}".format(*divmod(r.rank, p_lon))
+                per_rank.append(
+                    f"{r.rank:<6}{at:>9}{r.rows:>6}{r.cols:>6}{sum(r.halo_rows):>11}"
+                    f"{sum(r.halo_cols):>11}{r.recv_bytes / 1e6:>17.3f}"
+                    f"{r.send_bytes / 1e6:>18.3f}{r.activation_bytes / 1e6:>16.2f}"
+                )
+        else:
+            per_rank = [
+                f"{'rank':<6}{'rows':>6}{'halo rows':>11}{'comm MB/step in':>17}"
+                f"{'comm MB/step out':>18}{'of it transposes':>18}{'of it graphs':>14}"
+                f"{'activations MB':>16}"
+            ]
+            for r in self.ranks:
+                per_rank.append(
+                    f"{r.rank:<6}{r.rows:>6}{sum(r.halo_rows):>11}{r.recv_bytes / 1e6:>17.3f}"
+                    f"{r.send_bytes / 1e6:>18.3f}{r.transpose_bytes / 1e6:>18.3f}"
+                    f"{r.graph_bytes / 1e6:>14.3f}{r.activation_bytes / 1e6:>16.2f}"
+                )
         most = max(r.activation_bytes for r in self.ranks)
         per_rank.append(
             f"serial activations {self.serial_activation_bytes / 1e6:.2f} MB; the fullest rank "
             f"holds {most / max(self.serial_activation_bytes, 1):.3f} of them"
         )
-        ranks = range(self.parts)
-        layers = [f"{'layer':<24}{'kind':<18}{'boundary':<12}" + "".join(f"r{r:<6}" for r in ranks)]
-        for layer in self.report.layers:
-            cells = "".join(
-                f"{max(b, 0)}+{max(a, 0)}".ljust(7)
-                for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
-            )
-            layers.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+        if blocks:
+            layers = [
+                *_halo_table("halo rows per layer (before+after), by latitude index i",
+                             self.report.layers, "i"),
+                "",
+                *_halo_table("halo columns per layer (before+after), by longitude index j",
+                             self.across, "j"),
+            ]  # fmt: skip
+        else:
+            layers = _halo_table("halo rows per layer (before+after)", self.report.layers, "r")
         graphs = []
         for (path, route), found in _by_exchange(self.report.graph_exchanges).items():
             cells = "".join(f"{x.received}/{x.sent}".ljust(12) for x in found)
             graphs.append(f"{path:<24.24}{route:<8}{found[0].elements:<10}{cells}")
         if graphs:
             title = f"{'graph':<24}{'route':<8}{'per node':<10}" + "".join(
-                f"r{r:<11}" for r in ranks
+                f"r{r:<11}" for r in range(self.parts)
             )
             graphs = ["", "graph halo nodes in/out per exchange:", title, *graphs]
         problems = [f"problem: {p}" for p in self.report.problems] or ["no problems"]
         return "\n".join(
-            [
-                head,
-                "",
-                *per_rank,
-                "",
-                "halo rows per layer (before+after):",
-                *layers,
-                *graphs,
-                "",
-                *problems,
-            ]
+            [head, "", *per_rank, "", *layers, *graphs, *self._shapes_text(), "", *problems]
         )
+
+    def _shapes_text(self) -> list[str]:
+        """The halo bytes of bands and of every block shape of as many ranks, and which moves
+        the fewest."""
+        if not self.shapes and not self.unpriced:
+            return []
+        lines = [
+            "",
+            f"bands or blocks for {self.parts} ranks: halo MB per training step",
+            f"{'grid':<16}{'busiest rank':>14}{'mean rank':>11}",
+        ]
+        for c in self.shapes:
+            name = f"{c.grid[0]} x {c.grid[1]}" + (" (bands)" if c.grid[1] == 1 else "")
+            lines.append(f"{name:<16}{c.busiest_bytes / 1e6:>14.3f}{c.mean_bytes / 1e6:>11.3f}")
+        lines += [f"not priced: {why}" for why in self.unpriced]
+        bands = next((c for c in self.shapes if c.grid[1] == 1), None)
+        best = best_blocks(self.shapes)
+        if best is not None:
+            shape = f"{best.grid[0]} x {best.grid[1]}"
+            if bands is None:
+                lines.append(f"bands cannot cut this grid over {self.parts} ranks; the best "
+                             f"blocks are {shape}")  # fmt: skip
+            elif best.busiest_bytes < bands.busiest_bytes:
+                ratio = bands.busiest_bytes / max(best.busiest_bytes, 1)
+                lines.append(
+                    f"blocks {shape} move the fewest halo bytes: "
+                    f"{best.busiest_bytes / 1e6:.3f} MB per step on the busiest rank, "
+                    f"{ratio:.2f}x fewer than bands ({self.parts} x 1)"
+                )
+            else:
+                ratio = best.busiest_bytes / max(bands.busiest_bytes, 1)
+                lines.append(
+                    f"bands ({self.parts} x 1) move the fewest halo bytes: "
+                    f"{bands.busiest_bytes / 1e6:.3f} MB per step on the busiest rank; the best "
+                    f"blocks, {shape}, move {ratio:.2f}x more"
+                )
+        return lines
+
+
+def _halo_table(title: str, layers: Sequence[LayerSharding], index: str) -> list[str]:
+    """Each layer's halo (before+after) at each rank ``index`` of its axis."""
+    n = len(layers[0].rows_in) if layers else 0
+    out = [f"{title}:", f"{'layer':<24}{'kind':<18}{'boundary':<12}"]
+    out[1] += "".join(f"{index}{r:<6}" for r in range(n))
+    for layer in layers:
+        cells = "".join(
+            f"{max(b, 0)}+{max(a, 0)}".ljust(7)
+            for b, a in zip(layer.halo_before, layer.halo_after, strict=True)
+        )
+        out.append(f"{layer.path:<24.24}{layer.kind:<18.18}{layer.boundary:<12}{cells}")
+    return out
 
 
 def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], list[Any]]:
@@ -195,104 +305,86 @@ def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], li
     return out
 
 
-def _spatial_elements(shape: tuple[int, ...], d: int) -> int:
-    """Elements of one row of ``shape`` along dim ``d`` (every other dim multiplied)."""
-    out = 1
-    for i, n in enumerate(shape):
-        if i != d:
-            out *= n
-    return out
-
-
-def _recv_send(layer: LayerSharding, rank: int) -> tuple[int, int]:
-    """Rows this rank receives from and sends to other ranks in the layer's forward fetch."""
-    if not any(layer.halo_before) and not any(layer.halo_after):
-        return 0, 0
-    p = plan(
-        layer.rows_in,
-        layer.halo_before,
-        layer.halo_after,
-        Boundary.of(layer.boundary, -1),
-        rank,
-    )
-    return sum(hi - lo for _, lo, hi in p.recv), sum(hi - lo for _, lo, hi in p.send)
-
-
-def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
-    """Bytes one rank sends (= receives, summed over a step) in a layer's transposes: a
-    spectral layer's rfft2 and irfft2 all-to-alls (complex values; forward and backward), and
-    a patch head's move of its pixel rows to the policy's cut."""
-    return 0 if layer.form is None else layer.form.transpose_bytes(layer, rank, itemsize)
+def _axis_share(
+    lay: LayerSharding | None,
+    first: LayerSharding,
+    t: torch.Tensor,
+    inside: bool,
+    parts: int,
+) -> tuple[list[float], bool]:
+    """Each rank's share, along one axis of the grid, of a tensor autograd saved inside
+    spatial layer ``lay`` (or after it; None: before the first, ``first``), and whether the
+    rank saves its rows extended by their halo (a storage of the layer's own)."""
+    if parts == 1:
+        return [1.0], False
+    d0 = len(first.shape_in) + first.dim_in
+    if lay is None:  # before the first spatial layer: the input's rows
+        return [n / first.shape_in[d0] for n in first.rows_in], False
+    if inside and lay.modes:
+        # what a spectral layer saves is its spectra, in the transposed layout: this rank's
+        # W modes of every row
+        return [k / sum(lay.modes) for k in lay.modes], False
+    d_in = len(lay.shape_in) + lay.dim_in
+    h_in = lay.shape_in[d_in]
+    at = t.dim() + lay.dim_in
+    ends = zip(lay.halo_before, lay.halo_after, strict=True)
+    pad = [max(0, b) + max(0, a) for b, a in ends]
+    length = t.shape[at] if 0 <= at < t.dim() else -1
+    # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
+    # the rows across the poles: each rank saves its rows and their halo
+    padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
+    if inside and (length == h_in or padded):
+        return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
+    shares = lay.form.saved_shares(lay) if inside and lay.form else None
+    if shares is not None:
+        return shares, False
+    h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
+    return [min(n, h_out) / h_out for n in lay.rows_out], False
 
 
 def _saved_bytes(
     model: nn.Module,
     inputs: list[Any],
-    report: ShardingReport,
-    parts: int,
+    cut: tuple[tuple[LayerSharding, ...], tuple[LayerSharding, ...]],
+    grid: tuple[int, int],
     itemsize: int,
+    report_ok: bool,
 ) -> tuple[list[int], int]:
-    """What autograd saves for the backward pass on each rank, and on one process (the serial
-    figure, from the same pass), in bytes: the model's forward
+    """What autograd saves for the backward pass on each rank of the ``grid`` (row-major),
+    and on one process (the serial figure, from the same pass), in bytes: the model's forward
     on meta tensors of the global shape, every saved tensor's storage counted once (parameters
     left out), and each rank's share of it from the spatial layer it was saved in (or the last
-    one before it): its rows of that layer's input, halo rows included (a converted layer saves
-    the band it extended, a storage of its own), or of its output. bench/memory.py measures
-    the real thing."""
-    layers = {lay.path: lay for lay in report.layers}
+    one before it), along each axis of the grid (``cut``: the layers cut along the latitude
+    and along the longitude): its rows (columns) of that layer's input, halo included (a
+    converted layer saves the block it extended, a storage of its own), or of its output.
+    bench/memory.py measures the real thing."""
+    lat, lon = cut
+    parts = grid[0] * grid[1]
+    by_path = {a.path: (a, b) for a, b in zip(lat, lon, strict=True)}
     meta = copy.deepcopy(model).to("meta")
     first = next(iter(meta.parameters()), None)
     args = _meta_inputs(None, inputs, first.dtype if first is not None else torch.float32)
     lead = next((t for t in args if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
-    if lead is None or not report.layers:
+    if lead is None or not lat:
         return [0] * parts, 0
-    stack: list[LayerSharding] = []
-    last: list[LayerSharding | None] = [None]
+    stack: list[str] = []
+    last: list[str | None] = [None]
     hooks = []
     for path, module in meta.named_modules():
-        if path in layers:
-            lay = layers[path]
-            hooks.append(module.register_forward_pre_hook(lambda *_, lay=lay: stack.append(lay)))
+        if path in by_path:
+            hooks.append(module.register_forward_pre_hook(lambda *_, p=path: stack.append(p)))
 
-            def done(*_: Any, lay: LayerSharding = lay) -> None:
+            def done(*_: Any, p: str = path) -> None:
                 stack.pop()
-                last[0] = lay
+                last[0] = p
 
             hooks.append(module.register_forward_hook(done))
-    first_layer = report.layers[0]
-    h0 = first_layer.shape_in[len(first_layer.shape_in) + first_layer.dim_in]
     ours = {p.untyped_storage()._cdata for p in meta.parameters()}
     ours |= {b.untyped_storage()._cdata for b in meta.buffers()}
     seen: set[Any] = set()
     serial_seen: set[Any] = set()
     totals = [0.0] * parts
     serial = [0]
-
-    def share(lay: LayerSharding | None, t: torch.Tensor, inside: bool) -> tuple[list[float], bool]:
-        if lay is None:  # before the first spatial layer: the input's rows
-            rows = first_layer.rows_in if parts > 1 else (h0,)
-            return [n / h0 for n in rows], False
-        if inside and parts > 1 and lay.modes:
-            # what a spectral layer saves is its spectra, in the transposed layout: this rank's
-            # W modes of every row
-            return [k / sum(lay.modes) for k in lay.modes], False
-        d_in = len(lay.shape_in) + lay.dim_in
-        h_in = lay.shape_in[d_in]
-        at = t.dim() + lay.dim_in
-        ends = zip(lay.halo_before, lay.halo_after, strict=True)
-        pad = [max(0, b) + max(0, a) for b, a in ends]
-        length = t.shape[at] if 0 <= at < t.dim() else -1
-        # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
-        # the rows across the poles: each rank saves its rows and their halo
-        padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
-        if inside and parts > 1 and (length == h_in or padded):
-            return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
-        shares = lay.form.saved_shares(lay) if inside and parts > 1 and lay.form else None
-        if shares is not None:
-            return shares, False
-        h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
-        rows_out = lay.rows_out if parts > 1 else (h_out,)
-        return [min(n, h_out) / h_out for n in rows_out], False
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key: Any = t.untyped_storage()._cdata
@@ -305,22 +397,25 @@ def _saved_bytes(
             serial_seen.add(key)
             serial[0] += nbytes
         inside = bool(stack)
-        lay = stack[-1] if inside else last[0]
-        fractions, extended = share(lay, t, inside)
-        if extended and lay is not None:  # the converted layer's own extended band
-            key = (key, lay.path)
+        path = stack[-1] if inside else last[0]
+        a, b = by_path[path] if path is not None else (None, None)
+        rows, ext_rows = _axis_share(a, lat[0], t, inside, grid[0])
+        cols, ext_cols = _axis_share(b, lon[0], t, inside, grid[1])
+        if (ext_rows or ext_cols) and path is not None:  # the layer's own extended block
+            key = (key, path)
         if key in seen:
             return t
         seen.add(key)
-        for r in range(parts):
-            totals[r] += nbytes * fractions[r]
+        for i, share_i in enumerate(rows):
+            for j, share_j in enumerate(cols):
+                totals[i * grid[1] + j] += nbytes * share_i * share_j
         return t
 
     try:
         with base.torch_path(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             meta(*args)
     except Exception as err:  # what was saved up to there (the report's notes say where)
-        if not needs_values(err) and report.ok:
+        if not needs_values(err) and report_ok:
             raise
     finally:
         for hook in hooks:
@@ -331,7 +426,7 @@ def _saved_bytes(
 def plan_model(
     model: nn.Module,
     global_shape: Sequence[int],
-    parts: int,
+    parts: int | tuple[int, int],
     *,
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
@@ -340,19 +435,26 @@ def plan_model(
     progress: Callable[[str], None] | None = None,
     input_dim: int | None = None,
     simulate: bool = True,
+    compare: bool = True,
 ) -> ModelPlan:
     """Price a domain-parallel run of ``model`` (serial or converted) on inputs of
     ``global_shape`` ((B, C, H, W) or (B, C, T, H, W)), plus ``extra_inputs`` for a forward
     that takes several (tensors or shapes), cut over ``parts`` ranks by ``partition`` (default
-    balanced). ``progress`` is called with the name of each of its two stages as it begins
-    (``mpidp plan`` shows them on big models); ``input_dim`` and ``simulate`` as for
+    balanced): an int P (latitude bands, the grid ``(P, 1)``) or a ``(P_lat, P_lon)`` pair
+    (blocks, rank ``i_lat * P_lon + i_lon``; the latitude cut is the one the dry run checks,
+    the longitude cut is priced from each layer's halo geometry along it). ``compare``: also
+    price the halo bytes of every other grid of as many ranks (:func:`compare_shapes`).
+    ``progress`` is called with the name of each of its stages as it begins (``mpidp plan``
+    shows them on big models); ``input_dim`` and ``simulate`` as for
     :func:`~mpidp.validate_sharding_constraints`. Local: no communication, no data."""
+    grid = grid_shape(parts, 0, 0)  # 0: no world to divide
+    count = grid[0] * grid[1]
     policy = partition if partition is not None else Balanced()
     if progress is not None:
         progress("checking how each layer cuts")
     report = validate_sharding_constraints(
         model,
-        parts=parts,
+        parts=grid[0],
         partition=policy,
         shard_dim=shard_dim,
         example_inputs=[tuple(global_shape), *extra_inputs],
@@ -360,40 +462,58 @@ def plan_model(
         simulate=simulate,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
-    ranks = []
+    refused = _unpriced(report.layers, bool(report.graph_exchanges), itemsize)
+    if grid[1] > 1 and refused:
+        raise ConfigError(f"pricing {grid[0]} x {grid[1]} blocks: {refused}")
+    lat, lon, problems = _cut(model, report.layers, grid, policy, shard_dim)
+    if grid[1] > 1:  # a run refuses band code on blocks: say which layers, priced all the same
+        problems += [
+            f"{a.path} ({a.kind}): its converted form {a.form.__name__} runs on bands only "
+            f"today (a grid that cuts the longitude is refused); priced as blocks would move it"
+            for a in lat
+            if a.form is not None and not a.form.on_blocks
+        ]
+    report = dataclasses.replace(report, layers=lat, problems=(*report.problems, *problems))
     inputs = [tuple(global_shape), *extra_inputs]
     if progress is not None:
         progress("counting the activation memory")
-    saved, serial = _saved_bytes(model, inputs, report, parts, itemsize)
-    for r in range(parts):
-        recv = send = moved_all = 0
-        for layer in report.layers:
-            d_in = len(layer.shape_in) + layer.dim_in
-            row_in = _spatial_elements(layer.shape_in, d_in) * itemsize
-            rows_recv, rows_send = _recv_send(layer, r)
-            # forward: receive rows_recv, send rows_send; backward: the adjoint, reversed
-            recv += (rows_recv + rows_send) * row_in
-            send += (rows_send + rows_recv) * row_in
-            moved = _moved_bytes(layer, r, itemsize)
-            recv += moved
-            send += moved
-            moved_all += moved
-        graph = 0
+    saved, serial = _saved_bytes(model, inputs, (lat, lon), grid, itemsize, report.ok)
+    recv, send = _halo_bytes(lat, lon, grid, itemsize)
+    ranks = []
+    w_dim = len(global_shape) + shard_dim + 1
+    for d in range(count):
+        i, j = divmod(d, grid[1])
+        moved = sum(_moved_bytes(layer, i, itemsize) for layer in lat)
+        graph = got = 0
         for x in report.graph_exchanges:
-            if x.rank == r:
+            if x.rank == i:
                 graph += (x.sent + x.sent_back) * x.elements * itemsize
-                recv += (x.received + x.received_back) * x.elements * itemsize
-        send += graph
-        if report.layers:
-            rows = report.layers[0].rows_in[r]
-        else:
-            rows = policy.spec(global_shape[shard_dim], parts)[r]
-        halo = tuple(
-            max(0, lay.halo_before[r]) + max(0, lay.halo_after[r]) for lay in report.layers
-        )
-        ranks.append(RankCost(r, rows, halo, recv, send, saved[r], moved_all, graph))
+                got += (x.received + x.received_back) * x.elements * itemsize
+        rows = lat[0].rows_in[i] if lat else policy.spec(global_shape[shard_dim], grid[0])[i]
+        cols = lon[0].rows_in[j] if lon else policy.spec(global_shape[w_dim], grid[1])[j]
+        halo = tuple(max(0, a.halo_before[i]) + max(0, a.halo_after[i]) for a in lat)
+        halo_cols = tuple(max(0, b.halo_before[j]) + max(0, b.halo_after[j]) for b in lon)
+        ranks.append(
+            RankCost(
+                d, rows, halo, recv[d] + moved + got, send[d] + moved + graph, saved[d],
+                moved, graph, cols, halo_cols,
+            )
+        )  # fmt: skip
     name = f"weighted {list(policy.weights)}" if isinstance(policy, Weighted) else "balanced"
-    return ModelPlan(tuple(global_shape), parts, name, itemsize, report, tuple(ranks), serial)
+    shapes: list[ShapeCost] = []
+    why: list[str] = []
+    if compare and count > 1 and refused:
+        why = [refused]
+    elif compare and count > 1 and not isinstance(policy, Balanced):
+        why = [f"other grids: grids are compared under balanced cuts only (this one is {name})"]
+    elif compare and count > 1:
+        shapes, why = compare_shapes(
+            model, report.layers, global_shape, count, policy, itemsize, shard_dim
+        )
+    return ModelPlan(
+        tuple(global_shape), count, name, itemsize, report, tuple(ranks), serial,
+        grid, lon, tuple(shapes), tuple(why),
+    )  # fmt: skip
 
 
 def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:
@@ -436,10 +556,16 @@ def build_model(name: str, channels: int, grid: tuple[int, int]) -> nn.Module:
     return model
 
 
-def parse_partition(text: str, parts: int) -> PartitionPolicy:
-    """``balanced`` or ``weighted:2,1,1,1`` (one weight per rank)."""
+def parse_partition(text: str, parts: int | tuple[int, int]) -> PartitionPolicy:
+    """``balanced`` or ``weighted:2,1,1,1`` (one weight per rank of bands; blocks, a
+    ``(P_lat, P_lon)`` pair, are cut balanced)."""
     if text == "balanced":
         return Balanced()
+    if not isinstance(parts, int):
+        raise ConfigError(
+            f"partition {text!r} on {parts[0]} x {parts[1]} blocks: weights are one per rank of "
+            f"latitude bands; blocks are priced balanced"
+        )
     if text.startswith("weighted:"):
         try:
             weights = [float(w) for w in text.split(":", 1)[1].split(",")]

@@ -22,6 +22,10 @@ For each P, the busiest rank's step is
   step at P = 1 minus the plain model's, measured by ``bench/scaling_model.py``: ShardedTensor
   dispatch of the model's own code, the loss's and the gradients' reductions).
 
+On blocks (``predict_scaling(..., blocks=True)``: each P's block shape that moves the fewest
+halo bytes) a layer's share is its rows times its columns, and its halo messages are those of
+the latitude fetch, the polar fold and the longitude fetch (corners ride on the last).
+
 Nothing overlaps in the model (mpidp's exchanges block on CPU): the sum is the step. Memory per
 rank: parameters and gradients (and ``optimizer_states`` copies of the parameters) plus the
 fullest rank's saved activations.
@@ -37,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpidp.ops.halo_plan import Boundary, plan
+from mpidp.preflight.grids import axis_exchange, best_blocks, compare_shapes, fold_cut, fold_rows
 from mpidp.preflight.plan import plan_model
-from mpidp.preflight.validate import LayerSharding
+from mpidp.preflight.validate import LayerSharding, validate_sharding_constraints
 from mpidp.runtime.partition import Balanced, PartitionPolicy
 
 __all__ = ["NETWORKS", "Network", "ScalingPoint", "predict_scaling", "serial_step_seconds"]
@@ -79,6 +83,9 @@ class ScalingPoint:
     calls: float
     memory: int
     rows: int  #: the busiest rank's input rows
+    #: ``(P_lat, P_lon)``: bands are ``(parts, 1)``
+    grid: tuple[int, int] = (1, 1)
+    cols: int = 0  #: the busiest rank's input columns
 
     @property
     def comm_fraction(self) -> float:
@@ -115,24 +122,10 @@ def _work(layer: LayerSharding) -> float:
     return float(out)
 
 
-def _messages(layer: LayerSharding, rank: int) -> tuple[int, int, int, int]:
-    """(messages received, sent; rows received, sent) by ``rank`` in the layer's halo fetch."""
-    if not any(layer.halo_before) and not any(layer.halo_after):
-        return 0, 0, 0, 0
-    p = plan(
-        layer.rows_in, layer.halo_before, layer.halo_after, Boundary.of(layer.boundary, -1), rank
-    )
-    srcs = {src for src, _, _ in p.recv}
-    dsts = {dst for dst, _, _ in p.send}
-    rows_in = sum(hi - lo for _, lo, hi in p.recv)
-    rows_out = sum(hi - lo for _, lo, hi in p.send)
-    return len(srcs), len(dsts), rows_in, rows_out
-
-
 def _point(
     model: nn.Module,
     global_shape: Sequence[int],
-    parts: int,
+    grid: tuple[int, int],
     serial_step: float,
     network: Network,
     per_call: float,
@@ -142,42 +135,65 @@ def _point(
     fixed: float,
 ) -> ScalingPoint:
     priced = plan_model(
-        model, global_shape, parts, partition=partition, dtype=dtype, simulate=False
-    )
+        model, global_shape, grid, partition=partition, dtype=dtype, simulate=False,
+        compare=False,
+    )  # fmt: skip
     itemsize = priced.itemsize
-    layers = priced.report.layers
-    total = sum(_work(lay) for lay in layers) or 1.0
+    lat, lon = priced.report.layers, priced.across
+    parts = priced.parts
+    total = sum(_work(lay) for lay in lat) or 1.0
     params = sum(p.numel() for p in model.parameters()) * itemsize
     log_p = math.ceil(math.log2(parts)) if parts > 1 else 0
-    norms = sum(1 for lay in layers if "Norm" in lay.kind)
+    norms = sum(1 for lay in lat if "Norm" in lay.kind)
+    # each layer's messages at every index of each axis, and of the polar fold's columns
+    rows = [axis_exchange(a) for a in lat]
+    cols = [axis_exchange(b) for b in lon]
+    folds = [
+        axis_exchange(fold_cut(b)) if grid[1] > 1 and any(fold_rows(a, i) for i in range(grid[0]))
+        else None
+        for a, b in zip(lat, lon, strict=True)
+    ]  # fmt: skip
     best: ScalingPoint | None = None
     for r in range(parts):
+        i, j = divmod(r, grid[1])
         share = 0.0
-        for lay in layers:
-            h_out = lay.shape_out[len(lay.shape_out) + lay.dim_out]
-            rows = lay.rows_out[r] if lay.boundary != "replicated" else h_out
-            share += _work(lay) * rows / max(h_out, 1)
-        compute = serial_step * share / total
         messages = 0
-        for lay in layers:
-            got, sent, _, _ = _messages(lay, r)
+        for n, (a, b) in enumerate(zip(lat, lon, strict=True)):
+            # the rows and columns of the layer's output this rank computes
+            share += _work(a) * _fraction(a, i) * _fraction(b, j)
+            got = rows[n][i][2] + cols[n][j][2]
+            sent = rows[n][i][3] + cols[n][j][3]
+            fold = folds[n]
+            if fold is not None and fold_rows(a, i):  # the polar fold's column messages
+                got, sent = got + fold[j][2], sent + fold[j][3]
             messages += 2 * max(got, sent)  # forward, and the adjoint in the backward
-            if lay.modes:  # the spectral transposes: an all-to-all each way, twice
+            if a.modes:  # the spectral transposes: an all-to-all each way, twice
                 messages += 4 * (parts - 1)
+        compute = serial_step * share / total
         cost = priced.ranks[r]
         nbytes = max(cost.send_bytes, cost.recv_bytes)
         comm = network.seconds(messages, nbytes)
         comm += network.seconds(4 * log_p * norms, 0)  # statistics: forward and backward
         if parts > 1:  # the gradient all-reduce (ring)
             comm += network.seconds(2 * log_p, 2 * (parts - 1) / parts * params)
-        calls = 2 * len(layers) * per_call if parts > 1 else 0.0
+        calls = 2 * len(lat) * per_call if parts > 1 else 0.0
         memory = (2 + optimizer_states) * params + cost.activation_bytes
         step = compute + comm + calls + fixed
-        point = ScalingPoint(parts, step, compute, comm, calls, memory, cost.rows)
+        point = ScalingPoint(
+            parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols
+        )  # fmt: skip
         if best is None or point.step > best.step:
             best = point
     assert best is not None
     return best
+
+
+def _fraction(cut: LayerSharding, k: int) -> float:
+    """The share of the layer's output rows (columns) that index ``k`` of its axis computes
+    (all of them where the layer's result is whole on every rank)."""
+    n_out = cut.shape_out[len(cut.shape_out) + cut.dim_out]
+    own = cut.rows_out[k] if cut.boundary != "replicated" else n_out
+    return own / max(n_out, 1)
 
 
 def predict_scaling(
@@ -192,41 +208,62 @@ def predict_scaling(
     dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
     fixed: float = 0.0,
+    blocks: bool = False,
 ) -> list[ScalingPoint]:
     """The predicted step of ``model`` on inputs of ``global_shape`` at each rank count in
-    ``parts`` (those the grid can be cut into), its busiest rank's. ``serial_step``: seconds
-    of one forward and backward on one process (:func:`serial_step_seconds`); ``per_call``:
-    seconds a converted layer's call costs over torch's (``bench/percall.py``'s conv figure);
-    ``optimizer_states``: copies of the parameters the optimizer keeps (Adam: 2); ``fixed``:
-    seconds the front end adds to every step (see the module doc). Local."""
+    ``parts`` (those the grid can be cut into), its busiest rank's: on bands, or with
+    ``blocks`` on the block shape of each rank count (``P_lon > 1``) whose busiest rank moves
+    the fewest halo bytes (:func:`~mpidp.preflight.plan.best_blocks`). ``serial_step``:
+    seconds of one forward and backward on one process (:func:`serial_step_seconds`);
+    ``per_call``: seconds a converted layer's call costs over torch's (``bench/percall.py``'s
+    conv figure); ``optimizer_states``: copies of the parameters the optimizer keeps (Adam:
+    2); ``fixed``: seconds the front end adds to every step (see the module doc). Local."""
     policy = partition if partition is not None else Balanced()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layers: tuple[LayerSharding, ...] = ()
+    if blocks:  # the layers' shapes, to find each rank count's best block shape
+        shape = [tuple(global_shape)]
+        layers = validate_sharding_constraints(
+            model, parts=1, partition=policy, example_inputs=shape, simulate=False
+        ).layers
     out = []
     for p in parts:
-        try:
-            policy.spec(global_shape[-2], p)
-        except Exception:  # more ranks than the grid has rows
-            continue
+        if blocks:
+            found = best_blocks(compare_shapes(model, layers, global_shape, p, policy, itemsize)[0])
+            if found is None:  # one rank, or no block shape cuts the grid
+                continue
+            grid = found.grid
+        else:
+            try:
+                policy.spec(global_shape[-2], p)
+            except Exception:  # more ranks than the grid has rows
+                continue
+            grid = (p, 1)
         out.append(
-            _point(model, global_shape, p, serial_step, network, per_call, policy, dtype,
+            _point(model, global_shape, grid, serial_step, network, per_call, policy, dtype,
                    optimizer_states, fixed)
         )  # fmt: skip
     return out
 
 
-def table(points: Sequence[ScalingPoint], serial_step: float, network: Network) -> str:
-    """The rows ``mpidp plan --scaling`` prints."""
+def table(
+    points: Sequence[ScalingPoint], serial_step: float, network: Network, title: str = "bands"
+) -> str:
+    """The rows ``mpidp plan --scaling`` prints (``title``: the kind of cut they price)."""
     lines = [
-        f"scaling model: serial step {serial_step * 1e3:.1f} ms; network {network.name} "
-        f"(alpha {network.alpha * 1e6:.1f} us, beta {network.beta / 1e9:.2f} GB/s, "
-        f"{network.source}); the busiest rank, no overlap",
-        f"{'P':>6}{'rows':>7}{'step ms':>10}{'compute':>10}{'comm':>9}{'calls':>9}{'fixed':>8}"
-        f"{'comm %':>8}{'speed-up':>10}{'efficiency':>12}{'memory MB':>11}",
+        f"scaling model, {title}: serial step {serial_step * 1e3:.1f} ms; network "
+        f"{network.name} (alpha {network.alpha * 1e6:.1f} us, beta {network.beta / 1e9:.2f} "
+        f"GB/s, {network.source}); the busiest rank, no overlap",
+        f"{'P':>6}{'grid':>10}{'rows':>6}{'cols':>6}{'step ms':>10}{'compute':>10}{'comm':>9}"
+        f"{'calls':>9}{'fixed':>8}{'comm %':>8}{'speed-up':>10}{'efficiency':>12}"
+        f"{'memory MB':>11}",
     ]
     for pt in points:
         speedup = serial_step / pt.step if pt.step else 0.0
+        grid = f"{pt.grid[0]}x{pt.grid[1]}"
         lines.append(
-            f"{pt.parts:>6}{pt.rows:>7}{pt.step * 1e3:>10.1f}{pt.compute * 1e3:>10.1f}"
-            f"{pt.comm * 1e3:>9.2f}{pt.calls * 1e3:>9.2f}"
+            f"{pt.parts:>6}{grid:>10}{pt.rows:>6}{pt.cols:>6}{pt.step * 1e3:>10.1f}"
+            f"{pt.compute * 1e3:>10.1f}{pt.comm * 1e3:>9.2f}{pt.calls * 1e3:>9.2f}"
             f"{(pt.step - pt.compute - pt.comm - pt.calls) * 1e3:>8.2f}"
             f"{100 * pt.comm_fraction:>8.1f}"
             f"{speedup:>10.2f}{speedup / pt.parts:>12.2f}{pt.memory / 1e6:>11.1f}"

@@ -329,73 +329,95 @@ def validate_sharding_constraints(
         notes += stopped
     layers = []
     for path, module, shape_in, shape_out in seen:
-        dim_in, dim_out = _dims(module, shard_dim)
-        form = _form(module)
-        d = len(shape_in) + dim_in
-        h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
-        kind = type(module).__name__
-        geo = _geometry(module, d - 2) if d >= 2 else None
-        pointwise = geo is not None and geo[:3] == (1, 1, (0, 0)) and h_out == h_in
-        try:
-            spec_in = partition.spec(h_in, parts) if h_in >= parts else None
-            if (_whole_when_short(module) and h_out < parts) or (h_in < parts and pointwise):
-                # fewer output rows than ranks: the whole result, replicated on every rank
-                layers.append(
-                    LayerSharding(
-                        path,
-                        kind,
-                        spec_in.sizes if spec_in is not None else (h_in,) * parts,
-                        (h_out,) * parts,
-                        (0,) * parts,
-                        (0,) * parts,
-                        "replicated",
-                        tuple(shape_in),
-                        tuple(shape_out),
-                        dim_in,
-                        dim_out,
-                    )
-                )
-                continue
-            # a layer's input is a length the model derived (its first layer's, the model's
-            # input, is cut by the policy itself: the simulated run checks that one)
-            spec_in = partition.derived(h_in, parts)
-            spec_out = partition.derived(h_out, parts)
-        except Exception as err:
-            problems.append(f"{path} ({kind}): {err}")
-            continue
-        k = d - 2
-        if geo is not None:
-            mode = getattr(module, "padding_mode", getattr(module, "pole", "zeros"))
-            if mode in ("reflect", "polar") and max(geo[2]) >= h_in:
-                problems.append(f"{path} ({kind}): reflect padding {max(geo[2])} >= {h_in} rows")
-            if getattr(module, "pole", "").startswith("polar") and shape_in[-1] % 2:
-                problems.append(
-                    f"{path} ({kind}): polar padding needs an even W, got {shape_in[-1]}"
-                )
-        n_spatial = len(shape_in) - 2
-        halo = _window_halo(module, spec_in, spec_out, k, h_in, n_spatial) if k >= 0 else None
-        before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
-        modes = form.modes_of(module, shape_in, parts, partition) if form is not None else ()
-        window = form.window_of(module, d) if form is not None else ()
-        geos = [_geometry(module, i) for i in range(n_spatial)]
-        kernel = math.prod(g[0] for g in geos if g is not None)
-        layers.append(
-            LayerSharding(
+        layer, found = axis_sharding(path, module, shape_in, shape_out, parts, partition, shard_dim)
+        problems += found
+        if layer is not None:
+            layers.append(layer)
+    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))
+
+
+def axis_sharding(
+    path: str,
+    module: nn.Module,
+    shape_in: Sequence[int],
+    shape_out: Sequence[int],
+    parts: int,
+    partition: PartitionPolicy,
+    shard_dim: int = -2,
+    across: bool = False,
+) -> tuple[LayerSharding | None, list[str]]:
+    """One spatial layer of the dry run (global ``shape_in`` to ``shape_out``) cut over
+    ``parts`` ranks along the sharded dim, or with ``across`` along the dim after it (the
+    longitude of blocks, which every band rule cuts the same way; rows beyond a polar edge
+    make the longitude a circle): its rows and halos per rank, and the problems of its
+    shapes (the layer is None when it cannot be cut)."""
+    problems: list[str] = []
+    dim_in, dim_out = _dims(module, shard_dim)
+    if across:
+        dim_in, dim_out = dim_in + 1, dim_out + 1
+    form = _form(module)
+    d = len(shape_in) + dim_in
+    h_in, h_out = shape_in[d], shape_out[len(shape_out) + dim_out]
+    kind = type(module).__name__
+    geo = _geometry(module, d - 2) if d >= 2 else None
+    pointwise = geo is not None and geo[:3] == (1, 1, (0, 0)) and h_out == h_in
+    try:
+        spec_in = partition.spec(h_in, parts) if h_in >= parts else None
+        if (_whole_when_short(module) and h_out < parts) or (h_in < parts and pointwise):
+            # fewer output rows than ranks: the whole result, replicated on every rank
+            whole = LayerSharding(
                 path,
                 kind,
-                spec_in.sizes,
-                spec_out.sizes,
-                tuple(before),
-                tuple(after),
-                boundary,
+                spec_in.sizes if spec_in is not None else (h_in,) * parts,
+                (h_out,) * parts,
+                (0,) * parts,
+                (0,) * parts,
+                "replicated",
                 tuple(shape_in),
                 tuple(shape_out),
                 dim_in,
                 dim_out,
-                modes,
-                window,
-                form,
-                kernel,
             )
-        )
-    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))
+            return whole, problems
+        # a layer's input is a length the model derived (its first layer's, the model's
+        # input, is cut by the policy itself: the simulated run checks that one)
+        spec_in = partition.derived(h_in, parts)
+        spec_out = partition.derived(h_out, parts)
+    except Exception as err:
+        problems.append(f"{path} ({kind}): {err}")
+        return None, problems
+    k = d - 2
+    if geo is not None:
+        mode = getattr(module, "padding_mode", getattr(module, "pole", "zeros"))
+        if mode in ("reflect", "polar") and max(geo[2]) >= h_in:
+            what = "columns" if across else "rows"
+            problems.append(f"{path} ({kind}): reflect padding {max(geo[2])} >= {h_in} {what}")
+        if not across and getattr(module, "pole", "").startswith("polar") and shape_in[-1] % 2:
+            problems.append(f"{path} ({kind}): polar padding needs an even W, got {shape_in[-1]}")
+    n_spatial = len(shape_in) - 2
+    halo = _window_halo(module, spec_in, spec_out, k, h_in, n_spatial) if k >= 0 else None
+    before, after, boundary = halo or ((0,) * parts, (0,) * parts, "none")
+    if across and boundary.startswith("polar"):
+        boundary = "circular"
+    modes = form.modes_of(module, shape_in, parts, partition) if form and not across else ()
+    window = form.window_of(module, d) if form is not None else ()
+    geos = [_geometry(module, i) for i in range(n_spatial)]
+    kernel = math.prod(g[0] for g in geos if g is not None)
+    cut = LayerSharding(
+        path,
+        kind,
+        spec_in.sizes,
+        spec_out.sizes,
+        tuple(before),
+        tuple(after),
+        boundary,
+        tuple(shape_in),
+        tuple(shape_out),
+        dim_in,
+        dim_out,
+        modes,
+        window,
+        form,
+        kernel,
+    )
+    return cut, problems
