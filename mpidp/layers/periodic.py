@@ -108,8 +108,8 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
 
     @classmethod
     def geometry(cls, module: Any, k: int) -> tuple[int, int, tuple[int, int], int] | None:
-        p = module.periodic_padding[0]
-        return module.kernel_size[0], module.stride[0], (p, p), module.dilation[0]
+        p = module.periodic_padding[k]  # along spatial axis k: 0 the latitude, 1 the longitude
+        return module.kernel_size[k], module.stride[k], (p, p), module.dilation[k]
 
     @classmethod
     def boundary_of(cls, module: Any) -> str:
