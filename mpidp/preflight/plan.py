@@ -490,7 +490,12 @@ def plan_model(
                 graph += (x.sent + x.sent_back) * x.elements * itemsize
                 got += (x.received + x.received_back) * x.elements * itemsize
         rows = lat[0].rows_in[i] if lat else policy.spec(global_shape[shard_dim], grid[0])[i]
-        cols = lon[0].rows_in[j] if lon else policy.spec(global_shape[w_dim], grid[1])[j]
+        if lon:
+            cols = lon[0].rows_in[j]
+        elif grid[1] == 1:  # bands: every column (a per-rank policy has no 1-rank form)
+            cols = global_shape[w_dim]
+        else:
+            cols = policy.spec(global_shape[w_dim], grid[1])[j]
         halo = tuple(max(0, a.halo_before[i]) + max(0, a.halo_after[i]) for a in lat)
         halo_cols = tuple(max(0, b.halo_before[j]) + max(0, b.halo_after[j]) for b in lon)
         ranks.append(

@@ -29,10 +29,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpidp.errors import MpidpError
 from mpidp.ops.collectives import copy_to
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
-__all__ = ["READS", "NOT_LOCAL", "batch_local", "reads"]
+__all__ = ["READS", "NOT_LOCAL", "batch_local", "block_batch_local", "reads"]
 
 #: (dims read, dims the result drops) of the input, or None when the call does not say
 Said = tuple[Collection[int], Collection[int]]
@@ -374,3 +375,61 @@ def _deep(a: Any, x: ShardedTensor) -> Any:
         if any(isinstance(v, torch.Tensor) for v in leaves):
             return NOT_LOCAL
     return a
+
+
+def block_batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The batch rule on a latitude x longitude block: ``func`` on each rank's block when the
+    rule says it reads across neither cut dim (a linear layer over the channels of (B, h, w,
+    C) tokens, a layer norm, an activation's dim), else :data:`NOT_LOCAL`. Weights are used as
+    on bands (a plain one holds this rank's gradient share, a Replicated one enters through
+    ``copy_to``); a batched argument must be a block of the same cut, or a plain tensor that
+    does not reach the cut dims."""
+    found = READS.get(func)
+    x = args[0] if args else kwargs.get("input")
+    if found is None or not isinstance(x, ShardedTensor) or x.grid is None:
+        return NOT_LOCAL
+    rule, batched = found
+    g, nd = x.grid, x.dim()
+    said = rule(args, kwargs, nd)
+    if said is None or any(d in said[0] or d in said[1] for d in g.dims):
+        return NOT_LOCAL
+    names = {_SDPA_NAMES[i] for i in batched if i in _SDPA_NAMES}
+    reach = nd - min(g.dims)  # a batched tensor of fewer dims does not reach the cut dims
+
+    def one(a: Any, is_batched: bool) -> Any:
+        if a is x:
+            return x.local
+        if isinstance(a, ShardedTensor):
+            return a.local if is_batched and a.grid == g and a.dim() == nd else NOT_LOCAL
+        if not isinstance(a, torch.Tensor):
+            return _deep(a, x)
+        if is_batched and a.dim() >= reach:
+            return NOT_LOCAL
+        if isinstance(a, Replicated):
+            return copy_to(a.as_subclass(torch.Tensor), x.transport)
+        return a
+
+    new_args = tuple(one(a, i in batched) for i, a in enumerate(args))
+    new_kwargs = {k: one(v, k in names) for k, v in kwargs.items()}
+    if any(v is NOT_LOCAL for v in (*new_args, *new_kwargs.values())):
+        return NOT_LOCAL
+    draws = func is F.scaled_dot_product_attention and bool(_arg(args, kwargs, 4, "dropout_p", 0))
+    with band_stream(x.rank, x.local.device, draws):
+        out = func(*new_args, **new_kwargs)
+    dims = tuple(d - sum(1 for r in said[1] if r < d) for d in g.dims)
+    block = BlockSpec(g.lat, g.lon, dims)  # type: ignore[arg-type]
+    want = (x.local.size(g.dims[0]), x.local.size(g.dims[1]))
+
+    def wrap(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        if o.dim() <= max(dims) or (o.size(dims[0]), o.size(dims[1])) != want:
+            raise MpidpError(
+                f"rank {x.rank}: internal error: {getattr(func, '__name__', func)} on the "
+                f"block {tuple(x.local.shape)} gave {tuple(o.shape)}, not {want} along dims "
+                f"{dims}; report it with the call"
+            )
+        return ShardedTensor(o, g.lat, dims[0], x.manager, grid=block)
+
+    leaves, tree = tree_flatten(out)
+    return tree_unflatten([wrap(o) for o in leaves], tree)

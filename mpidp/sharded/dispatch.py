@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import blocks_refused
-from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
+from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local, block_batch_local
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -358,6 +358,9 @@ def _grid_dispatch(
 ) -> Any:
     """A call with a latitude x longitude block: its block handler, a band handler that takes
     blocks, the gathering fallback, or refused on every rank alike (before any message)."""
+    out = block_batch_local(func, args, kwargs)
+    if out is not NOT_LOCAL:
+        return out
     k = key(func)
     handler = _GRID.get(k)
     if handler is None:

@@ -115,7 +115,7 @@ class ShardedTensor(torch.Tensor):
     _manager: DistributedManager
     _blocks: int
     _shape: torch.Size
-    _grid: BlockSpec | None
+    _grid: BlockSpec | None = None  # a band, unless __new__ (or a copy of a block) sets it
 
     @staticmethod
     def __new__(

@@ -44,13 +44,17 @@ def close(a, b, tol=1e-10):
 
 
 def model_case(m, serial, convert, shape, dims, seed=0):
-    """The failed checks of ``serial`` with its layers named by ``convert`` (attribute paths)
-    converted, run on this rank's block (cut along ``dims``), against ``serial`` on the full
+    """The failed checks of ``serial`` with its layers named by ``convert`` (attribute paths;
+    None: the whole model, its forward then runs on block ShardedTensors) converted, run on
+    this rank's block (cut along ``dims``), against ``serial`` on the full
     field: output, input gradient, every parameter gradient. The output has the input's
     blocks (the layers keep their input's partition)."""
     serial = serial.double()
+    serial.zero_grad(set_to_none=True)  # a model checked twice: its own gradients afresh
     model = copy.deepcopy(serial)
-    for path in convert:
+    if convert is None:
+        model = mpidp.convert_to_domain_parallel(model, manager=m)
+    for path in convert or ():
         parent, _, name = path.rpartition(".")
         owner = model.get_submodule(parent)
         setattr(owner, name, mpidp.convert_to_domain_parallel(getattr(owner, name), manager=m))
@@ -85,6 +89,7 @@ def test_fno_and_afno(gm):
     torch.manual_seed(0)
     fno = FNO2d(3, 2, modes1=3, modes2=5, width=4, depth=2)
     bad = model_case(gm, fno, ["spectral.0", "spectral.1"], (2, 3, 13, 20), (-2, -1))
+    bad += model_case(gm, fno, None, (2, 3, 13, 20), (-2, -1), seed=1)  # the whole model
     afno = AFNOFilter(8, (14, 20), num_blocks=2, hard_thresholding_fraction=0.5)
     bad += model_case(gm, nn.Sequential(afno), ["0"], (2, 14, 20, 8), (-3, -2), seed=2)
     assert not bad
@@ -120,6 +125,8 @@ def test_patch_networks(gm):
     swin = SwinNet(3, 2, (16, 20), patch=2, embed_dim=8, depth=2, heads=2, window=(3, 4))
     paths = [*common, "blocks.0.attn", "blocks.1.attn"]
     bad += model_case(gm, swin, paths, (1, 3, 16, 20), (-2, -1), seed=12)
+    for net in (afno, swin):  # the whole models: linear layers over the tokens' channels
+        bad += model_case(gm, net, None, (1, 3, 16, 20), (-2, -1), seed=14)
     assert not bad
 
 

@@ -109,11 +109,11 @@ def test_refusals_are_sentences(capsys):
     cmd = ["plan", "--grid", "13x20", "--domain", "2x2", "--model", "resblock"]
     assert main([*cmd, "--partition", "weighted:1,1,1,2"]) == 2
     assert "weights are one per rank of latitude bands" in capsys.readouterr().err
-    # priced, and its periodic convs named as band code a run on blocks refuses today
-    assert main(cmd) == 1
+    # priced; its periodic convs run on blocks (the polar fold across longitude ranks)
+    assert main(cmd) == 0
     out = capsys.readouterr().out
     assert "over 2 x 2 = 4 domain ranks" in out and "halo columns per layer" in out
-    assert "bands or blocks for 4 ranks" in out and "runs on bands only today" in out
+    assert "bands or blocks for 4 ranks" in out and "runs on bands only today" not in out
     # a weighted cut of bands is priced, the other grids are not compared under it
     res = plan_model(nn.Conv2d(1, 1, 3), (1, 1, 8, 8), 2, partition=Weighted((1.0, 3.0)))
     assert not res.shapes and "balanced cuts only" in res.unpriced[0]
