@@ -141,6 +141,19 @@ if [ -n "$big" ]; then
     mpiexec "${oversub[@]}" -n "$big" "$py" -m mpi4py -m pytest -q --with-mpi \
     tests/mpi/test_parallel.py -k five_steps
 fi
+# Latitude x longitude blocks at 6 ranks oversubscribed: the grids 2 x 3 and 3 x 2 (the
+# primitives, the layers, the models, the front end, I/O, layout invariance; about 60 s on 2
+# cores). MPIDP_TEST_BLOCK_RANKS= skips it.
+six="${MPIDP_TEST_BLOCK_RANKS-6}"
+if [ -n "$six" ]; then
+  oversub=()
+  mpiexec --version 2>&1 | grep -q "Open MPI\|OpenRTE\|PRRTE" && oversub=(--oversubscribe)
+  blocks=(test_blocks test_blocks_fft test_blocks_layers test_blocks_models test_blocks_sharded
+    test_io_blocks test_layout_invariance)
+  files=("${blocks[@]/#/tests/mpi/}"); files=("${files[@]/%/.py}")
+  run_stage "blocks, $six ranks oversubscribed (2 x 3, 3 x 2)" 1 \
+    mpiexec "${oversub[@]}" -n "$six" "$py" -m mpi4py -m pytest -q --with-mpi "${files[@]}"
+fi
 # Real jobs: examples trained at 1-4 ranks, torchrun, the faults, and every doc page's code in
 # one job at 1 rank and one at 2 (28 jobs before). It was 6-9 minutes on a 2-core machine with
 # 28 page jobs and longer trainings, and it varies with the load (354 s and 508 s measured an

@@ -25,7 +25,7 @@ from mpidp.runtime.partition import ShardSpec, Weighted
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1)]
+ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 DP_GRIDS = [g for g in ALL_GRIDS if WORLD % (g[0] * g[1]) == 0 and g[0] * g[1] < WORLD]
 SHAPES = [(7, 10), (9, 13)]

@@ -26,7 +26,7 @@ from mpidp.testing import count_traffic
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (1, 4), (4, 1)]
+ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (1, 4), (4, 1), (2, 3), (3, 2)]
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPES = [(9, 14), (7, 10)]  # uneven over 2, 3 and 4 ranks in both dims; odd and even W // 2
 CLOSE = dict(rtol=1e-12, atol=1e-12)

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.mpi
 
 COMM = MPI.COMM_WORLD
 WORLD, ME = COMM.Get_size(), COMM.Get_rank()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1)]
+ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 H, W, T = 13, 18, 3
 F64 = torch.float64
