@@ -65,6 +65,7 @@ from mpidp.parallel import (
     apply_tensor_parallel,
     build_device_mesh,
 )
+from mpidp.runtime.grid import parse_domain
 from mpidp.runtime.progress import Progress
 
 HERE = Path(__file__).resolve().parent
@@ -295,11 +296,11 @@ def tendency_std(
 def domain_grid(text: str) -> tuple[int, int] | None:
     """``(P_lat, P_lon)`` of ``--domain N`` (bands: ``(N, 1)``) or ``--domain AxB``; None when
     it is neither."""
-    parts = str(text).lower().split("x")
-    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+    try:
+        domain = parse_domain(text)
+    except mpidp.ConfigError:
         return None
-    sizes = [int(p) for p in parts]
-    return (sizes[0], sizes[1] if len(sizes) == 2 else 1)
+    return domain if isinstance(domain, tuple) else (domain, 1)
 
 
 def domain_layout(cfg: Config, world: int) -> int | tuple[int, int]:

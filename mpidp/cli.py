@@ -55,17 +55,13 @@ def _table(ranks: list[dict[str, Any]]) -> str:
 
 def _domain_size(text: str) -> int | tuple[int, int]:
     """``-d 4`` (bands) or ``-d 2x2`` (a grid of blocks: latitude x longitude ranks)."""
-    usage = (
-        f"{text!r} is not a domain: give N ranks (latitude bands) or LATxLON ranks (blocks), "
-        f"each a whole number >= 1, e.g. 4 or 2x2"
-    )
+    from mpidp.errors import ConfigError
+    from mpidp.runtime.grid import parse_domain
+
     try:
-        parts = [int(v) for v in text.lower().split("x")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(usage) from None
-    if len(parts) not in (1, 2) or min(parts) < 1:
-        raise argparse.ArgumentTypeError(usage)
-    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+        return parse_domain(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _info(args: argparse.Namespace) -> int:

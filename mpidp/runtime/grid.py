@@ -44,6 +44,7 @@ __all__ = [
     "block_spec",
     "blocks_refused",
     "grid_shape",
+    "parse_domain",
 ]
 
 #: the axis groups of a grid, as ``group=`` names them
@@ -52,6 +53,23 @@ AXES = ("lat", "lon")
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_domain(text: str) -> int | tuple[int, int]:
+    """The domain a command line names: ``"4"`` (4 ranks of latitude bands) or ``"2x2"`` (a
+    grid of ``P_lat x P_lon`` blocks), as ``domain_parallel_size`` takes it. Raises
+    :class:`~mpidp.ConfigError` with the usage when it is neither. Local."""
+    usage = (
+        f"{text!r} is not a domain: give N ranks (latitude bands) or LATxLON ranks (blocks), "
+        f"each a whole number >= 1, e.g. 4 or 2x2"
+    )
+    parts = str(text).strip().lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(usage)
+    sizes = [int(p) for p in parts]
+    if min(sizes) < 1:
+        raise ConfigError(usage)
+    return sizes[0] if len(sizes) == 1 else (sizes[0], sizes[1])
 
 
 def grid_shape(domain: Any, world_size: int, rank: int) -> tuple[int, int]:

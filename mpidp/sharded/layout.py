@@ -9,7 +9,7 @@ These need no ShardedTensor, so :mod:`mpidp.sharded.tensor` imports them and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -17,8 +17,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from mpidp.errors import ConfigError
 from mpidp.ops.collectives import reduce_from
 from mpidp.runtime.adopt import manager_for
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.manager import DistributedManager
-from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.partition import PartitionPolicy, ShardSpec
+from mpidp.sharded.rows import move_to_dim, to_spec
 
 __all__ = [
     "check_spec",
@@ -181,3 +183,43 @@ def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
         )
     d = placements[0].dim % dt.dim()
     return d, int(dt.shape[d])
+
+
+def redistribute(x: Any, device_mesh: Any, placements: Any, spec: Any, dim: int | None) -> Any:
+    """The body of :meth:`mpidp.ShardedTensor.redistribute` (its docstring says what it does).
+    Collective."""
+    if x._grid is not None:
+        raise blocks_refused(x._manager, "redistribute of a block ShardedTensor")
+    if device_mesh is not None and manager_of(device_mesh).domain_ranks != x._manager.domain_ranks:
+        raise ConfigError(
+            f"rank {x.rank}: redistribute to another mesh: a ShardedTensor stays on its "
+            f"manager's domain mesh; pass device_mesh=None or x.device_mesh"
+        )
+    if isinstance(device_mesh, (ShardSpec, PartitionPolicy)):
+        raise ConfigError(f"rank {x.rank}: redistribute(spec): pass it as spec=")
+    if placements is not None:
+        p = one_placement(placements, "redistribute", x.rank)
+        if isinstance(p, Replicate):
+            return x.full_tensor()
+        if isinstance(p, Partial):
+            raise ConfigError(
+                f"rank {x.rank}: redistribute to Partial: a band is a value, not a "
+                f"summand; reduce it (x.sum(dim)) or keep Shard/Replicate"
+            )
+        dim = cast(Any, p).dim
+        spec = x._manager.partition if spec is None else spec
+    if dim is not None and normal_dim(x._local, dim) != x._dim:
+        x = move_to_dim(x, normal_dim(x._local, dim))
+    if spec is None:
+        return x
+    n, p_ = x.spec.total, x.spec.parts
+    if isinstance(spec, PartitionPolicy):
+        target = spec.spec(n, p_)
+    else:
+        target = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+    if target.total != n or target.parts != p_:
+        raise ConfigError(
+            f"rank {x.rank}: redistribute to {list(target.sizes)}: the tensor has {n} rows "
+            f"along dim {x.shard_dim} over {p_} ranks; pass sizes that add up to {n}"
+        )
+    return x if target == x.spec else to_spec(x, target)

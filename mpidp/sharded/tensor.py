@@ -44,7 +44,6 @@ from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded import block_layout as bl
 from mpidp.sharded import layout as pl
 from mpidp.sharded.layout import chunk_spec  # also mpidp.sharded.tensor.chunk_spec, as before
-from mpidp.sharded.rows import move_to_dim, to_spec
 from mpidp.sharded.walk import holds
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
@@ -391,45 +390,7 @@ class ShardedTensor(torch.Tensor):
         owner travel (one ``all_to_all_v``). ``async_op`` is accepted for DTensor's signature;
         the move completes before the call returns. Collective."""
         del async_op
-        if self._grid is not None:
-            raise blocks_refused(self._manager, "redistribute of a block ShardedTensor")
-        if (
-            device_mesh is not None
-            and pl.manager_of(device_mesh).domain_ranks != self._manager.domain_ranks
-        ):
-            raise ConfigError(
-                f"rank {self.rank}: redistribute to another mesh: a ShardedTensor stays on its "
-                f"manager's domain mesh; pass device_mesh=None or x.device_mesh"
-            )
-        if isinstance(device_mesh, (ShardSpec, PartitionPolicy)):
-            raise ConfigError(f"rank {self.rank}: redistribute(spec): pass it as spec=")
-        if placements is not None:
-            p = pl.one_placement(placements, "redistribute", self.rank)
-            if isinstance(p, Replicate):
-                return self.full_tensor()
-            if isinstance(p, Partial):
-                raise ConfigError(
-                    f"rank {self.rank}: redistribute to Partial: a band is a value, not a "
-                    f"summand; reduce it (x.sum(dim)) or keep Shard/Replicate"
-                )
-            dim = cast(Any, p).dim
-            spec = self._manager.partition if spec is None else spec
-        x = self
-        if dim is not None and pl.normal_dim(self._local, dim) != self._dim:
-            x = move_to_dim(self, pl.normal_dim(self._local, dim))
-        if spec is None:
-            return x
-        n, p_ = x.spec.total, x.spec.parts
-        if isinstance(spec, PartitionPolicy):
-            target = spec.spec(n, p_)
-        else:
-            target = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-        if target.total != n or target.parts != p_:
-            raise ConfigError(
-                f"rank {x.rank}: redistribute to {list(target.sizes)}: the tensor has {n} rows "
-                f"along dim {x.shard_dim} over {p_} ranks; pass sizes that add up to {n}"
-            )
-        return x if target == x.spec else to_spec(x, target)
+        return pl.redistribute(self, device_mesh, placements, spec, dim)
 
     # -- DTensor -----------------------------------------------------------------------------
 
