@@ -28,15 +28,20 @@ from mpidp.runtime.manager import DistributedManager, get_manager, is_initialize
 PURE_DIM = "This is a netCDF dimension but not a netCDF variable."
 
 
+def manager_or_default(manager: DistributedManager | None) -> DistributedManager | None:
+    """``manager``, else mpidp's when it is initialised, else None (one process)."""
+    if manager is not None:
+        return manager
+    return get_manager() if is_initialized() else None
+
+
 def io_transport(manager: DistributedManager | None, group: Any) -> Transport | None:
     """The CPU transport of ``group`` (a name, a process group or a Transport); None when
     mpidp is not initialised and no manager is given (a single process)."""
     if isinstance(group, Transport):
         return group
-    if manager is None and not is_initialized():
-        return None
-    m = manager if manager is not None else get_manager()
-    return m.transport(group, "cpu")
+    m = manager_or_default(manager)
+    return None if m is None else m.transport(group, "cpu")
 
 
 def check_everywhere(

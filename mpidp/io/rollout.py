@@ -24,6 +24,7 @@ from mpidp.io._common import (
     ensure_space,
     explain_os_error,
     io_transport,
+    manager_or_default,
     shared_token,
     temporary_name,
 )
@@ -37,16 +38,9 @@ from mpidp.io.write_paths import (
     writes_zarr,
 )
 from mpidp.runtime.grid import blocks_refused
-from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
+from mpidp.runtime.manager import DistributedManager
 
 __all__ = ["RolloutWriter"]
-
-
-def manager_or_default(manager: DistributedManager | None) -> DistributedManager | None:
-    """``manager``, else mpidp's when it is initialised, else None (one process)."""
-    if manager is not None:
-        return manager
-    return get_manager() if is_initialized() else None
 
 
 class RolloutWriter:
@@ -101,10 +95,9 @@ class RolloutWriter:
         chunk_rows: int | None = None,
         zarr_format: int = 3,
     ) -> None:
-        if group is None and manager_or_default(manager) is not None:
-            m = manager_or_default(manager)
-            if m is not None and m._blocks:  # each rank's block would be written as a band
-                raise blocks_refused(m, "RolloutWriter (it writes latitude bands)")
+        m = manager_or_default(manager) if group is None else None
+        if m is not None and m._blocks:  # each rank's block would be written as a band
+            raise blocks_refused(m, "RolloutWriter (it writes latitude bands)")
         self.t = io_transport(manager, group)
         self.path = Path(path)
         self.channels = list(channels)
