@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import os
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from mpidp.ops.halo_plan import Boundary
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager, get_manager, is_initialized
 from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.rebalance import follow_partition
 
 __all__ = ["BandDataset", "Variables"]
 
@@ -89,6 +91,21 @@ def _close_all() -> None:
     outlive the HDF5 files that use them)."""
     for ds in list(_LIVE):
         ds.close()
+
+
+#: how many worker pids a reader keeps (worker ids beyond share slots: any live one refuses)
+_WORKER_SLOTS = 64
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a worker that ended was joined by its DataLoader)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -264,6 +281,14 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         # in stays
         self._follows = manager if spec is None and manager is not None else None
         self._policy = getattr(manager, "partition", None)
+        # A DataLoader worker process reads with a copy of this reader that set_partition
+        # cannot reach: each records its pid here (shared memory) at its first item, and
+        # set_partition refuses while one of them lives (partition_refusal)
+        self._home = os.getpid()
+        self._workers: torch.Tensor | None = None
+        if self._follows is not None:
+            self._workers = torch.zeros(_WORKER_SLOTS, dtype=torch.int64).share_memory_()
+            follow_partition(self._follows, self._follow)
         self._cut(field_blocks(spec, manager, (h, w), where), where)
         lat = first.lat
         self._flip = bool(
@@ -308,9 +333,43 @@ class BandDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         self.halo, self.lon_halo = self._rows.halo, self._cols.halo
         self.rows, self.columns = self._rows.span, self._cols.span
 
+    def following(self) -> bool:
+        """Whether a DataLoader worker process reading this reader lives (see
+        :func:`mpidp.runtime.rebalance.follow_partition`)."""
+        return bool(self._live_workers())
+
+    def partition_refusal(self) -> str:
+        """Why ``set_partition`` cannot go on while :meth:`following`."""
+        pids = self._live_workers()
+        return (
+            f"{type(self).__name__} is read by {len(pids)} live DataLoader worker process(es) "
+            f"(pids {pids}) holding the old cut: items they read, and those they read ahead, "
+            "would keep the old rows (fix: call set_partition between epochs with "
+            "persistent_workers=False, so that each epoch's workers start from the new cut, or "
+            "read with num_workers=0 or through mpidp.io.Prefetcher, which follows)"
+        )
+
+    def _follow(self, old: Any, new: Any) -> None:
+        """Never called with live workers (refused); this process follows at its next item."""
+
+    def _live_workers(self) -> list[int]:
+        """The pids of the live worker processes that read this reader. Local."""
+        if self._workers is None:
+            return []
+        return [pid for pid in self._workers.tolist() if pid and _alive(pid)]
+
+    def _note_worker(self) -> None:
+        """In a worker process, at its first item: record its pid (see __init__)."""
+        assert self._workers is not None
+        info = torch.utils.data.get_worker_info()
+        self._home = os.getpid()
+        self._workers[(info.id if info is not None else 0) % _WORKER_SLOTS] = self._home
+
     def _follow_partition(self) -> None:
         """Re-cut when the manager's partition changed since the last item (one identity
         check per item): the next item is read with the new blocks. Local."""
+        if self._workers is not None and self._home != os.getpid():
+            self._note_worker()
         m = self._follows
         if m is None or m.partition is self._policy:
             return

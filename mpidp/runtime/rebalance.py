@@ -180,6 +180,7 @@ def set_partition(
             except ConfigError as err:
                 problems.append(f"{policy!r} cannot cut the input's {rows} rows: {err}")
     moving = _followers(manager)
+    problems += [why for cb in moving if (why := _refusal(cb))]
     facts = {"policy": repr(policy), "rows": repr(rows), "loops read ahead": len(moving)}
     _agree(manager, "set_partition", problems, facts)
     for follow in moving:  # in the order they were made, the same on every rank
@@ -197,8 +198,10 @@ def follow_partition(manager: DistributedManager, callback: Any) -> None:
     """Call the bound method ``callback(old_policy, new_policy)`` inside every later
     ``manager.set_partition``, once the ranks agreed and before the new policy is installed
     (so that bands read under the old cut can be moved), when its object's ``following()`` is
-    true (it holds bands now); the number of those is agreed with the policy. Held weakly.
-    Each call is collective: register in the same order on every domain rank."""
+    true (it holds bands now); the number of those is agreed with the policy. An object that
+    holds bands it cannot move defines ``partition_refusal()``, which says why (or returns
+    None): the switch is then refused on every rank. Held weakly. Each call is collective:
+    register in the same order on every domain rank."""
     _FOLLOWERS.setdefault(manager, []).append(weakref.WeakMethod(callback))
 
 
@@ -209,6 +212,12 @@ def _followers(manager: DistributedManager) -> list[Any]:
         _FOLLOWERS[manager] = refs
     live = [r() for r in refs]
     return [cb for cb in live if cb is not None and cb.__self__.following()]
+
+
+def _refusal(callback: Any) -> str | None:
+    """Why the object of a live follower ``callback`` cannot follow now (None: it can)."""
+    refusal = getattr(callback.__self__, "partition_refusal", None)
+    return refusal() if refusal is not None else None
 
 
 def _blocks_refused(manager: DistributedManager) -> list[str]:
@@ -250,6 +259,6 @@ def _agree(manager: DistributedManager, what: str, problems: list[str], facts: A
             f"rank {manager.rank}: {what} refused, the partition stays {manager.partition!r}: "
             + "; ".join(lines)
             + hint
-            + "; fix: pass the same, valid arguments on every domain rank"
+            + "; otherwise, fix: pass the same, valid arguments on every domain rank"
             + (" of every replica" if replicas else "")
         )

@@ -14,6 +14,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from mpidp.errors import ConfigError
 from mpidp.io import ShardedH5Dataset, ShardedZarrDataset, make_sample_data
 from mpidp.runtime.partition import Balanced, Weighted
 
@@ -93,4 +94,30 @@ def test_halo_rows_follow_too(m, files):
     padded = torch.nn.functional.pad(full[1], (0, 0, 1, 1))  # zeros beyond the poles
     want = padded[:, new.start(ME) : new.stop(ME) + 2]
     torch.testing.assert_close(x, want, rtol=0, atol=0)
+    ds.close()
+
+
+def test_dataloader_workers_follow_between_epochs_and_a_switch_under_them_is_refused(m, files):
+    """A DataLoader worker reads with a copy of the reader that set_partition cannot reach:
+    while one lives (persistent workers, or mid-epoch) the switch is refused on every rank and
+    the partition kept; once the loader's workers ended, the next epoch's workers read the new
+    cut (bitwise the file's rows)."""
+    full = torch.from_numpy(full_field(files["hdf5"]))
+    ds = ShardedH5Dataset(
+        files["hdf5"], list(NAMES), m, targets=list(NAMES), normalize=None, dtype=torch.float64
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=1, persistent_workers=True)
+    x, _ = next(iter(loader))
+    old, policy = m.partition, Weighted(tuple(1 + 2 * r for r in range(P)))
+    with pytest.raises(ConfigError, match="live DataLoader worker process") as err:
+        m.set_partition(policy, rows=H)
+    assert m.partition is old and f"rank {P - 1}: ShardedH5Dataset" in str(err.value)
+    torch.testing.assert_close(x[0], full[0][:, m.spec(H).slice(ME)], rtol=0, atol=0)
+    del loader  # its workers end
+    m.set_partition(policy, rows=H)
+    loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=1)
+    x, y = next(iter(loader))
+    new = m.spec(H)
+    torch.testing.assert_close(x[0], full[0][:, new.slice(ME)], rtol=0, atol=0)
+    torch.testing.assert_close(y[0], full[1][:, new.slice(ME)], rtol=0, atol=0)
     ds.close()
