@@ -27,7 +27,8 @@ Gradients, the rule (docs/sharded_tensor.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -62,6 +63,9 @@ _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
 #: set once the process makes a block ShardedTensor: until then dispatch never looks for one
 GRID_SEEN: list[bool] = []
+#: non-empty while dispatch runs a call on a spectrum of blocks (:func:`spectral_call`): the
+#: bands its handlers make are bands of modes over the domain group, like their input
+_SPECTRAL_CALL: list[bool] = []
 
 Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -87,6 +91,18 @@ def use_dispatcher(dispatch: Dispatcher) -> None:
 def has_sharded(args: Any, kwargs: Any) -> bool:
     """Whether a ShardedTensor is among a call's arguments."""
     return holds(args, ShardedTensor) or holds(kwargs, ShardedTensor)
+
+
+@contextlib.contextmanager
+def spectral_call() -> Iterator[None]:
+    """While it is open, the bands made on a grid that cuts the longitude are bands of modes
+    (:attr:`ShardedTensor.spectral`): dispatch opens it around a call on a spectrum of blocks,
+    whose band rules make bands of the same domain group as their input."""
+    _SPECTRAL_CALL.append(True)
+    try:
+        yield
+    finally:
+        _SPECTRAL_CALL.pop()
 
 
 def on_first(turn_on: Any) -> None:
@@ -115,6 +131,7 @@ class ShardedTensor(torch.Tensor):
     _blocks: int
     _shape: torch.Size
     _grid: BlockSpec | None = None  # a band, unless __new__ (or a copy of a block) sets it
+    _spectral: bool = False  # a band of modes of a spectrum of blocks (see :attr:`spectral`)
 
     @staticmethod
     def __new__(
@@ -125,22 +142,28 @@ class ShardedTensor(torch.Tensor):
         manager: DistributedManager,
         blocks: int = 1,
         grid: BlockSpec | None = None,
+        spectral: bool = False,
     ) -> ShardedTensor:
         shape = list(local.shape)
         if grid is not None:  # a block: spec and dim are its latitude's
             spec, dim = grid.lat, grid.dims[0]
             shape[grid.dims[1]] = grid.lon.total
+            spectral = False
             if not GRID_SEEN:
                 GRID_SEEN.append(True)
         elif manager._blocks:  # every ShardedTensor is made here: band code meeting blocks
-            raise blocks_refused(manager, "a band ShardedTensor")
+            if not (spectral or _SPECTRAL_CALL):  # only a spectrum's modes are a band there
+                raise blocks_refused(manager, "a band ShardedTensor")
+            spectral = True
+        else:
+            spectral = False
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
         out._shape = torch.Size(shape)
-        out._blocks, out._grid = blocks, grid
+        out._blocks, out._grid, out._spectral = blocks, grid, spectral
         if not _FIRST_DONE:
             _FIRST_DONE.append(True)
             for turn_on in _ON_FIRST:
@@ -205,11 +228,21 @@ class ShardedTensor(torch.Tensor):
         None for a band."""
         return self._grid
 
+    @property
+    def spectral(self) -> bool:
+        """Whether this is a band of modes of a spectrum of blocks: ``torch.fft.rfft2`` (or
+        ``fft2``) of a block gives every H frequency and the W modes cut over the whole domain
+        group in domain rank order (:mod:`mpidp.ops.fft`), on a grid that cuts the longitude,
+        and so does what is computed from it. Never a spatial band or block: dispatch runs the
+        band rules that read no field (element-wise, slices, products, reductions) and the
+        inverse transforms back to blocks on it, and refuses the layers."""
+        return self._spectral
+
     def like(
         self, local: torch.Tensor, dim: int | None = None, spec: ShardSpec | None = None
     ) -> ShardedTensor:
-        """``local`` with this tensor's layout (partition, blocks, grid), sharded along ``dim``
-        (a block keeps its grid only with its own dim and spec)."""
+        """``local`` with this tensor's layout (partition, blocks, grid, spectral), sharded
+        along ``dim`` (a block keeps its grid only with its own dim and spec)."""
         same = (dim is None or dim == self._dim) and (spec is None or spec == self._spec)
         return ShardedTensor(
             local,
@@ -218,6 +251,7 @@ class ShardedTensor(torch.Tensor):
             self._manager,
             self._blocks,
             self._grid if same else None,
+            self._spectral,
         )
 
     def same_layout(self, local: torch.Tensor) -> ShardedTensor:
@@ -230,6 +264,7 @@ class ShardedTensor(torch.Tensor):
         )
         out._local, out._spec, out._dim, out._manager = local, self._spec, self._dim, self._manager
         out._shape, out._blocks, out._grid = self._shape, self._blocks, self._grid
+        out._spectral = self._spectral
         return out
 
     def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -268,6 +303,8 @@ class ShardedTensor(torch.Tensor):
         blocks = f", blocks={self._blocks}" if self._blocks > 1 else ""
         if self._grid is not None:
             blocks += f", lon_dim={self._grid.dims[1]}, lon_spec={list(self._grid.lon.sizes)}"
+        if self._spectral:
+            blocks += ", spectral=True"
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, shard_dim={self._dim}, "
             f"spec={list(self._spec.sizes)}{blocks}, rank={self.rank}, local=\n{self._local!r})"
