@@ -37,12 +37,13 @@ __all__ = [
 ]
 
 
-def register(*funcs: Any, grid: bool = False) -> Any:
+def register(*funcs: Any, grid: bool = False, spectral: bool = False) -> Any:
     """:func:`mpidp.sharded.register` for the functions of this module, whose input (the
-    first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) or
-    is a spectrum of blocks (:attr:`~mpidp.ShardedTensor.spectral`: the layers would take its
-    band of modes for rows of the field) is refused before the handler runs. ``grid``: it
-    takes latitude x longitude blocks too (its work done by :func:`run_layer`)."""
+    first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) or,
+    unless ``spectral``, is a spectrum of blocks (:attr:`~mpidp.ShardedTensor.spectral`: the
+    layers would take its band of modes for rows of the field) is refused before the handler
+    runs. ``grid``: it takes latitude x longitude blocks too (its work done by
+    :func:`run_layer`). ``spectral``: the handler takes spectra itself, never to a layer."""
 
     def deco(handler: Handler) -> Handler:
         def checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -55,7 +56,7 @@ def register(*funcs: Any, grid: bool = False) -> Any:
                     "its input is not a band (a sharded weight or other argument)",
                     "shard the input, not the weights; or gather them (.full_tensor())",
                 )
-            if x.spectral:
+            if x.spectral and not spectral:
                 raise spectrum_refused(func, args, kwargs)
             return handler(func, args, kwargs)
 

@@ -129,7 +129,7 @@ _PAD_CLASS = {
 }
 
 
-@register(F.pad, torch._C._nn.pad, grid=True)
+@register(F.pad, torch._C._nn.pad, grid=True, spectral=True)
 def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = bind_args(
         args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None}
@@ -141,6 +141,8 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if 2 * k + 1 >= len(pad) or (pad[2 * k] == 0 and pad[2 * k + 1] == 0):
         local = F.pad(x.local, pad, a["mode"], a["value"])
         return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+    if x.spectral:
+        return _pad_modes(func, args, kwargs, x, pad, a)
     if len(pad) > 2 * k + 2:  # pads of dims before the sharded one: local (padding is separable)
         outer = [0] * (2 * k + 2) + pad[2 * k + 2 :]
         local = F.pad(x.local, outer, a["mode"], a["value"])
@@ -161,6 +163,33 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     mod = module_with(cls, **attrs)
     # the wrapper counts the sharded dim from the end; it must be one of the padded dims
     return run_layer(func, args, kwargs, mod, x)
+
+
+def _pad_modes(
+    func: Any, args: Any, kwargs: Any, x: ShardedTensor, pad: list[int], a: dict[str, Any]
+) -> Any:
+    """A constant pad of a spectrum of blocks along its modes (zeroed modes added back after
+    a truncation): the first rank's part grows by the pad before, the last rank's by the pad
+    after, no message; the cut stays a band of the domain group. A field's pads (reflect,
+    replicate, circular) mean nothing there and are refused."""
+    k = x.dim() - 1 - x.shard_dim
+    before, after = pad[2 * k], pad[2 * k + 1]
+    if a["mode"] != "constant" or min(before, after) < 0:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            f"a {a['mode']} pad of {(before, after)} along the modes of a spectrum of blocks",
+            "pad the modes with zeros (mode='constant', non-negative pads), or transform back",
+        )
+    mine = list(pad)
+    mine[2 * k] = before if x.rank == 0 else 0
+    mine[2 * k + 1] = after if x.rank == x.spec.parts - 1 else 0
+    sizes = list(x.spec.sizes)
+    sizes[0] += before
+    sizes[-1] += after
+    local = F.pad(x.local, mine, "constant", a["value"])
+    return ShardedTensor(local, ShardSpec(tuple(sizes)), x.shard_dim, x.manager, spectral=True)
 
 
 def _pad_block(

@@ -48,7 +48,8 @@ def gm(request):
 
 class Transforms(nn.Module):
     """Each transform and its inverse with a learned filter between: rfft2 / irfft2 with s=
-    (complex weights of the global mode shape), fft2 / ifft2, rfftn / irfftn over the two cut
+    (complex weights of the global mode shape; modes truncated by a slice and zero-padded
+    back by F.pad), fft2 / ifft2, rfftn / irfftn over the two cut
     dims, a 1-D transform along each cut dim, a 1-D transform along the modes of a spectrum,
     and an fft2 of a spectrum reduced to one number."""
 
@@ -61,6 +62,8 @@ class Transforms(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         X = torch.fft.rfft2(x, norm="ortho")
         y = torch.fft.irfft2(X * torch.view_as_complex(self.w2), s=(H, W), norm="ortho")
+        kept = F.pad(X[..., 1:, :6], (0, 5, 1, 0))  # modes truncated, zero-padded back
+        y = y + torch.fft.irfft2(kept * torch.view_as_complex(self.w2), s=(H, W))
         y = y + torch.fft.ifft2(torch.fft.fft2(x) * 0.5j).real
         Z = torch.fft.rfftn(x, dim=(-2, -1))
         y = y + torch.fft.irfftn(torch.fft.ifft(torch.fft.fft(Z, dim=-1), dim=-1), s=(H, W))
