@@ -32,6 +32,7 @@ from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import blocks_refused
 from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local, block_batch_local
+from mpidp.sharded.block_layout import spectral_call
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -40,7 +41,6 @@ from mpidp.sharded.tensor import (
     has_sharded,
     replicated,
     shard,
-    spectral_call,
 )
 from mpidp.sharded.walk import leaves
 from mpidp.sharded.where import relocated

@@ -27,8 +27,7 @@ Gradients, the rule (docs/sharded_tensor.md):
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -63,9 +62,6 @@ _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
 #: set once the process makes a block ShardedTensor: until then dispatch never looks for one
 GRID_SEEN: list[bool] = []
-#: non-empty while dispatch runs a call on a spectrum of blocks (:func:`spectral_call`): the
-#: bands its handlers make are bands of modes over the domain group, like their input
-_SPECTRAL_CALL: list[bool] = []
 
 Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -91,18 +87,6 @@ def use_dispatcher(dispatch: Dispatcher) -> None:
 def has_sharded(args: Any, kwargs: Any) -> bool:
     """Whether a ShardedTensor is among a call's arguments."""
     return holds(args, ShardedTensor) or holds(kwargs, ShardedTensor)
-
-
-@contextlib.contextmanager
-def spectral_call() -> Iterator[None]:
-    """While it is open, the bands made on a grid that cuts the longitude are bands of modes
-    (:attr:`ShardedTensor.spectral`): dispatch opens it around a call on a spectrum of blocks,
-    whose band rules make bands of the same domain group as their input."""
-    _SPECTRAL_CALL.append(True)
-    try:
-        yield
-    finally:
-        _SPECTRAL_CALL.pop()
 
 
 def on_first(turn_on: Any) -> None:
@@ -152,7 +136,7 @@ class ShardedTensor(torch.Tensor):
             if not GRID_SEEN:
                 GRID_SEEN.append(True)
         elif manager._blocks:  # every ShardedTensor is made here: band code meeting blocks
-            if not (spectral or _SPECTRAL_CALL):  # only a spectrum's modes are a band there
+            if not (spectral or bl.SPECTRAL_CALL):  # only a spectrum's modes are a band there
                 raise blocks_refused(manager, "a band ShardedTensor")
             spectral = True
         else:
@@ -230,12 +214,10 @@ class ShardedTensor(torch.Tensor):
 
     @property
     def spectral(self) -> bool:
-        """Whether this is a band of modes of a spectrum of blocks: ``torch.fft.rfft2`` (or
-        ``fft2``) of a block gives every H frequency and the W modes cut over the whole domain
-        group in domain rank order (:mod:`mpidp.ops.fft`), on a grid that cuts the longitude,
-        and so does what is computed from it. Never a spatial band or block: dispatch runs the
-        band rules that read no field (element-wise, slices, products, reductions) and the
-        inverse transforms back to blocks on it, and refuses the layers."""
+        """Whether this is a band of modes of a spectrum of blocks (``torch.fft.rfft2`` of a
+        block, or computed from one): the W modes cut over the whole domain group, never a
+        field; dispatch runs on it the band rules that read no field and the inverse
+        transforms, and refuses the layers (:mod:`mpidp.sharded.fft`)."""
         return self._spectral
 
     def like(
