@@ -17,9 +17,8 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "supported.md"
 
 _FAMILY = {
     # every layer handler is registered through mpidp.sharded.layer_calls.register
-    "mpidp.sharded.layer_calls": (
-        "layers (convolution, padding, interpolation, pooling, norms, FFT)"
-    ),
+    "mpidp.sharded.layer_calls": "layers (convolution, padding, interpolation, pooling, norms)",
+    "mpidp.sharded.fft": "FFTs (the distributed transforms of mpidp.ops.fft)",
     "mpidp.sharded.pointwise": "element-wise, tensor attributes, autograd",
     "mpidp.sharded.reductions": "reductions",
     "mpidp.sharded.shapes": "reshapes, dim moves, new tensors",

@@ -8,6 +8,7 @@ file, made once, when the package is imported.
 """
 
 from mpidp.sharded import dispatch as _dispatch
+from mpidp.sharded import fft as _fft  # noqa: F401
 from mpidp.sharded import function as _function  # noqa: F401  (wraps Function.apply at the first ShardedTensor)
 from mpidp.sharded import grid as _grid  # noqa: F401  (after pointwise: the handlers of blocks)
 from mpidp.sharded import join as _join  # noqa: F401

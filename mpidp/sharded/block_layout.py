@@ -6,12 +6,14 @@ A block ShardedTensor is cut along its latitude dim by ``grid.lat`` over the lat
 and along its longitude dim by ``grid.lon`` over the longitude row (a
 :class:`~mpidp.runtime.grid.BlockSpec` with non-negative dims). Bands are the grid ``(P, 1)``:
 on a manager whose longitude is not cut, these give no block (the caller makes a band).
+The spectrum of blocks is a band of modes over the domain group (:func:`spectral_call`).
 Below :mod:`mpidp.sharded.tensor`: it builds no ShardedTensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +24,31 @@ from mpidp.runtime.grid import BlockSpec, axis_transport
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
 
-__all__ = ["block_of", "blocks_of_parts", "check_block", "is_pair", "whole_of"]
+__all__ = [
+    "SPECTRAL_CALL",
+    "block_of",
+    "blocks_of_parts",
+    "check_block",
+    "is_pair",
+    "spectral_call",
+    "whole_of",
+]
+
+#: non-empty while dispatch runs a call on a spectrum of blocks (:func:`spectral_call`): the
+#: bands its handlers make are bands of modes over the domain group, like their input
+SPECTRAL_CALL: list[bool] = []
+
+
+@contextlib.contextmanager
+def spectral_call() -> Iterator[None]:
+    """While it is open, the bands made on a grid that cuts the longitude are bands of modes
+    (:attr:`~mpidp.ShardedTensor.spectral`): dispatch opens it around a call on a spectrum of
+    blocks, whose band rules make bands of the same domain group as their input."""
+    SPECTRAL_CALL.append(True)
+    try:
+        yield
+    finally:
+        SPECTRAL_CALL.pop()
 
 
 def is_pair(dim: Any) -> bool:

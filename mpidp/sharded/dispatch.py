@@ -32,6 +32,7 @@ from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import blocks_refused
 from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local, block_batch_local
+from mpidp.sharded.block_layout import spectral_call
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -214,6 +215,8 @@ def describe(args: Any, kwargs: Any) -> str:
             blocks = f" in {a.blocks} blocks" if a.blocks > 1 else ""
             if a.grid is not None:
                 blocks += f" and along dim {a.grid.dims[1]} {list(a.grid.lon.sizes)}"
+            if a.spectral:
+                blocks += " (a spectrum of blocks)"
             return (
                 f"ShardedTensor{tuple(a.shape)} sharded along dim {a.shard_dim} "
                 f"{list(a.spec.sizes)}{blocks}"
@@ -316,10 +319,23 @@ def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if GRID_SEEN:  # (no block was ever made: nothing to look for)
-        block = next((a for a in leaves((args, kwargs)) if _is_block(a)), None)
+    if GRID_SEEN:  # (no block was ever made: nothing to look for, no spectrum of one)
+        found = [a for a in leaves((args, kwargs)) if isinstance(a, ShardedTensor)]
+        block = next((a for a in found if a.grid is not None), None)
         if block is not None:
             return _grid_dispatch(func, args, kwargs, block)
+        if any(a.spectral for a in found):  # the band rules, over the domain group
+            with spectral_call():
+                return _band_dispatch(func, args, kwargs, spectral=True)
+    return _band_dispatch(func, args, kwargs)
+
+
+def _band_dispatch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], spectral: bool = False
+) -> Any:
+    """A call on bands: the batch rule, the handler, the gathering fallback, or refused. On a
+    spectrum of blocks (``spectral``) the handlers that run a layer refuse it themselves
+    (:func:`mpidp.sharded.layer_calls.register`), and there is no fallback."""
     out = batch_local(func, args, kwargs)
     if out is not NOT_LOCAL:
         return out
@@ -335,6 +351,16 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 "unflatten the dim back (reshape/view to the separate dims) before the call",
             )
         return handler(func, args, kwargs)
+    if spectral:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "mpidp has no rule for this function on the spectrum of blocks (a band of modes "
+            "over the domain group)",
+            "transform back to blocks first (torch.fft.irfft2 / ifft2), or gather the "
+            "spectrum (.full_tensor())",
+        )
     if _FALLBACK["on"]:
         return _gather_fallback(func, args, kwargs)
     raise refuse(
@@ -349,15 +375,21 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
-def _is_block(a: Any) -> bool:
-    return isinstance(a, ShardedTensor) and a.grid is not None
-
-
 def _grid_dispatch(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block: ShardedTensor
 ) -> Any:
     """A call with a latitude x longitude block: its block handler, a band handler that takes
     blocks, the gathering fallback, or refused on every rank alike (before any message)."""
+    if any(isinstance(a, ShardedTensor) and a.spectral for a in leaves((args, kwargs))):
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "a spectrum of blocks (its modes cut over the whole domain group) meets a block "
+            "(a field cut into rows x columns): no rank holds matching parts of both",
+            "transform the spectrum back to blocks first (torch.fft.irfft2 / ifft2), or "
+            "gather one of them (.full_tensor())",
+        )
     out = block_batch_local(func, args, kwargs)
     if out is not NOT_LOCAL:
         return out

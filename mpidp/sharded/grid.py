@@ -268,7 +268,16 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 break
     if at is None or math.prod(new) != math.prod(old):
         raise refuse(
-            func, args, kwargs, "a reshape that merges or splits a cut dim", "keep H and W whole"
+            func,
+            args,
+            kwargs,
+            "a reshape that merges or splits a cut dim (H and W flattened into tokens give "
+            "this rank its rows x columns, tokens in neither band nor block order, so "
+            "attention over every token, nn.MultiheadAttention or "
+            "F.scaled_dot_product_attention, is not computed on blocks)",
+            "keep H and W whole; for attention use windows (a converted SwinBlock or window "
+            "attention, exact on blocks), bands (mpidp.init(domain_parallel_size=P): the "
+            "tokens are a band and attention is exact), or gather (.full_tensor())",
         )
     local_shape = list(new)
     local_shape[at : at + 2] = x.local.shape[lat : lat + 2]

@@ -33,14 +33,17 @@ __all__ = [
     "module_with",
     "register",
     "run_layer",
+    "spectrum_refused",
 ]
 
 
-def register(*funcs: Any, grid: bool = False) -> Any:
+def register(*funcs: Any, grid: bool = False, spectral: bool = False) -> Any:
     """:func:`mpidp.sharded.register` for the functions of this module, whose input (the
-    first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) is
-    refused before the handler runs. ``grid``: it takes latitude x longitude blocks too (its
-    work done by :func:`run_layer`)."""
+    first argument) is the band: one whose input is not a ShardedTensor (a sharded weight) or,
+    unless ``spectral``, is a spectrum of blocks (:attr:`~mpidp.ShardedTensor.spectral`: the
+    layers would take its band of modes for rows of the field) is refused before the handler
+    runs. ``grid``: it takes latitude x longitude blocks too (its work done by
+    :func:`run_layer`). ``spectral``: the handler takes spectra itself, never to a layer."""
 
     def deco(handler: Handler) -> Handler:
         def checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -53,12 +56,27 @@ def register(*funcs: Any, grid: bool = False) -> Any:
                     "its input is not a band (a sharded weight or other argument)",
                     "shard the input, not the weights; or gather them (.full_tensor())",
                 )
+            if x.spectral and not spectral:
+                raise spectrum_refused(func, args, kwargs)
             return handler(func, args, kwargs)
 
         _register(*funcs, grid=grid)(checked)
         return handler
 
     return deco
+
+
+def spectrum_refused(func: Any, args: Any, kwargs: Any) -> Exception:
+    """The refusal of a layer (``func``, or a module) called on a spectrum of blocks."""
+    return refuse(
+        func,
+        args,
+        kwargs,
+        "its input is a spectrum of blocks (the modes cut over the whole domain group), and "
+        "this layer reads a field cut into rows and columns",
+        "transform back to blocks first (torch.fft.irfft2 / ifft2), or gather the spectrum "
+        "(.full_tensor())",
+    )
 
 
 def _meta(a: Any) -> Any:

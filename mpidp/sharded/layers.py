@@ -1,4 +1,4 @@
-"""Handlers: convolutions, padding, interpolation, pixel shuffles and FFTs, through the same
+"""Handlers: convolutions, padding, interpolation and pixel shuffles, through the same
 code as the converted layers (one implementation, two front ends); pooling and normalisation
 are in :mod:`mpidp.sharded.pooling` and :mod:`mpidp.sharded.norms`, the plumbing they share in
 :mod:`mpidp.sharded.layer_calls`.
@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mpidp.ops.fft as dfft
 from mpidp.layers.base import DomainParallel, known_spec
 from mpidp.layers.interpolate import interpolate as band_interpolate
 from mpidp.layers.shuffle import shuffle, unshuffle
@@ -34,7 +33,7 @@ from mpidp.sharded.layer_calls import (
     register,
     run_layer,
 )
-from mpidp.sharded.rows import move_to_dim, to_spec
+from mpidp.sharded.rows import to_spec
 from mpidp.sharded.shapes import _aligned
 from mpidp.sharded.tensor import ShardedTensor
 
@@ -130,7 +129,7 @@ _PAD_CLASS = {
 }
 
 
-@register(F.pad, torch._C._nn.pad, grid=True)
+@register(F.pad, torch._C._nn.pad, grid=True, spectral=True)
 def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a = bind_args(
         args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None}
@@ -142,6 +141,8 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if 2 * k + 1 >= len(pad) or (pad[2 * k] == 0 and pad[2 * k + 1] == 0):
         local = F.pad(x.local, pad, a["mode"], a["value"])
         return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
+    if x.spectral:
+        return _pad_modes(func, args, kwargs, x, pad, a)
     if len(pad) > 2 * k + 2:  # pads of dims before the sharded one: local (padding is separable)
         outer = [0] * (2 * k + 2) + pad[2 * k + 2 :]
         local = F.pad(x.local, outer, a["mode"], a["value"])
@@ -162,6 +163,33 @@ def _pad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     mod = module_with(cls, **attrs)
     # the wrapper counts the sharded dim from the end; it must be one of the padded dims
     return run_layer(func, args, kwargs, mod, x)
+
+
+def _pad_modes(
+    func: Any, args: Any, kwargs: Any, x: ShardedTensor, pad: list[int], a: dict[str, Any]
+) -> Any:
+    """A constant pad of a spectrum of blocks along its modes (zeroed modes added back after
+    a truncation): the first rank's part grows by the pad before, the last rank's by the pad
+    after, no message; the cut stays a band of the domain group. A field's pads (reflect,
+    replicate, circular) mean nothing there and are refused."""
+    k = x.dim() - 1 - x.shard_dim
+    before, after = pad[2 * k], pad[2 * k + 1]
+    if a["mode"] != "constant" or min(before, after) < 0:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            f"a {a['mode']} pad of {(before, after)} along the modes of a spectrum of blocks",
+            "pad the modes with zeros (mode='constant', non-negative pads), or transform back",
+        )
+    mine = list(pad)
+    mine[2 * k] = before if x.rank == 0 else 0
+    mine[2 * k + 1] = after if x.rank == x.spec.parts - 1 else 0
+    sizes = list(x.spec.sizes)
+    sizes[0] += before
+    sizes[-1] += after
+    local = F.pad(x.local, mine, "constant", a["value"])
+    return ShardedTensor(local, ShardSpec(tuple(sizes)), x.shard_dim, x.manager, spectral=True)
 
 
 def _pad_block(
@@ -286,58 +314,3 @@ def _shuffle_along_w(func: Any, x: ShardedTensor, r: int) -> ShardedTensor:
         sizes = tuple(n // r for n in x.spec.sizes)
     out = (shuffle if func is F.pixel_shuffle else unshuffle)(x.local, r)
     return ShardedTensor(out, ShardSpec(sizes), out.dim() - 1, x.manager)
-
-
-# -- FFTs ------------------------------------------------------------------------------------------
-
-_FFT2 = {
-    torch.fft.rfft2: (dfft.rfft2, True),
-    torch.fft.fft2: (dfft.fft2, True),
-    torch.fft.irfft2: (dfft.irfft2, False),
-    torch.fft.ifft2: (dfft.ifft2, False),
-}
-_FFT1 = {
-    torch.fft.rfft: dfft.rfft,
-    torch.fft.irfft: dfft.irfft,
-    torch.fft.fft: dfft.fft,
-    torch.fft.ifft: dfft.ifft,
-}
-
-
-@register(*_FFT2)
-def _fft2(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    a = bind_args(
-        args, kwargs, ("input", "s", "dim", "norm"), {"s": None, "dim": (-2, -1), "norm": None}
-    )
-    x = a["input"]
-    nd = x.dim()
-    dims = [int(i) % nd for i in a["dim"]]
-    fn, forward = _FFT2[func]
-    if x.shard_dim not in dims:
-        local = func(x.local, a["s"], a["dim"], a["norm"])
-        return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
-    # the forward transforms want bands along dim[0]; the inverse the modes along dim[1]
-    want = dims[0] if forward else dims[1]
-    if x.shard_dim != want:
-        x = move_to_dim(x, want)
-    m = x.manager
-    y = fn(x.local, a["s"], a["dim"], a["norm"], manager=m, spec=x.spec, shard_dim=dims[0] - nd)
-    if forward:
-        lay = dfft.layout(y)
-        return ShardedTensor(y, lay.spec, y.dim() + lay.dim, m)
-    n_out = meta_result(func, args, kwargs)[dims[0]]
-    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), dims[0], m)
-
-
-@register(*_FFT1)
-def _fft1(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    a = bind_args(args, kwargs, ("input", "n", "dim", "norm"), {"n": None, "dim": -1, "norm": None})
-    x = a["input"]
-    d = int(a["dim"]) % x.dim()
-    if d != x.shard_dim:
-        local = func(x.local, a["n"], d, a["norm"])
-        return ShardedTensor(local, x.spec, x.shard_dim, x.manager)
-    m = x.manager
-    y = _FFT1[func](x.local, a["n"], d, a["norm"], manager=m, spec=x.spec, shard_dim=d)
-    n_out = meta_result(func, args, kwargs)[d]
-    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), d, m)

@@ -35,6 +35,7 @@ from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_for
 from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
+from mpidp.sharded.layer_calls import spectrum_refused
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
 from mpidp.sharded.where import entered, relocated
@@ -110,6 +111,8 @@ def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict
 def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     sharded = _sharded(args, kwargs)
     ref = sharded[0]
+    if any(a.spectral for a in sharded):
+        raise spectrum_refused(type(layer), args, kwargs)
     t = ref.transport
     if any(a.blocks > 1 for a in sharded):  # blocks merged before the band: op by op
         return torch_forward(layer)(layer, *args, **kwargs)

@@ -335,7 +335,7 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
     shape = x.shape
     x.__class__ = ShardedTensor
     x._local, x._spec, x._dim, x._manager, x._blocks = band, spec, d, m, 1
-    x._shape = shape
+    x._shape, x._spectral = shape, value.spectral  # (a spectrum's modes: a band of modes)
     return x
 
 

@@ -115,6 +115,7 @@ class ShardedTensor(torch.Tensor):
     _blocks: int
     _shape: torch.Size
     _grid: BlockSpec | None = None  # a band, unless __new__ (or a copy of a block) sets it
+    _spectral: bool = False  # a band of modes of a spectrum of blocks (see :attr:`spectral`)
 
     @staticmethod
     def __new__(
@@ -125,22 +126,28 @@ class ShardedTensor(torch.Tensor):
         manager: DistributedManager,
         blocks: int = 1,
         grid: BlockSpec | None = None,
+        spectral: bool = False,
     ) -> ShardedTensor:
         shape = list(local.shape)
         if grid is not None:  # a block: spec and dim are its latitude's
             spec, dim = grid.lat, grid.dims[0]
             shape[grid.dims[1]] = grid.lon.total
+            spectral = False
             if not GRID_SEEN:
                 GRID_SEEN.append(True)
         elif manager._blocks:  # every ShardedTensor is made here: band code meeting blocks
-            raise blocks_refused(manager, "a band ShardedTensor")
+            if not (spectral or bl.SPECTRAL_CALL):  # only a spectrum's modes are a band there
+                raise blocks_refused(manager, "a band ShardedTensor")
+            spectral = True
+        else:
+            spectral = False
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, spec, dim, manager
         out._shape = torch.Size(shape)
-        out._blocks, out._grid = blocks, grid
+        out._blocks, out._grid, out._spectral = blocks, grid, spectral
         if not _FIRST_DONE:
             _FIRST_DONE.append(True)
             for turn_on in _ON_FIRST:
@@ -205,11 +212,19 @@ class ShardedTensor(torch.Tensor):
         None for a band."""
         return self._grid
 
+    @property
+    def spectral(self) -> bool:
+        """Whether this is a band of modes of a spectrum of blocks (``torch.fft.rfft2`` of a
+        block, or computed from one): the W modes cut over the whole domain group, never a
+        field; dispatch runs on it the band rules that read no field and the inverse
+        transforms, and refuses the layers (:mod:`mpidp.sharded.fft`)."""
+        return self._spectral
+
     def like(
         self, local: torch.Tensor, dim: int | None = None, spec: ShardSpec | None = None
     ) -> ShardedTensor:
-        """``local`` with this tensor's layout (partition, blocks, grid), sharded along ``dim``
-        (a block keeps its grid only with its own dim and spec)."""
+        """``local`` with this tensor's layout (partition, blocks, grid, spectral), sharded
+        along ``dim`` (a block keeps its grid only with its own dim and spec)."""
         same = (dim is None or dim == self._dim) and (spec is None or spec == self._spec)
         return ShardedTensor(
             local,
@@ -218,6 +233,7 @@ class ShardedTensor(torch.Tensor):
             self._manager,
             self._blocks,
             self._grid if same else None,
+            self._spectral,
         )
 
     def same_layout(self, local: torch.Tensor) -> ShardedTensor:
@@ -230,6 +246,7 @@ class ShardedTensor(torch.Tensor):
         )
         out._local, out._spec, out._dim, out._manager = local, self._spec, self._dim, self._manager
         out._shape, out._blocks, out._grid = self._shape, self._blocks, self._grid
+        out._spectral = self._spectral
         return out
 
     def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -268,6 +285,8 @@ class ShardedTensor(torch.Tensor):
         blocks = f", blocks={self._blocks}" if self._blocks > 1 else ""
         if self._grid is not None:
             blocks += f", lon_dim={self._grid.dims[1]}, lon_spec={list(self._grid.lon.sizes)}"
+        if self._spectral:
+            blocks += ", spectral=True"
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, shard_dim={self._dim}, "
             f"spec={list(self._spec.sizes)}{blocks}, rank={self.rank}, local=\n{self._local!r})"
