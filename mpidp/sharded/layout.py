@@ -15,9 +15,9 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from mpidp.errors import ConfigError
-from mpidp.ops.collectives import reduce_from
-from mpidp.runtime.adopt import manager_for
-from mpidp.runtime.grid import blocks_refused
+from mpidp.ops.collectives import all_gather_v_replicated, reduce_from
+from mpidp.runtime.adopt import axis_manager, manager_for, mesh_ndim
+from mpidp.runtime.grid import AXES, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded.rows import move_to_dim, to_spec
@@ -173,6 +173,48 @@ def to_dtensor(x: Any) -> Any:
     )
 
 
+def _on_mesh2d(x: Any, device_mesh: Any, placements: tuple[Any, ...]) -> Any:
+    """A tensor on its 2-D mesh in DTensor's ``placements`` there. A block: ``(Shard(h),
+    Shard(w))`` itself; ``(Shard(h), Replicate())`` the band along ``h`` over mesh dim 0's
+    group, the columns all-gathered along the longitude row; ``(Replicate(), Shard(w))`` the
+    converse; ``(Replicate(), Replicate())`` the whole tensor. Every rank of the gathering
+    axis then holds the same band and computes the same from it (the replicated downstream:
+    the backward hands each rank its own block's gradient once). A band (the mesh ``(P, 1)``)
+    stays itself while mesh dim 0 cuts its dim, else becomes the whole tensor. Collective
+    along the gathering axis."""
+    m, ndim = x._manager, x._local.dim()
+    if device_mesh is not None:
+        other = manager_of(device_mesh)
+        if (other.domain_ranks, other.grid) != (m.domain_ranks, m.grid):
+            raise ConfigError(
+                f"rank {x.rank}: redistribute to another mesh: a ShardedTensor stays on its "
+                f"mesh; pass device_mesh=None or x.device_mesh"
+            )
+    want = tuple(p.dim % ndim if isinstance(p, Shard) else p for p in placements)
+    g = x._grid
+    dims = g.dims if g is not None else (x._dim, None)
+    if len(want) == 2 and want[0] == Replicate() and isinstance(want[1], (int, Replicate)):
+        if g is None or want[1] == Replicate():
+            return x.full_tensor()
+    if len(want) == 2 and want[0] == dims[0] and want[1] != dims[0]:
+        if g is None or want[1] == g.dims[1]:
+            return x
+    for k, axis in enumerate(AXES):
+        if g is not None and want == tuple(
+            Replicate() if j == k else d for j, d in enumerate(dims)
+        ):
+            cut, kept = (g.lat, g.lon), 1 - k
+            t = axis_transport(m, axis, x._local.device)
+            band = all_gather_v_replicated(x._local, cut[k], g.dims[k], group=t)
+            return type(x)(band, cut[kept], g.dims[kept], axis_manager(m, kept))
+    raise ConfigError(
+        f"rank {x.rank}: redistribute of a tensor cut along dims {dims} on a 2-D mesh "
+        f"{m.grid} to {placements}: it goes to (Shard({dims[0]}), Shard(w)), "
+        f"(Shard({dims[0]}), Replicate()), (Replicate(), Shard(w)) or (Replicate(), "
+        f"Replicate()), w its longitude dim; pass one of those"
+    )
+
+
 def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
     """The sharded dim of a DTensor ``Shard(d)`` on a 1-D mesh and its global length."""
     placements = tuple(dt.placements)
@@ -188,6 +230,8 @@ def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
 def redistribute(x: Any, device_mesh: Any, placements: Any, spec: Any, dim: int | None) -> Any:
     """The body of :meth:`mpidp.ShardedTensor.redistribute` (its docstring says what it does).
     Collective."""
+    if mesh_ndim(x._manager) == 2 and placements is not None and spec is dim is None:
+        return _on_mesh2d(x, device_mesh, tuple(placements))
     if x._grid is not None:
         raise blocks_refused(x._manager, "redistribute of a block ShardedTensor")
     if device_mesh is not None and manager_of(device_mesh).domain_ranks != x._manager.domain_ranks:

@@ -38,6 +38,7 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.ops.functions import _call, _Shard
+from mpidp.runtime.adopt import mesh_ndim
 from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
@@ -342,7 +343,12 @@ class ShardedTensor(torch.Tensor):
     @property
     def placements(self) -> tuple[Any, ...]:
         """DTensor's placements on :attr:`device_mesh`: ``(Shard(shard_dim),)``, or
-        ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band."""
+        ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band;
+        on an adopted 2-D mesh a block's ``(Shard(lat_dim), Shard(lon_dim))``, a band's (the
+        mesh ``(P, 1)``) ``(Shard(shard_dim), Replicate())``."""
+        if mesh_ndim(self._manager) == 2:  # a 2-D mesh's block, or band when it is (P, 1)
+            g = self._grid
+            return (Shard(self._dim), Shard(g.dims[1]) if g is not None else Replicate())
         if self._blocks == 1:
             return (Shard(self._dim),)
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -351,7 +357,7 @@ class ShardedTensor(torch.Tensor):
 
     @property
     def device_mesh(self) -> Any:
-        """The manager's 1-D domain mesh (a torch DeviceMesh)."""
+        """The manager's domain mesh (a torch DeviceMesh: 1-D, or the 2-D mesh adopted)."""
         return self._manager.domain_mesh
 
     def offsets(self, mesh_dim: int | None = None) -> list[int] | int:
