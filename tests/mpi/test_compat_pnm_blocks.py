@@ -55,7 +55,8 @@ def mesh(request, pnm):
 
 
 class Net(nn.Module):
-    """Zero and circular padding, GroupNorm, a stride-2 conv (13 x 20 -> 7 x 10)."""
+    """Zero and circular padding, GroupNorm, a stride-2 conv (13 x 20 -> 7 x 10), and a head
+    on the gathered field (a parameter used on a value every rank holds)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,6 +65,7 @@ class Net(nn.Module):
         self.circ = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
         self.norm = nn.GroupNorm(2, 4)
         self.down = nn.Conv2d(4, 3, 3, stride=2, padding=1)
+        self.head = nn.Linear(10, 2)
 
     def forward(self, x):
         return self.down(torch.tanh(self.norm(self.circ(self.zero(x)))))
@@ -73,7 +75,7 @@ def recipe(x, net, w):
     """The sharded forward, a weighted loss on the blocks and one on the gathered field."""
     y = net(x)
     full = y.full_tensor() if isinstance(y, ShardTensor) else y
-    return (y * w).mean() + full.pow(2).sum() / 7, full
+    return (y * w).mean() + net.head(full).pow(2).sum() / 7, full
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,10 @@ def test_from_local_sizes_full_tensor_and_redistribute(mesh, serial):
     band = learned.redistribute(mesh, (Shard(2), Replicate()))
     strip = learned.redistribute(mesh, (Replicate(), Shard(3)))
     whole = learned.redistribute(mesh, (Replicate(), Replicate()))
-    (band.full_tensor().sum() + 2 * strip.full_tensor().sum() + 3 * whole.sum()).backward()
+    back = band.redistribute(mesh, (Shard(2), Shard(3)))  # the columns cut again, balanced
+    up = strip.redistribute(mesh, (Shard(2), Shard(3)))
+    sums = [band.full_tensor(), strip.full_tensor(), whole, back.full_tensor(), up.full_tensor()]
+    sum(k * s.sum() for k, s in enumerate(sums, 1)).backward()
     failed = [
         name
         for name, ok in [
@@ -148,8 +153,10 @@ def test_from_local_sizes_full_tensor_and_redistribute(mesh, serial):
             ("band", rel(band.to_local(), x[:, :, sum(lat[:i]) : sum(lat[: i + 1])]) == 0),
             ("strip", rel(strip.to_local(), x[..., sum(lon[:j]) : sum(lon[: j + 1])]) == 0),
             ("whole", rel(whole.to_local(), x) == 0),
+            ("back", rel(sums[3], x) == 0 and rel(sums[4], x) == 0),
+            ("back cut", back.placements == learned.placements and up.shape == x.shape),
             ("placements", learned.placements in [(Shard(2), Shard(3)), (Shard(2), Replicate())]),
-            ("gradient", rel(learned.to_local().grad, torch.full_like(block, 6.0)) == 0),
+            ("gradient", rel(learned.to_local().grad, torch.full_like(block, 15.0)) == 0),
         ]
         if not ok
     ]
