@@ -361,13 +361,21 @@ class ShardedTensor(torch.Tensor):
         return self._manager.domain_mesh
 
     def offsets(self, mesh_dim: int | None = None) -> list[int] | int:
-        """This rank's first row along the sharded dim, per mesh dim (``[start]``), or for
-        ``mesh_dim`` 0 alone."""
+        """This rank's first row along the sharded dim, per mesh dim (``[start]``; on a 2-D
+        mesh ``[first row, first column]`` of its block), or for ``mesh_dim`` alone."""
+        g = self._grid
+        i, j = g.coords(self.rank) if g is not None else (self.rank, 0)
+        offs = [
+            self._spec.start(i),
+            *([g.lon.start(j) if g else 0] * (mesh_ndim(self._manager) - 1)),
+        ]
         if mesh_dim is None:
-            return [self.start]
-        if mesh_dim not in (0, -1):
-            raise ConfigError(f"rank {self.rank}: offsets(mesh_dim={mesh_dim}): the mesh is 1-D")
-        return self.start
+            return offs
+        if not -len(offs) <= mesh_dim < len(offs):
+            raise ConfigError(
+                f"rank {self.rank}: offsets(mesh_dim={mesh_dim}): the mesh is {len(offs)}-D"
+            )
+        return offs[mesh_dim]
 
     def full_tensor(self, *, grad_placements: Sequence[Any] | None = None) -> Replicated:
         """The whole tensor on every rank (an all-gather; differentiable: the gradient of

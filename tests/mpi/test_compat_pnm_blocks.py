@@ -26,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 import mpidp
 from mpidp.compat.physicsnemo.distributed import DistributedManager
 from mpidp.compat.physicsnemo.domain_parallel import ShardTensor, scatter_tensor
+from mpidp.sharded.layout import chunk_spec
 
 pytestmark = pytest.mark.mpi
 
@@ -135,6 +136,9 @@ def test_from_local_sizes_full_tensor_and_redistribute(mesh, serial):
     shapes = {0: [(2, 2, r, lon[j]) for r in lat], 1: [(2, 2, lat[i], c) for c in lon]}
     told = ShardTensor.from_local(block, mesh, (Shard(2), Shard(3)), sharding_shapes=shapes)
     learned = ShardTensor.from_local(block.clone().requires_grad_(), mesh, (Shard(2), Shard(3)))
+    ch, cw = chunk_spec(H, mesh.size(0)), chunk_spec(W, mesh.size(1))
+    piece = x[:, :, ch.slice(i), cw.slice(j)]  # torch.chunk's block: "chunk" needs no message
+    chunked = ShardTensor.from_local(piece, mesh, (Shard(2), Shard(3)), "chunk", x.shape)
     band = learned.redistribute(mesh, (Shard(2), Replicate()))
     strip = learned.redistribute(mesh, (Replicate(), Shard(3)))
     whole = learned.redistribute(mesh, (Replicate(), Replicate()))
@@ -150,12 +154,14 @@ def test_from_local_sizes_full_tensor_and_redistribute(mesh, serial):
             ("columns", told.grid is None or told.grid.lon.sizes == tuple(lon)),
             ("told", rel(told.full_tensor(), x) == 0),
             ("learned", rel(learned.full_tensor(), x) == 0),
+            ("chunk", rel(chunked.full_tensor(), x) == 0),
             ("band", rel(band.to_local(), x[:, :, sum(lat[:i]) : sum(lat[: i + 1])]) == 0),
             ("strip", rel(strip.to_local(), x[..., sum(lon[:j]) : sum(lon[: j + 1])]) == 0),
             ("whole", rel(whole.to_local(), x) == 0),
             ("back", rel(sums[3], x) == 0 and rel(sums[4], x) == 0),
             ("back cut", back.placements == learned.placements and up.shape == x.shape),
             ("placements", learned.placements in [(Shard(2), Shard(3)), (Shard(2), Replicate())]),
+            ("offsets", told.offsets() == [sum(lat[:i]), sum(lon[:j])]),
             ("gradient", rel(learned.to_local().grad, torch.full_like(block, 15.0)) == 0),
         ]
         if not ok
