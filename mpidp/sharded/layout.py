@@ -184,7 +184,7 @@ def _on_mesh2d(x: Any, device_mesh: Any, placements: tuple[Any, ...]) -> Any:
     is the block whose columns one rank holds. Collective along the gathering axis."""
     m, ndim = x._manager, x._local.dim()
     if device_mesh is not None:
-        other = manager_of(device_mesh)
+        other = manager_of(device_mesh, gradients=m.gradients)  # (m itself, when it is m's)
         if (other.domain_ranks, other.grid) != (m.domain_ranks, m.grid):
             raise ConfigError(
                 f"rank {x.rank}: redistribute to another mesh: a ShardedTensor stays on its "
