@@ -9,6 +9,13 @@ manager it was made beside (or at :func:`release`). Adopting communicates nothin
 communicator of an adopted group (when MPI runs the job) is made at its first collective,
 which every member of the group calls.
 
+A 2-D mesh (``init_device_mesh(..., (P_lat, P_lon), mesh_dim_names=("lat", "lon"))``, or the
+``mesh["lat", "lon"]`` of a ``(dp, lat, lon)`` mesh) is a grid of blocks
+(:mod:`mpidp.runtime.grid`): its dim 0 is the latitude column, dim 1 the longitude row, its
+ranks row-major the domain ranks. The axis groups are the mesh's own; the communicators and
+the torch group over the whole grid that the mesh lacks are made at their first collective
+(collective over that group's members alone).
+
 ``gradients`` is the convention of the project whose set-up made the group: ``"shares"``
 (mpidp's: a plain tensor used on a band holds this rank's share of its gradient, summed by
 :func:`mpidp.sync_gradients`) or ``"whole"`` (PhysicsNeMo's and DTensor's: every rank holds
@@ -29,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
 from mpidp.runtime.bootstrap import LaunchInfo
-from mpidp.runtime.grid import AXES, axis_transport
+from mpidp.runtime.grid import AXES, GridAxes, axis_transport
 from mpidp.runtime.manager import (
     DEFAULT_TIMEOUT,
     MESH_MANAGERS,
@@ -40,7 +47,15 @@ from mpidp.runtime.manager import (
 from mpidp.runtime.partition import Balanced
 from mpidp.runtime.transports import built_transport
 
-__all__ = ["AdoptedManager", "GRADIENTS", "group_ranks", "manager_for", "release"]
+__all__ = [
+    "AdoptedManager",
+    "GRADIENTS",
+    "axis_manager",
+    "group_ranks",
+    "manager_for",
+    "mesh_ndim",
+    "release",
+]
 
 GRADIENTS = ("shares", "whole")
 _ADOPTED: dict[tuple[Any, ...], AdoptedManager] = {}
@@ -55,11 +70,23 @@ def group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(int(r) for r in dist.get_process_group_ranks(group))
 
 
-def _one_dim(mesh: DeviceMesh, rank: int) -> DeviceMesh:
-    if mesh.ndim != 1:
+def _domain_mesh(mesh: DeviceMesh, rank: int) -> DeviceMesh:
+    """``mesh`` as a domain: bands (1-D) or a grid of blocks (2-D, ranks in row-major order so
+    that each axis group's order is the grid's, as torch orders a group's ranks)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim > 2:
         raise ConfigError(
-            f"rank {rank}: a {mesh.ndim}-D device mesh {tuple(mesh.mesh_dim_names or ())} as "
-            f"the domain: bands are cut over one mesh dim; pass that axis, mesh['name']"
+            f"rank {rank}: a {mesh.ndim}-D device mesh {names} as the domain: a domain is cut "
+            f"over one mesh dim (bands) or two (latitude x longitude blocks), and the other "
+            f"dims (data parallel) hold other samples; pass the domain's dims, e.g. "
+            f"mesh['lat', 'lon'] (and the data-parallel dim to DDP)"
+        )
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if mesh.ndim == 2 and ranks != sorted(ranks):
+        raise ConfigError(
+            f"rank {rank}: the 2-D device mesh {names} holds ranks {ranks}, not in increasing "
+            f"row-major order: its axis groups would order their ranks otherwise than the grid; "
+            f"build the mesh from increasing ranks (init_device_mesh does)"
         )
     return mesh
 
@@ -83,18 +110,46 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
             f"a domain group {domain!r} but torch.distributed is not initialised; initialise "
             f"it first (mpidp.init(), or your project's own set-up)"
         )
-    mesh = _one_dim(domain, dist.get_rank()) if isinstance(domain, DeviceMesh) else None
-    group = mesh.get_group() if mesh is not None else domain
+    mesh = _domain_mesh(domain, dist.get_rank()) if isinstance(domain, DeviceMesh) else None
+    group = _group_of(mesh) if mesh is not None else domain
     ranks = group_ranks(mesh if mesh is not None else group)
     if dist.get_rank() not in ranks:
         raise ConfigError(
             f"rank {dist.get_rank()}: the domain group {list(ranks)} does not hold this rank; "
             f"pass the group (or mesh) this rank belongs to"
         )
+    grid = tuple(mesh.shape) if mesh is not None and mesh.ndim == 2 else None
     for m in _own_managers():
         if m.domain_ranks == ranks and gradients in (None, m.gradients):
-            return m
+            if grid is None or m.grid == grid:
+                return m
     return _adopt(group, mesh, gradients or "shares", None)
+
+
+def _group_of(mesh: DeviceMesh) -> Any:
+    """The torch group over a domain mesh's ranks, when it has one already: a 2-D mesh's
+    axis that holds every rank, or the world; else None (made at the first collective)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    for k in (0, 1):
+        if mesh.size(k) == mesh.size():
+            return mesh.get_group(k)
+    if mesh.size() == dist.get_world_size():  # ranks in order: checked by _domain_mesh
+        return dist.group.WORLD
+    return None
+
+
+def axis_manager(m: DistributedManager, k: int) -> DistributedManager:
+    """The manager of the bands along dim ``k`` of ``m``'s 2-D mesh: that dim's group through
+    this rank (``k`` 0: the latitude column), with ``m``'s gradient convention. Local."""
+    return manager_for(m.domain_mesh.get_group(k), gradients=m.gradients)
+
+
+def mesh_ndim(m: DistributedManager) -> int:
+    """The dims of ``m``'s domain mesh: 2 for an adopted 2-D mesh (placements in pairs), else
+    1. Local."""
+    mesh = getattr(m, "_mesh", None) if isinstance(m, AdoptedManager) else None
+    return 1 if mesh is None else int(mesh.ndim)
 
 
 def _own_managers() -> list[DistributedManager]:
@@ -105,7 +160,11 @@ def _own_managers() -> list[DistributedManager]:
 def _adopt(group: Any, mesh: DeviceMesh | None, gradients: str, base: Any) -> AdoptedManager:
     base = base if base is not None else (get_manager() if is_initialized() else None)
     ranks = group_ranks(mesh if mesh is not None else group)
-    key = (ranks, gradients, id(base), id(group))
+    if mesh is not None and mesh.ndim == 2:  # a sliced mesh is a new object; its groups are not
+        axes = (id(mesh.get_group(0)), id(mesh.get_group(1)))
+        key: tuple[Any, ...] = (ranks, gradients, id(base), *axes)
+    else:
+        key = (ranks, gradients, id(base), id(group))
     made = _ADOPTED.get(key)
     if made is None or made._closed:
         made = _ADOPTED[key] = AdoptedManager(group, ranks, mesh, gradients, base)
@@ -121,11 +180,46 @@ def release() -> None:
     _ADOPTED.clear()
 
 
+class _Comms(dict[str, Any]):
+    """The MPI communicators of a 2-D mesh's axes, each made at its first use."""
+
+    def __init__(self, m: AdoptedManager, ranks: dict[str, tuple[int, ...]]) -> None:
+        super().__init__()
+        self._m, self._ranks = m, ranks
+
+    def __missing__(self, axis: str) -> Any:
+        made = self[axis] = self._m._comm_of(self._ranks[axis])
+        return made
+
+
+class _MeshAxes(GridAxes):
+    """The latitude column (mesh dim 0) and longitude row (mesh dim 1) of an adopted 2-D
+    mesh: the mesh's own groups (the user's, never destroyed here) and MPI communicators made
+    at the first collective along each axis (collective over that axis group alone)."""
+
+    def __init__(self, m: AdoptedManager, mesh: DeviceMesh) -> None:
+        i_lat, i_lon = m.grid_coords
+        grid = mesh.mesh.reshape(m.grid)
+        ranks = {
+            "lat": tuple(int(r) for r in grid[:, i_lon].tolist()),
+            "lon": tuple(int(r) for r in grid[i_lat, :].tolist()),
+        }
+        groups = {"lat": mesh.get_group(0), "lon": mesh.get_group(1)}
+        super().__init__(_Comms(m, ranks), groups, free_comms=True)
+
+    def close(self) -> None:
+        """Free the communicators made here (collective over each axis group)."""
+        for comm in self.comms.values():
+            comm.Free()
+        self.comms.clear()
+
+
 class AdoptedManager(DistributedManager):
     """A domain manager over a group mpidp did not build: the group's ranks are the domain
     (in the group's order), the rest of the job as the base manager (mpidp's default, when
     there is one) or torch.distributed sees it. It owns no process group; its data-parallel
-    partners are unknown to it (``dp_world_size`` 1)."""
+    partners are unknown to it (``dp_world_size`` 1). Over a 2-D mesh its :attr:`grid` is the
+    mesh's shape."""
 
     def __init__(
         self,
@@ -137,7 +231,7 @@ class AdoptedManager(DistributedManager):
     ) -> None:
         # no DistributedManager.__init__: nothing here is collective
         self._base = base
-        self._mesh_1d = mesh
+        self._mesh = mesh
         self.gradients = gradients
         self.partition = base.partition if base is not None else Balanced()
         self._args = cast(Any, ("adopted", ranks, gradients))
@@ -176,6 +270,14 @@ class AdoptedManager(DistributedManager):
         self._transports: dict[tuple[str, str], Transport] = {}
         self._on_shutdown = []
         self._closed = False
+        two = mesh is not None and mesh.ndim == 2
+        self._grid = (mesh.size(0), mesh.size(1)) if two else (len(ranks), 1)  # type: ignore[union-attr]
+        self._blocks = self._grid[1] > 1
+        self._grid_axes = (
+            _MeshAxes(self, mesh) if mesh is not None and min(self._grid) > 1 else None
+        )
+        if self._grid_axes is not None:
+            self._on_shutdown.append(self._grid_axes.close)
 
     @property
     def mpi_available(self) -> bool:
@@ -183,19 +285,31 @@ class AdoptedManager(DistributedManager):
 
     @property
     def domain_mesh(self) -> DeviceMesh:
-        """The mesh given, or one made over the group (no communication)."""
-        if self._mesh_1d is None:
-            self._mesh_1d = DeviceMesh.from_group(self.domain_group, self.device.type)
-        return self._mesh_1d
+        """The mesh given (2-D for blocks), or one made over the group (no communication)."""
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.domain_group, self.device.type)
+        return self._mesh
 
     def _comm(self) -> Any:
         """The group's MPI communicator, made the first time (collective over the group)."""
         if self.domain_comm is None:
-            world = self._world_comm
-            assert world is not None
-            tag = hash(self.domain_ranks) % 32768
-            self.domain_comm = world.Create_group(world.group.Incl(list(self.domain_ranks)), tag)
+            self.domain_comm = self._comm_of(self.domain_ranks)
         return self.domain_comm
+
+    def _comm_of(self, ranks: tuple[int, ...]) -> Any:
+        """A new MPI communicator over the global ``ranks`` (collective over them alone)."""
+        world = self._world_comm
+        assert world is not None
+        return world.Create_group(world.group.Incl(list(ranks)), hash(ranks) % 32768)
+
+    def _torch_group(self) -> Any:
+        """The torch group over the domain; a 2-D mesh that lacks one gets it the first time
+        (collective over the domain's ranks alone)."""
+        if self.domain_group is None:
+            self.domain_group = dist.new_group(
+                list(self.domain_ranks), use_local_synchronization=True
+            )
+        return self.domain_group
 
     def _group_key(self, group: Any) -> str:
         key = DistributedManager._group_key(self, group)
@@ -210,7 +324,7 @@ class AdoptedManager(DistributedManager):
         """The transport over the adopted group (or the world) for tensors on ``device``:
         MPI for CPU tensors when MPI runs the job, else the group's own torch backend."""
         key = self._group_key(group)
-        if key in AXES:  # bands: the latitude column is the group, the longitude row this rank
+        if key in AXES:  # the mesh's dims, or bands: the latitude column is the group
             return axis_transport(self, key, device)
         dev = torch.device(device) if device is not None else self.device
         if key == "world":
@@ -224,7 +338,7 @@ class AdoptedManager(DistributedManager):
             dev,
             cpu=self.transport,
             mpi_comm=self._comm,
-            torch_group=lambda: self.domain_group,
+            torch_group=self._torch_group,
         )
 
     def _remember(self, key: tuple[str, str], made: Transport) -> Transport:

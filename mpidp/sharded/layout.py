@@ -15,9 +15,10 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from mpidp.errors import ConfigError
-from mpidp.ops.collectives import reduce_from
-from mpidp.runtime.adopt import manager_for
-from mpidp.runtime.grid import blocks_refused
+from mpidp.ops.collectives import all_gather_v_replicated, reduce_from
+from mpidp.ops.functions import _call, _Shard
+from mpidp.runtime.adopt import axis_manager, manager_for, mesh_ndim
+from mpidp.runtime.grid import AXES, BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded.rows import move_to_dim, to_spec
@@ -173,6 +174,87 @@ def to_dtensor(x: Any) -> Any:
     )
 
 
+def _on_mesh2d(x: Any, device_mesh: Any, placements: tuple[Any, ...]) -> Any:
+    """A tensor on its 2-D mesh in DTensor's ``placements`` there. A block: ``(Shard(h),
+    Shard(w))`` itself; ``(Shard(h), Replicate())`` the band along ``h`` over mesh dim 0's
+    group, the columns all-gathered along the longitude row; ``(Replicate(), Shard(w))`` the
+    converse; ``(Replicate(), Replicate())`` the whole tensor. Every rank of the gathering
+    axis then holds the same band and computes the same from it (the replicated downstream:
+    the backward hands each rank its own block's gradient once). A band (the mesh ``(P, 1)``)
+    is the block whose columns one rank holds. Collective along the gathering axis."""
+    m, ndim = x._manager, x._local.dim()
+    if device_mesh is not None:
+        other = manager_of(device_mesh, gradients=m.gradients)  # (m itself, when it is m's)
+        if (other.domain_ranks, other.grid) != (m.domain_ranks, m.grid):
+            raise ConfigError(
+                f"rank {x.rank}: redistribute to another mesh: a ShardedTensor stays on its "
+                f"mesh; pass device_mesh=None or x.device_mesh"
+            )
+    want = tuple(p.dim % ndim if isinstance(p, Shard) else p for p in placements)
+    g = x._grid
+    if want == (Replicate(), Replicate()):
+        return x.full_tensor()
+    if g is None and len(want) == 2 and want[0] == Replicate() and isinstance(want[1], int):
+        g = BlockSpec(x._spec, ShardSpec((x._local.size(want[1]),)), (x._dim, want[1]))
+    dims = g.dims if g is not None else (x._dim, None)
+    if len(want) == 2 and want[0] == dims[0] and want[1] != dims[0]:
+        if g is None or want[1] == g.dims[1]:
+            return x
+    for k, axis in enumerate(AXES):
+        if g is not None and want == tuple(
+            Replicate() if j == k else d for j, d in enumerate(dims)
+        ):
+            cut, kept = (g.lat, g.lon), 1 - k
+            t = axis_transport(m, axis, x._local.device)
+            band = all_gather_v_replicated(x._local, cut[k], g.dims[k], group=t)
+            return type(x)(band, cut[kept], g.dims[kept], axis_manager(m, kept))
+    raise ConfigError(
+        f"rank {x.rank}: redistribute of a tensor cut along dims {dims} on a 2-D mesh "
+        f"{m.grid} to {placements}: it goes to (Shard({dims[0]}), Shard(w)), "
+        f"(Shard({dims[0]}), Replicate()), (Replicate(), Shard(w)) or (Replicate(), "
+        f"Replicate()), w its longitude dim; pass one of those"
+    )
+
+
+def _back_on_mesh2d(x: Any, device_mesh: Any, placements: Any) -> Any:
+    """A band along one dim of a 2-D mesh (as :func:`_on_mesh2d` leaves it) in ``placements``
+    on that mesh: to the blocks, each rank keeps its part of the dim the other mesh dim cuts,
+    by the mesh's partition (no communication; the backward all-gathers along that axis, the
+    band's ranks holding it alike); ``Replicate()`` on the band's dim: the whole tensor; the
+    band itself where its dim stays cut and the other is replicated. None when ``x`` is no
+    band of ``device_mesh``'s axes. Local."""
+    if device_mesh is None or placements is None or len(placements) != 2:
+        return None
+    target = manager_of(device_mesh, gradients=x._manager.gradients)
+    if mesh_ndim(target) != 2:
+        return None
+    ks = [k for k in (0, 1) if axis_manager(target, k) is x._manager]
+    if not ks:
+        return None
+    ndim = x._local.dim()
+    want = [p.dim % ndim if isinstance(p, Shard) else p for p in placements]
+    k = next((k for k in ks if want[k] == x._dim), ks[0])  # both, on a mesh of one rank
+    other = 1 - k
+    if want[k] == Replicate() and want[other] in (Replicate(), x._dim):
+        return x.full_tensor()
+    if want[k] == x._dim and want[other] == Replicate():
+        return x
+    w = want[other]
+    if want[k] != x._dim or not isinstance(w, int) or w == x._dim or (w < x._dim) == (k == 0):
+        raise ConfigError(
+            f"rank {x.rank}: redistribute of a band along dim {x._dim} of mesh dim {k} to "
+            f"{placements}: it goes to the blocks (Shard(h), Shard(w)) with h < w (mesh dim 0 "
+            f"cuts the rows), keeps Shard({x._dim}) on mesh dim {k}, or to Replicate(); pass "
+            f"one of those"
+        )
+    cut = target.partition.spec(x._local.size(w), target.grid[other])
+    t = axis_transport(target, AXES[other], x._local.device)
+    local = _call(_Shard, x._local, t, list(cut.sizes), w)
+    lat, lon = (x._spec, cut) if k == 0 else (cut, x._spec)
+    bs = BlockSpec(lat, lon, (x._dim, w) if k == 0 else (w, x._dim))
+    return type(x)(local, lat, bs.dims[0], target, grid=bs if target._blocks else None)
+
+
 def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
     """The sharded dim of a DTensor ``Shard(d)`` on a 1-D mesh and its global length."""
     placements = tuple(dt.placements)
@@ -188,8 +270,13 @@ def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
 def redistribute(x: Any, device_mesh: Any, placements: Any, spec: Any, dim: int | None) -> Any:
     """The body of :meth:`mpidp.ShardedTensor.redistribute` (its docstring says what it does).
     Collective."""
+    if mesh_ndim(x._manager) == 2 and placements is not None and spec is dim is None:
+        return _on_mesh2d(x, device_mesh, tuple(placements))
     if x._grid is not None:
         raise blocks_refused(x._manager, "redistribute of a block ShardedTensor")
+    back = _back_on_mesh2d(x, device_mesh, placements)
+    if back is not None:
+        return back
     if device_mesh is not None and manager_of(device_mesh).domain_ranks != x._manager.domain_ranks:
         raise ConfigError(
             f"rank {x.rank}: redistribute to another mesh: a ShardedTensor stays on its "

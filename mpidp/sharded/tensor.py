@@ -38,6 +38,7 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.ops.functions import _call, _Shard
+from mpidp.runtime.adopt import mesh_ndim
 from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
@@ -361,7 +362,12 @@ class ShardedTensor(torch.Tensor):
     @property
     def placements(self) -> tuple[Any, ...]:
         """DTensor's placements on :attr:`device_mesh`: ``(Shard(shard_dim),)``, or
-        ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band."""
+        ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band;
+        on an adopted 2-D mesh a block's ``(Shard(lat_dim), Shard(lon_dim))``, a band's (the
+        mesh ``(P, 1)``) ``(Shard(shard_dim), Replicate())``."""
+        if mesh_ndim(self._manager) == 2:  # a 2-D mesh's block, or band when it is (P, 1)
+            g = self._grid
+            return (Shard(self._dim), Shard(g.dims[1]) if g is not None else Replicate())
         if self._blocks == 1:
             return (Shard(self._dim),)
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -370,17 +376,25 @@ class ShardedTensor(torch.Tensor):
 
     @property
     def device_mesh(self) -> Any:
-        """The manager's 1-D domain mesh (a torch DeviceMesh)."""
+        """The manager's domain mesh (a torch DeviceMesh: 1-D, or the 2-D mesh adopted)."""
         return self._manager.domain_mesh
 
     def offsets(self, mesh_dim: int | None = None) -> list[int] | int:
-        """This rank's first row along the sharded dim, per mesh dim (``[start]``), or for
-        ``mesh_dim`` 0 alone."""
+        """This rank's first row along the sharded dim, per mesh dim (``[start]``; on a 2-D
+        mesh ``[first row, first column]`` of its block), or for ``mesh_dim`` alone."""
+        g = self._grid
+        i, j = g.coords(self.rank) if g is not None else (self.rank, 0)
+        offs = [
+            self._spec.start(i),
+            *([g.lon.start(j) if g else 0] * (mesh_ndim(self._manager) - 1)),
+        ]
         if mesh_dim is None:
-            return [self.start]
-        if mesh_dim not in (0, -1):
-            raise ConfigError(f"rank {self.rank}: offsets(mesh_dim={mesh_dim}): the mesh is 1-D")
-        return self.start
+            return offs
+        if not -len(offs) <= mesh_dim < len(offs):
+            raise ConfigError(
+                f"rank {self.rank}: offsets(mesh_dim={mesh_dim}): the mesh is {len(offs)}-D"
+            )
+        return offs[mesh_dim]
 
     def full_tensor(self, *, grad_placements: Sequence[Any] | None = None) -> Replicated:
         """The whole tensor on every rank (an all-gather; differentiable: the gradient of

@@ -6,6 +6,9 @@ mpidp's :class:`~mpidp.ShardedTensor`, which speaks the same DTensor vocabulary 
 * the mesh: any 1-D DeviceMesh or named axis (PhysicsNeMo's ``initialize_mesh``, torch's
   ``init_device_mesh``); none given: the current one (``with mesh:``), else the one mesh
   PhysicsNeMo's manager holds, else mpidp's domain mesh; a band is never taken as the whole;
+* a 2-D mesh (PhysicsNeMo's 2-D recipe: ``(Shard(2), Shard(3))`` on ``mesh["lat", "lon"]``)
+  is a grid of latitude x longitude blocks, uneven in both dims
+  (:mod:`mpidp.compat.physicsnemo._mesh2d`);
 * gradients as PhysicsNeMo gives them (:mod:`mpidp.runtime.adopt`, ``"whole"``): every rank holds
   the whole gradient of every parameter or plain tensor it used, with no gradient sync
   (PhysicsNeMo's reduction of weight gradients over the mesh, and ``full_tensor()``'s plain
@@ -24,7 +27,9 @@ from typing import Any
 
 import torch
 
+from mpidp.compat.physicsnemo import _mesh2d
 from mpidp.errors import ConfigError
+from mpidp.runtime.adopt import mesh_ndim
 from mpidp.runtime.manager import DistributedManager
 from mpidp.sharded import ShardedTensor
 from mpidp.sharded.dispatch import public_forms, register
@@ -83,13 +88,20 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
         device_mesh: Any = None,
         placements: Sequence[Any] | None = None,
         sharding_shapes: str | dict[int, list[tuple[int, ...]]] = "infer",
+        global_shape: Sequence[int] | None = None,
     ) -> Any:
         """``local_tensor`` on ``device_mesh`` (None: the current mesh, else PhysicsNeMo's
         one mesh, else mpidp's domain mesh; refused when there is none) with ``placements``
-        (None: ``Replicate()``, as in ShardTensor); uneven parts. Collective for ``"infer"``."""
-        chosen = [Replicate()] if placements is None else placements
+        (None: ``Replicate()`` on every mesh dim, as in ShardTensor); uneven parts.
+        ``global_shape`` serves ``sharding_shapes="chunk"``. Collective for ``"infer"``."""
         m = _mesh(device_mesh)
-        return ShardedTensor.from_local(local_tensor, None, chosen, sharding_shapes, manager=m)
+        if mesh_ndim(m) == 2:
+            chosen = [Replicate()] * 2 if placements is None else placements
+            return _mesh2d.from_local(local_tensor, m, chosen, sharding_shapes, global_shape)
+        chosen = [Replicate()] if placements is None else placements
+        return ShardedTensor.from_local(
+            local_tensor, None, chosen, sharding_shapes, manager=m, global_shape=global_shape
+        )
 
     @classmethod
     def from_dtensor(cls, dtensor: Any) -> ShardedTensor:  # type: ignore[override]
@@ -142,10 +154,21 @@ def scatter_tensor(
     requires_grad: bool = False,
 ) -> Any:
     """PhysicsNeMo's ``scatter_tensor``: ``tensor``, held by global rank ``global_src`` alone,
-    spread over ``mesh`` (a 1-D DeviceMesh or named axis; None: as :meth:`ShardTensor.
-    from_local` takes one) cut as torch.chunk cuts (PhysicsNeMo's: 13 rows over 3 ranks are
-    5, 5, 3), with PhysicsNeMo's gradients. Collective over the mesh's group."""
+    spread over ``mesh`` (a 1-D DeviceMesh or named axis, or a 2-D mesh of blocks; None: as
+    :meth:`ShardTensor.from_local` takes one) cut as torch.chunk cuts each dim (PhysicsNeMo's:
+    13 rows over 3 ranks are 5, 5, 3), with PhysicsNeMo's gradients. Collective over the
+    mesh's group."""
+    m = _mesh(mesh)
+    if mesh_ndim(m) == 2:
+        if global_src not in m.domain_ranks:
+            raise ConfigError(
+                f"rank {m.rank}: scatter_tensor: global_src={global_src!r} is not in the mesh "
+                f"(global ranks {list(m.domain_ranks)}); pass one of them"
+            )
+        src = m.domain_ranks.index(global_src)
+        meta = (global_shape, dtype)
+        return _mesh2d.scatter(tensor, src, m, placements, meta, requires_grad)
     return _scatter(
-        tensor, global_src, _mesh(mesh), placements, global_shape, dtype, requires_grad,
+        tensor, global_src, m, placements, global_shape, dtype, requires_grad,
         cut=chunk_spec,
     )  # fmt: skip
