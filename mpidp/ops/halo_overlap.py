@@ -18,8 +18,9 @@ halves of :class:`~mpidp.ops.halo_band.PendingHalo` do. Every message and its ta
 :func:`mpidp.halo_strips`, so the result is the blocking exchange's, sum for sum.
 
 The backward is once differentiable (double backward raises; the blocking exchange's is not
-limited). Seconds spent waiting for messages are added to :data:`HALO_WAIT` (the forward's and
-the backward's waits: the communication the interior did not hide).
+limited). Seconds spent waiting for messages are added to
+:data:`mpidp.comm.timing.HALO_WAIT` (the forward's and the backward's waits: the communication
+the interior did not hide), which :func:`mpidp.profile` records per step.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from mpidp.comm.timing import HALO_WAIT
 from mpidp.errors import CommError
 from mpidp.ops.functions import _call
 from mpidp.ops.halo_args import Widths
@@ -47,20 +49,7 @@ from mpidp.ops.halo_band import (
 )
 from mpidp.runtime.partition import ShardSpec
 
-__all__ = ["HALO_WAIT", "HaloWait", "Overlapped", "start_overlapped"]
-
-
-@dataclasses.dataclass
-class HaloWait:
-    """Seconds this process spent in the waits of overlapped halo exchanges, and how many."""
-
-    seconds: float = 0.0
-    waits: int = 0
-
-
-#: the process's clock of overlapped halo waits (read before and after a step: the difference
-#: is the step's; :func:`mpidp.profile` records it per step)
-HALO_WAIT = HaloWait()
+__all__ = ["Overlapped", "start_overlapped"]
 
 
 def _timed_wait(wait: Any, *args: Any) -> Any:

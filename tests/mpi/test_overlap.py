@@ -14,7 +14,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp
-from mpidp.ops.halo_overlap import HALO_WAIT
+from mpidp.comm.timing import HALO_WAIT
 from mpidp.testing import assert_matches_serial
 
 pytestmark = pytest.mark.mpi
@@ -108,3 +108,63 @@ def test_converted_conv_stack(manager):
         )
     # two convs, a wait in the forward and one in the backward each (the input needs a gradient)
     assert HALO_WAIT.waits - waits == (4 if WORLD > 1 else 0)
+
+
+# dp > 1 at every rank count above 1 (the whole world as dp): an average over dp that became a
+# sum would pass with dp = 1
+SYNC_DOMAINS = [WORLD, 1] if WORLD > 1 else [1]
+
+
+@pytest.mark.parametrize("domain", SYNC_DOMAINS, ids=lambda d: f"domain{d}")
+def test_gradient_sync_overlapping_the_backward(manager, domain):
+    """GradientSync (buckets of one or two parameters, started from the hooks; the convs'
+    overlap on) gives the blocking sync's gradients and the serial ones, twice in a row (its
+    state is reset by wait) with a blocking step between (its hooks paused)."""
+    with contextlib.ExitStack() as stack:
+        if domain != WORLD:
+            manager = stack.enter_context(mpidp.DistributedManager(domain_parallel_size=domain))
+        stack.enter_context(overlap(manager))
+        worst = _sync_errors(manager)
+    assert max(worst) <= 1e-12, worst
+
+
+def _sync_errors(manager):
+    """This rank's largest relative gap: GradientSync against serial, against the blocking
+    sync, and a second GradientSync step against the first; gathered over the world."""
+    torch.manual_seed(0)
+    p, dp = manager.domain_world_size, manager.dp_world_size
+    serial = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.Conv2d(3, 2, 3, padding=1)
+    ).to(F64)
+    batch = rand((2 * dp, 2, 2 * p + 3, 6), 4)
+    mpidp.broadcast_parameters(serial, manager)
+    dist = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager)
+    serial(batch).square().mean().backward()
+    spec = manager.spec(batch.size(-2))
+    mine = batch.narrow(0, 2 * manager.dp_rank, 2)
+    mine = mine.narrow(-2, spec.start(manager.domain_rank), spec.sizes[manager.domain_rank])
+    sync = mpidp.GradientSync(dist, manager, bucket_bytes=200)
+
+    def step(blocking):
+        for q in dist.parameters():
+            q.grad = None
+        sync.pause(blocking)
+        mpidp.global_mean(dist(mine).square(), manager=manager).backward()
+        if blocking:
+            mpidp.sync_gradients(dist, manager)
+        else:  # every parameter has a gradient: the hooks started every bucket
+            started.append(sync.started)
+            sync.wait()
+        return [q.grad.clone() for q in dist.parameters()]
+
+    started = []
+    first, blocking, second = step(False), step(True), step(False)
+    sync.remove()
+    # several buckets, every one started by the hooks (else the gap is reported infinite)
+    hooked = len(sync.buckets) > 2 and started == [len(sync.buckets)] * 2
+    want = [q.grad for q in serial.parameters()]
+    worst = [
+        max(_worst(a, b) for a, b in zip(got, ref, strict=True))
+        for got, ref in ((first, want), (first, blocking), (second, first))
+    ]
+    return manager.transport("world").all_gather_object(max(worst) if hooked else float("inf"))
