@@ -61,6 +61,7 @@ if TYPE_CHECKING:
         scatter_v,
     )
     from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges
+    from mpidp.ops.gradient_sync import GradientSync
     from mpidp.ops.halo import (
         Boundary,
         HaloExchange,
@@ -170,6 +171,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "mpidp.sharded": ("Replicated", "ShardedTensor", "shard"),
     "mpidp.sharded.placements": ("scatter_tensor",),
     "mpidp.ops.sharding": ("gather_tensor", "shard_batch", "shard_tensor"),
+    "mpidp.ops.gradient_sync": ("GradientSync",),
     "mpidp.ops.training": (
         "broadcast_parameters",
         "global_acc",
@@ -255,6 +257,7 @@ __all__ = [
     "gather_tensor",
     "gather_v",
     "get_manager",
+    "GradientSync",
     "global_acc",
     "global_mean",
     "global_rmse",

@@ -311,6 +311,15 @@ class Transport(abc.ABC):
             work /= self.size
         return work.to(tensor.dtype) if low else work
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> PendingExchange:
+        """:meth:`all_reduce` of ``tensor`` in place, without the wait: once ``wait()`` on the
+        result returns, ``tensor`` holds the reduction; until then it must not be read or
+        written. Every rank starts its reductions over the group in the same order. This
+        generic form reduces at once (a backend with a nonblocking reduction overrides it).
+        Collective."""
+        tensor.copy_(self.all_reduce(tensor, op))
+        return PendingExchange(None)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``src``'s tensor on every rank; every rank passes a tensor of that shape and dtype."""
         self._root(src, "src")

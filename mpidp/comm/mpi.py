@@ -30,6 +30,7 @@ from mpi4py import MPI
 from mpidp.comm import alarm
 from mpidp.comm.base import (
     TAGS_PER_EXCHANGE,
+    PendingExchange,
     PreparedExchange,
     Transport,
     disagreement,
@@ -493,6 +494,27 @@ class MPITransport(Transport):
             ("all_reduce", x.numel(), x.dtype, op),
             lambda: self.comm.Allreduce(send, x.numpy(), op=_OPS[op]),
         )
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> PendingExchange:
+        """``MPI_Iallreduce`` in place, waited for under the deadline. No fingerprint check
+        of its own (that would block): its callers agree on what they reduce beforehand
+        (:class:`mpidp.GradientSync` agrees its buckets once). float16/bfloat16, ``avg`` and
+        non-contiguous tensors take the blocking form."""
+        op = self._op(op)
+        if (
+            self.size == 1
+            or op not in _OPS
+            or tensor.dtype in (torch.float16, torch.bfloat16)
+            or not (tensor.is_cpu and tensor.is_contiguous())
+        ):
+            return super().start_all_reduce(tensor, op)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, tensor.detach().numpy(), op=_OPS[op])
+
+        def wait() -> None:
+            with deadline(self, "a nonblocking all_reduce (a gradient bucket)", "collective"):
+                req.Wait()
+
+        return PendingExchange(wait)
 
     def _broadcast(self, x: torch.Tensor, src: int) -> None:
         self._checked(

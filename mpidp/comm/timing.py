@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from mpidp.comm.base import Transport
+from mpidp.comm.base import PendingExchange, Transport
 
-__all__ = ["CommClock", "TimingTransport"]
+__all__ = ["HALO_WAIT", "CommClock", "HaloWait", "TimingTransport"]
 
 
 @dataclasses.dataclass
@@ -28,6 +28,21 @@ class CommClock:
 
     seconds: float = 0.0
     calls: int = 0
+
+
+@dataclasses.dataclass
+class HaloWait:
+    """Seconds this process spent in the waits of overlapped halo exchanges
+    (:mod:`mpidp.ops.halo_overlap`: the communication the interior rows did not hide), and how
+    many waits."""
+
+    seconds: float = 0.0
+    waits: int = 0
+
+
+#: the process's clock of overlapped halo waits; a step's share is the difference of two reads
+#: (:meth:`mpidp.runtime.profile.Profile.step` records it)
+HALO_WAIT = HaloWait()
 
 
 class TimingTransport(Transport):
@@ -132,6 +147,11 @@ class TimingTransport(Transport):
 
     def _all_reduce(self, x: torch.Tensor, op: str, src: torch.Tensor | None = None) -> None:
         self._timed(self.inner._all_reduce, x, op, src)
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> PendingExchange:
+        # the inner transport's (the MPI one does not block); its posting and wait timed
+        pending = self._timed(self.inner.start_all_reduce, tensor, op)
+        return PendingExchange(lambda: self._timed(pending.wait))
 
     def _broadcast(self, x: torch.Tensor, src: int) -> None:
         self._timed(self.inner._broadcast, x, src)

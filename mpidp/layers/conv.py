@@ -25,11 +25,19 @@ from torch import nn
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
+from mpidp.layers.base import (
+    Axis,
+    DomainParallel,
+    band_forward,
+    fetch_halo,
+    learn_spec,
+    with_rows,
+)
 from mpidp.layers.registry import register_layer
 from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.ops.halo import halo_exchange
+from mpidp.ops.halo_overlap import start_overlapped
 from mpidp.runtime.partition import ShardSpec, known_for
 
 __all__ = [
@@ -138,8 +146,14 @@ class _Conv(DomainParallel):
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
         boundary = _BOUNDARY[conv.padding_mode]
         axes = self._axes(x)  # the sharded dim, and on blocks the longitude too
+        overlap = len(axes) == 1 and self._manager().overlap
         ext, guess = None, None
-        if len(axes) == 1 and known_for(x, axes[0].dim) is None and not _BANDS.get():
+        if (
+            len(axes) == 1
+            and not overlap
+            and known_for(x, axes[0].dim) is None
+            and not _BANDS.get()
+        ):
             # bands, the partition unknown: the halo's own agreement learns it (no all-gather
             # of its own), with the widths of an output cut as its input is; when the output
             # is cut otherwise (every rank learns the same partition), the right halo follows
@@ -160,23 +174,91 @@ class _Conv(DomainParallel):
             kernel, dil = conv.kernel_size[k], conv.dilation[k]
             outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
             pads[k] = (0, 0)
+            if overlap and _overlappable(spec, out_spec):
+                return self._overlapped(x, cuts[0], out_spec, k, pads, boundary)
         if ext is None or guess != (set(cuts[0][2].before), set(cuts[0][2].after)):
             ext = fetch_halo(self, x, cuts, boundary)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
-        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
-            padding: tuple[int, ...] = tuple(lo for lo, _ in pads)
-        else:
-            flat = [p for lo_hi in reversed(pads) for p in lo_hi]
-            if any(flat):
-                ext = F.pad(ext, flat, mode=_FPAD[conv.padding_mode])
-            padding = (0,) * self._n
-        y = _CONV[self._n](
-            ext, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups
-        )
+        y = self._run(ext, pads)
         for axis, rows, _ in outs:
             y = y.narrow(axis.dim, 0, rows)
         return y
+
+    def _run(self, x: torch.Tensor, pads: list[tuple[int, int]], k: int = 0, zeros: int = 0):
+        """The torch convolution of ``x`` padded by ``pads`` (per spatial dim, as torch pads),
+        and along spatial dim ``k`` by ``zeros`` zero rows at each end (the convolution's own
+        padding: no copy of ``x``)."""
+        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
+            padding = [lo for lo, _ in pads]
+        else:
+            flat = [p for lo_hi in reversed(pads) for p in lo_hi]
+            if any(flat):
+                x = F.pad(x, flat, mode=_FPAD[conv.padding_mode])
+            padding = [0] * self._n
+        padding[k] += zeros
+        return _CONV[self._n](
+            x, conv.weight, conv.bias, conv.stride, tuple(padding), conv.dilation, conv.groups
+        )
+
+    def _overlapped(
+        self,
+        x: torch.Tensor,
+        cut: tuple[Axis, ShardSpec, HaloSpec],
+        out_spec: ShardSpec,
+        k: int,
+        pads: list[tuple[int, int]],
+        boundary: str,
+    ) -> torch.Tensor:
+        """The forward with the halo in flight while the interior rows are computed: output
+        rows whose window lies inside the band come from one convolution of the band itself
+        (zero rows beyond it: the rows those reach are recomputed), then the edge rows from
+        the windows of the extended band that :mod:`mpidp.ops.halo_overlap` returns once the
+        halo has arrived, written over the first and last rows."""
+        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        axis, spec, halo = cut
+        d, s, me = axis.dim, conv.stride[k], axis.transport.rank
+        span = conv.dilation[k] * (conv.kernel_size[k] - 1) + 1
+        n, m = x.size(d), out_spec.sizes[me]
+        b, a = halo.before[me], halo.after[me]  # negative: rows the outputs do not read
+        band, record = start_overlapped(
+            x,
+            tuple(max(w, 0) for w in halo.before),  # a trimming width fetches no row
+            tuple(max(w, 0) for w in halo.after),
+            d,
+            spec,
+            boundary,
+            axis.transport,
+        )
+        # output row i reads the band's rows [i s - b, i s - b + span); the fetched rows start
+        # record.before rows above the band, so they are rows [o + i s, o + i s + span) there
+        o = record.before - b
+        first = min(m, max(0, -(-b // s)))  # the first output row that reads no low halo row
+        stop = max(first, min(m, (b + n - span) // s + 1))  # ... and after the last
+        y = None
+        if stop > first:  # the interior: the band with zero rows padded, the same row offsets
+            lift = -(-max(0, a - b, -b) // s)  # output rows more above: m rows from the band
+            y = self._run(band, pads, k, b + lift * s).narrow(d, lift, m)
+        spans = []
+        if first > 0:
+            spans.append((o, o + (first - 1) * s + span))
+        if stop < m:
+            spans.append((o + stop * s, o + (m - 1) * s + span))
+        edges = [self._run(w, pads) for w in record.windows(band, spans)]
+        if y is None:
+            return edges[0] if len(edges) == 1 else torch.cat(edges, d)
+        if first > 0:
+            y.narrow(d, 0, first).copy_(edges.pop(0))
+        if stop < m:
+            y.narrow(d, stop, m - stop).copy_(edges[0])
+        return y
+
+
+def _overlappable(spec: ShardSpec, out_spec: ShardSpec) -> bool:
+    """Whether the overlapped forward serves this cut: no empty band or output (the blocking
+    one runs a layer on those). The same answer on every rank (global facts only)."""
+    return min(spec.sizes) > 0 and min(out_spec.sizes) > 0
 
 
 class DomainParallelConv1d(_Conv, nn.Conv1d):

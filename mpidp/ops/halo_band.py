@@ -171,6 +171,46 @@ def _accumulate(
     return out
 
 
+#: an accumulate in flight (:func:`start_accumulate`): the exchange, its receive buffers, the
+#: gradients of the fetch's outputs
+Accumulating = tuple[PendingExchange, list[torch.Tensor], Sequence[torch.Tensor]]
+
+
+def start_accumulate(op: _Op, gs: Sequence[torch.Tensor], number: int = 0) -> Accumulating:
+    """The first half of :func:`_accumulate` split around the caller's compute: post the
+    messages that send every halo row's gradient (``gs``: the gradients of the fetch's
+    outputs) to the rank that owns the row. ``number``: the fetch's (its messages carry one
+    more). :func:`finish_accumulate` completes it."""
+    plan, lay, g0 = op.plan, op.layout, gs[0]
+    back = [
+        gs[d[0]].narrow(op.dim, d[1], hi - lo)
+        if d is not None
+        else g0.new_zeros(op.rows(g0.shape, hi - lo))
+        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
+    ]
+    for m, i, p in lay.arrive:
+        back[m].narrow(op.dim, p.lo - plan.recv[m][1], p.rows).add_(op.unplace(gs[i], p))
+    bufs = [g0.new_empty(op.rows(g0.shape, hi - lo)) for _, lo, hi in plan.send]
+    pending = op.t.start_exchange(
+        [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
+        [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
+        number + 1 if number else 0,
+    )
+    return pending, bufs, gs
+
+
+def finish_accumulate(op: _Op, started: Accumulating, out: torch.Tensor) -> None:
+    """The second half: add to ``out`` (the gradient of this rank's band, owned by the
+    caller) the halo rows taken from the band itself (a boundary's mirror), wait for the
+    peers' rows and add them where they live."""
+    pending, bufs, gs = started
+    for i, p in op.layout.local:
+        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
+    pending.wait()
+    for (_, lo, hi), buf in zip(op.plan.send, bufs, strict=True):
+        out.narrow(op.dim, lo, hi - lo).add_(buf)
+
+
 def _is_band(p: Piece, n: int) -> bool:
     """A piece that is this rank's whole band, as it is."""
     return p.lo == 0 and p.hi == n and not (p.flip or p.roll or p.repeat)

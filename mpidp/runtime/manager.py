@@ -101,6 +101,9 @@ class DistributedManager:
     gradients = "shares"
     #: the grid cuts the longitude (P_lon > 1): band code refuses (runtime.grid.blocks_refused)
     _blocks = False
+    #: converted convolutions on bands compute their interior rows while the halo rows travel
+    #: (forward and backward; :mod:`mpidp.ops.halo_overlap`); set it alike on every rank
+    overlap = False
 
     def __init__(
         self,

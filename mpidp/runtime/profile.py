@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mpidp.comm.timing import CommClock, TimingTransport
+from mpidp.comm.timing import HALO_WAIT, CommClock, TimingTransport
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.profile_report import ProfileReport
 from mpidp.runtime.transports import wrapped_transports
@@ -48,6 +48,8 @@ class Profile:
         self.clock = CommClock()
         self.step_seconds: list[float] = []
         self.comm_seconds: list[float] = []
+        #: per step: seconds waiting for overlapped halo messages (manager.overlap), part of comm
+        self.halo_wait_seconds: list[float] = []
         self._block: contextlib.ExitStack | None = None
         self._wrappers: dict[int, Any] = {}  # the same wrappers each time the block is entered
         self._cuda = self.manager.device.type == "cuda"
@@ -77,8 +79,9 @@ class Profile:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Time one step: its wall seconds and the communication seconds inside it. Local."""
-        c0 = self.clock.seconds
+        """Time one step: its wall seconds, the communication seconds inside it, and of those
+        the seconds waiting for overlapped halo messages. Local."""
+        c0, w0 = self.clock.seconds, HALO_WAIT.seconds
         t0 = time.perf_counter()
         try:
             yield
@@ -87,11 +90,13 @@ class Profile:
                 torch.cuda.synchronize(self.manager.device)
             self.step_seconds.append(time.perf_counter() - t0)
             self.comm_seconds.append(self.clock.seconds - c0)
+            self.halo_wait_seconds.append(HALO_WAIT.seconds - w0)
 
     def reset(self) -> None:
         """Forget the steps recorded so far (a new phase: after a warm-up or a new cut)."""
         self.step_seconds.clear()
         self.comm_seconds.clear()
+        self.halo_wait_seconds.clear()
 
     def _transport(self) -> Any:
         # the manager's own transport: the exchange of figures is not a step's communication

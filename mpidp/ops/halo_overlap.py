@@ -1,0 +1,192 @@
+"""A halo exchange hidden behind compute, in the forward and in the backward.
+
+A layer that reads its neighbours' rows computes most of its output from its own band: only the
+rows near the cut read the halo. :func:`start_overlapped` posts the fetch of the halo strips
+and returns the band through an identity node; the layer computes its interior from that band
+while the rows are in flight; :meth:`Overlapped.windows` waits for them and returns the rows the
+layer's edge outputs read (global rows of the extended band ``[start - before, stop + after)``,
+taken from the strips and the band, one new tensor per window).
+
+The backward runs the same pattern the other way. The windows' node (created after the
+interior's, so autograd's engine, which runs the ready node made last first, reaches it before
+the interior's backward) sends the strips' gradients to the ranks that own those rows (halo
+accumulate, :func:`~mpidp.ops.halo_band.start_accumulate`) and keeps the gradient of the band's
+own rows it read; the band's identity node, which autograd runs only after every use of the
+band (the interior's backward included), adds those and the peers' rows to the band's gradient
+(:func:`~mpidp.ops.halo_band.finish_accumulate`). The two halves share one record, as the two
+halves of :class:`~mpidp.ops.halo_band.PendingHalo` do. Every message and its tag are those of
+:func:`mpidp.halo_strips`, so the result is the blocking exchange's, sum for sum.
+
+The backward is once differentiable (double backward raises; the blocking exchange's is not
+limited). Seconds spent waiting for messages are added to
+:data:`mpidp.comm.timing.HALO_WAIT` (the forward's and the backward's waits: the communication
+the interior did not hide), which :func:`mpidp.profile` records per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mpidp.comm.timing import HALO_WAIT
+from mpidp.errors import CommError
+from mpidp.ops.functions import _call
+from mpidp.ops.halo_args import Widths
+from mpidp.ops.halo_band import (
+    Accumulating,
+    _finish_fetch,
+    _Op,
+    _resolve,
+    _start_fetch,
+    _Started,
+    finish_accumulate,
+    start_accumulate,
+)
+from mpidp.runtime.partition import ShardSpec
+
+__all__ = ["Overlapped", "start_overlapped"]
+
+
+def _timed_wait(wait: Any, *args: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return wait(*args)
+    finally:
+        HALO_WAIT.seconds += time.perf_counter() - t0
+        HALO_WAIT.waits += 1
+
+
+@dataclasses.dataclass
+class Overlapped:
+    """One overlapped exchange of a band of ``rows`` rows: its op, what is in flight, and the
+    band rows' gradients that the windows' backward hands to the band's."""
+
+    op: _Op
+    rows: int
+    before: int
+    after: int
+    started: _Started | None = None
+    number: int = 0  # the fetch's number (the accumulate's messages carry one more)
+    accumulating: Accumulating | None = None
+    edges: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    def windows(self, band: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Wait for the halo, then the rows ``[lo, hi)`` of the extended band (row 0: the
+        first halo row) for each span of ``spans``. ``band``: what :func:`start_overlapped`
+        returned. Differentiable; call once."""
+        if self.started is None:
+            raise CommError("Overlapped.windows() was already called; it returns the rows once")
+        if not spans:  # this rank's edge rows read no halo: the messages are completed alone
+            started, self.started = self.started, None
+            _timed_wait(_finish_fetch, self.op, band, started)
+            return []
+        return list(_call(_Arrived, band, self, tuple(spans)))
+
+
+def start_overlapped(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: ShardSpec | Sequence[int] | None,
+    boundary: Any,
+    group: Any,
+) -> tuple[torch.Tensor, Overlapped]:
+    """Post the fetch of ``x``'s halo strips (the arguments of :func:`mpidp.halo_strips`,
+    widths >= 0) and return ``(band, record)``: compute from ``band`` (``x`` itself, through
+    the node that completes the backward's exchange), then :meth:`Overlapped.windows`.
+    Collective over the group; every rank must call ``windows`` once."""
+    op = _resolve(x, before, after, dim, spec, None, boundary, group, -1, True)
+    low, high = op.layout.rows  # this rank's widths: the strips' rows
+    record = Overlapped(op, x.size(op.dim), low, high)
+    return _call(_Posted, x, record), record
+
+
+class _Posted(torch.autograd.Function):
+    """Posts the fetch; identity on the band. Backward: the band's gradient, plus the rows the
+    windows read from it, plus the peers' halo gradients (waited for here, last)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, record: Overlapped) -> torch.Tensor:
+        record.started = _start_fetch(record.op, x)
+        record.number = record.started[3]
+        ctx.record = record
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        record: Overlapped = ctx.record
+        if record.accumulating is None:  # no window (or none used): the strips' gradients are 0
+            zero = [g.new_zeros(record.op.rows(g.shape, r)) for r in (record.before, record.after)]
+            record.accumulating = start_accumulate(record.op, zero, record.number)
+        out = g.clone(memory_format=torch.contiguous_format)
+        d = record.op.dim
+        for row, ge in record.edges:
+            out.narrow(d, row, ge.size(d)).add_(ge)
+        _timed_wait(finish_accumulate, record.op, record.accumulating, out)
+        record.accumulating, record.edges = None, []
+        return out, None
+
+
+class _Arrived(torch.autograd.Function):
+    """Waits for the strips; the windows of the extended band. Backward: starts sending the
+    strips' gradients to their owners and keeps the band rows' for :class:`_Posted`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, band: torch.Tensor, record: Overlapped, spans: tuple[tuple[int, int], ...]
+    ) -> Any:
+        started, record.started = record.started, None
+        assert started is not None
+        low, high = _timed_wait(_finish_fetch, record.op, band, started)
+        d, b, n = record.op.dim, record.before, record.rows
+        ctx.record, ctx.spans = record, spans
+        ctx.shapes = (low.shape, high.shape)
+        outs = []
+        for lo, hi in spans:
+            parts = [
+                src.narrow(d, s - at, e - s)
+                for src, at, s, e in _cut(lo, hi, ((low, 0), (band, b), (high, b + n)), d)
+            ]
+            outs.append(torch.cat(parts, d))
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *gs: torch.Tensor) -> Any:
+        record: Overlapped = ctx.record
+        d, b, n = record.op.dim, record.before, record.rows
+        g_low = gs[0].new_zeros(ctx.shapes[0])
+        g_high = gs[0].new_zeros(ctx.shapes[1])
+        edges = []
+        for (lo, hi), g in zip(ctx.spans, gs, strict=True):
+            for dst, at, s, e in _cut(lo, hi, ((g_low, 0), (None, b), (g_high, b + n)), d):
+                piece = g.narrow(d, s - lo, e - s)
+                if dst is None:  # rows of the band: added to its gradient by _Posted
+                    edges.append((s - b, piece))
+                else:
+                    dst.narrow(d, s - at, e - s).add_(piece)
+        record.edges = edges
+        record.accumulating = start_accumulate(record.op, [g_low, g_high], record.number)
+        return None, None, None
+
+
+def _cut(
+    lo: int, hi: int, regions: Sequence[tuple[Any, int]], d: int
+) -> list[tuple[Any, int, int, int]]:
+    """``(source, its first row, first, stop)`` for each of the regions (low strip, band, high
+    strip, laid end to end from row 0 of the extended band) that rows ``[lo, hi)`` meet."""
+    out = []
+    ends = [at for _, at in regions[1:]] + [None]
+    for (src, at), end in zip(regions, ends, strict=True):
+        stop = hi if end is None else min(hi, end)
+        start = max(lo, at)
+        if start < stop:
+            out.append((src, at, start, stop))
+    return out
