@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_launch import MPIEXEC, clean_env, timed_out
+from test_launch import MPIEXEC, Job
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -79,38 +79,40 @@ for script in sys.argv[1:]:
 
 
 @pytest.fixture(scope="module")
-def page_jobs(tmp_path_factory):
-    """The job of each rank count that ran every page, run when first asked for."""
-    done: dict[int, subprocess.CompletedProcess[str]] = {}
+def page_jobs(request, tmp_path_factory):
+    """The job of each rank count that ran every page: the rank counts the selected tests ask
+    for, all started when the first is asked for (the one-process job leaves a core idle: it
+    runs beside the 2-rank one)."""
+    jobs: dict[int, Job] = {}
+
+    def launch(ranks: int) -> Job:
+        folder = tmp_path_factory.mktemp(f"pages-{ranks}")
+        scripts = []
+        for page in WITH_CODE:
+            (folder / page.name).mkdir()
+            script = folder / page.name / f"{page.stem}.py"
+            script.write_text("\n\n".join(blocks(page)))
+            scripts.append(str(script))
+        (folder / "runner.py").write_text(RUNNER)
+        cmd = [sys.executable, "-m", "mpi4py", str(folder / "runner.py"), *scripts]
+        if ranks > 1:
+            cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+        return Job(cmd, folder, 900, PYTHONPATH=str(ROOT))  # 124 when over its time: once
 
     def job(ranks: int) -> subprocess.CompletedProcess[str]:
-        if ranks not in done:
-            folder = tmp_path_factory.mktemp(f"pages-{ranks}")
-            scripts = []
-            for page in WITH_CODE:
-                (folder / page.name).mkdir()
-                script = folder / page.name / f"{page.stem}.py"
-                script.write_text("\n\n".join(blocks(page)))
-                scripts.append(str(script))
-            (folder / "runner.py").write_text(RUNNER)
-            cmd = [sys.executable, "-m", "mpi4py", str(folder / "runner.py"), *scripts]
-            if ranks > 1:
-                cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-            try:
-                done[ranks] = subprocess.run(
-                    cmd,
-                    env=clean_env(PYTHONPATH=str(ROOT)),
-                    capture_output=True,
-                    text=True,
-                    timeout=900,
-                    cwd=folder,
-                )
-            except subprocess.TimeoutExpired as exc:  # once, not again for every page
-                out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
-                done[ranks] = subprocess.CompletedProcess(cmd, 124, out or "", str(timed_out(exc)))
-        return done[ranks]
+        if not jobs:
+            wanted = {
+                item.callspec.params["ranks"]
+                for item in request.session.items
+                if getattr(item, "originalname", "") == "test_code_blocks_run"
+            }
+            for n in sorted(wanted | {ranks}):
+                jobs[n] = launch(n)
+        return jobs[ranks].wait()
 
-    return job
+    yield job
+    for started in jobs.values():
+        started.stop()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launch import BIN, LAUNCHER, MPIEXEC, clean_env, timed_out
+from test_launch import BIN, LAUNCHER, MPIEXEC, Job, clean_env, timed_out
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -23,34 +23,53 @@ F64 = ["--precision", "float64", "--no-plot"]
 STEPS, HALF, MLP_STEPS = "8", "4", "5"
 
 
-def launch(n: int, script: str, *args: str, timeout: int = 400) -> str:
+def start(n: int, script: str, *args: str, timeout: int = 400) -> Job:
+    """``script`` with ``args`` as one process or under mpiexec, started."""
     cmd = [sys.executable, script, *args]
     if n > 1:
         cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", script, *args]
-    try:
-        res = subprocess.run(
-            cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise timed_out(exc) from None
+    return Job(cmd, ROOT, timeout)
+
+
+def finished(job: Job) -> str:
+    """The job's stdout once it ended; fails with its output unless it exited 0."""
+    res = job.wait()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
+
+
+def launch(n: int, script: str, *args: str, timeout: int = 400) -> str:
+    return finished(start(n, script, *args, timeout=timeout))
 
 
 def metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+class OneProcess:
+    """A one-process training run of the module's fixtures: started when a test first asks
+    for it, it runs beside that test's own job (one process leaves a core idle); :attr:`out`
+    waits for it."""
+
+    def __init__(self, folder: Path, *args: str) -> None:
+        self.folder, self.job = folder, start(1, TRAIN, *args, "--out", str(folder))
+
+    @property
+    def out(self) -> Path:
+        finished(self.job)
+        return self.folder
+
+
 @pytest.fixture(scope="module")
 def serial_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serial")
-    launch(1, TRAIN, "--steps", STEPS, *F64, "--out", str(out))
-    return out
+    run = OneProcess(tmp_path_factory.mktemp("serial"), "--steps", STEPS, *F64)
+    yield run
+    run.job.stop()
 
 
 def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
     log = launch(4, TRAIN, "--steps", STEPS, *F64, "--out", str(tmp_path))
-    one, four = metrics(serial_run), metrics(tmp_path)
+    one, four = metrics(serial_run.out), metrics(tmp_path)
     assert one["val_skill"]["variables"]["t2m"]["units"] == "K"
     assert one["val_skill"]["lead_hours"] == [6.0]  # the data's 6-hourly time coordinate
     for name, v in one["val_skill"]["variables"].items():
@@ -75,9 +94,11 @@ def test_train_four_ranks_two_by_two_matches_one_process(serial_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def serial_mlp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serial-mlp")
-    launch(1, TRAIN, "--steps", MLP_STEPS, "--mlp", "5", *F64, "--out", str(out))
-    return out
+    run = OneProcess(
+        tmp_path_factory.mktemp("serial-mlp"), "--steps", MLP_STEPS, "--mlp", "5", *F64
+    )
+    yield run
+    run.job.stop()
 
 
 def _same_run(one: dict, other: dict) -> None:
@@ -92,7 +113,7 @@ def test_ddp_and_fsdp2_by_domain_two_by_two_match_one_process(serial_run, tmp_pa
     got = metrics(tmp_path)
     assert (got["dp"], got["tensor"], got["domain"], got["data_parallel"]) == (2, 1, 2, data)
     assert f"dp 2 x domain 2 ({data})" in log
-    _same_run(metrics(serial_run), got)
+    _same_run(metrics(serial_run.out), got)
 
 
 def test_blocks_two_by_two_match_one_process(serial_run, tmp_path):
@@ -102,7 +123,7 @@ def test_blocks_two_by_two_match_one_process(serial_run, tmp_path):
     got = metrics(tmp_path)
     assert (got["dp"], got["domain"], got["grid"]) == (1, 4, [2, 2])
     assert "dp 1 x domain 2 x 2 blocks" in log
-    _same_run(metrics(serial_run), got)
+    _same_run(metrics(serial_run.out), got)
 
 
 @pytest.mark.parametrize(
@@ -116,13 +137,13 @@ def test_tensor_parallel_layouts_match_one_process(serial_mlp_run, tmp_path, lay
     launch(4, TRAIN, "--steps", MLP_STEPS, *args, *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert (got["tensor"], got["domain"], got["dp"]) == (2, int(domain), 4 // (2 * int(domain)))
-    _same_run(metrics(serial_mlp_run), got)
+    _same_run(metrics(serial_mlp_run.out), got)
 
 
 def test_resume_at_another_rank_count_continues_the_same_run(serial_run, tmp_path):
     launch(4, TRAIN, "--steps", HALF, *F64, "--out", str(tmp_path))
     launch(2, TRAIN, "--steps", STEPS, *F64, "--out", str(tmp_path), "--resume", "--domain", "1")
-    got, want = metrics(tmp_path), metrics(serial_run)
+    got, want = metrics(tmp_path), metrics(serial_run.out)
     assert (got["dp"], got["domain"], got["steps_run"]) == (2, 1, int(STEPS) - int(HALF))
     assert abs(got["val_loss"] - want["val_loss"]) <= 1e-12 * abs(want["val_loss"])
     assert len(got["history"]["train"]) == int(STEPS)
@@ -136,8 +157,12 @@ def test_token_models_four_ranks_match_one_process(tmp_path, model):
     earth-specific bias. ``--model graph`` (91 x 180, no patches): GraphCast-style, grid ->
     512-node mesh -> grid through sharded graphs. The same run as one process."""
     args = ["--model", model, "--steps", "6", "--val-every", "3", *F64]
-    launch(1, TRAIN, *args, "--out", str(tmp_path / "one"))
-    log = launch(4, TRAIN, *args, "--out", str(tmp_path / "four"))
+    serial = start(1, TRAIN, *args, "--out", str(tmp_path / "one"))  # beside the 4 ranks
+    try:
+        log = launch(4, TRAIN, *args, "--out", str(tmp_path / "four"))
+        finished(serial)
+    finally:
+        serial.stop()
     one, four = metrics(tmp_path / "one"), metrics(tmp_path / "four")
     grid = "91 x 180" if model == "graph" else "92 x 180"
     assert f"mpidp train: {model}; 4 ranks = dp 2 x domain 2" in log and grid in log
@@ -185,9 +210,14 @@ def test_inference_from_a_four_rank_checkpoint_on_three_ranks(tmp_path):
     launch(4, TRAIN, "--steps", "4", "--out", str(tmp_path / "t"), "--no-plot")
     ckpt = str(tmp_path / "t" / "checkpoint.pt")
     common = ["--checkpoint", ckpt, "--steps", "3", "--start", "40", "--map", "z500"]
-    log = launch(3, str(ROOT / "examples" / "inference.py"), *common, "--out", str(tmp_path / "p3"))
+    inference = str(ROOT / "examples" / "inference.py")
+    serial = start(1, inference, *common, "--out", str(tmp_path / "p1"))  # beside the 3 ranks
+    try:
+        log = launch(3, inference, *common, "--out", str(tmp_path / "p3"))
+        finished(serial)
+    finally:
+        serial.stop()
     assert "the forecast from 2000-01-11 00:00 (time index 40) " in log  # the date, then the index
-    launch(1, str(ROOT / "examples" / "inference.py"), *common, "--out", str(tmp_path / "p1"))
     with (
         xr.open_dataset(tmp_path / "p3" / "forecast-40.nc", engine="h5netcdf") as a,
         xr.open_dataset(tmp_path / "p1" / "forecast-40.nc", engine="h5netcdf") as b,
@@ -256,7 +286,7 @@ def test_torchrun_fsdp2_by_tensor_parallel_matches_one_process(serial_mlp_run, t
     torchrun(4, *args, "--steps", MLP_STEPS, *F64, "--out", str(tmp_path))
     got = metrics(tmp_path)
     assert got["launcher"] == "torchrun" and (got["dp"], got["tensor"]) == (2, 2)
-    _same_run(metrics(serial_mlp_run), got)
+    _same_run(metrics(serial_mlp_run.out), got)
 
 
 def test_mpirun_launcher_script(tmp_path):
@@ -321,7 +351,7 @@ def test_a_training_mistake_is_one_sentence_once_exit_2(tmp_path, args, said):
 
 
 def test_inference_mistakes_stop_before_the_rollout(serial_run, tmp_path):
-    ckpt = str(serial_run / "checkpoint.pt")
+    ckpt = str(serial_run.out / "checkpoint.pt")
     res = _mistake(2, "examples/inference.py", "--checkpoint", ckpt, "--map", "foo",
                    "--out", str(tmp_path / "p"))  # fmt: skip
     out = res.stdout + res.stderr

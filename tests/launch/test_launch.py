@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,52 @@ def timed_out(exc: subprocess.TimeoutExpired) -> AssertionError:
     return AssertionError(
         f"{exc.cmd} timed out after {exc.timeout} s:\n{out[-3000:]}\n{err[-12000:]}"
     )
+
+
+class Job:
+    """A command started at once; :meth:`wait` waits for it. Jobs that leave a core idle (one
+    process) run beside another job this way instead of after it. The outputs go to files (a
+    pipe nobody reads would stop a job that prints much)."""
+
+    def __init__(self, cmd: list[str], cwd: Path, timeout: int = 400, **env: str) -> None:
+        self.cmd, self.timeout = cmd, timeout
+        self.files = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            cmd, env=clean_env(**env), stdout=self.files[0], stderr=self.files[1], text=True,
+            cwd=cwd,
+        )  # fmt: skip
+        self.done: subprocess.CompletedProcess[str] | None = None
+
+    def wait(self) -> subprocess.CompletedProcess[str]:
+        """The finished job; one over its time is killed and reported with exit status 124,
+        what it printed as its stdout and :func:`timed_out`'s message as its stderr."""
+        if self.done is None:
+            late = False
+            try:
+                self.proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                late = True
+            out, err = self._read()
+            code = 124 if late else self.proc.returncode
+            if late:
+                err = str(timed_out(subprocess.TimeoutExpired(self.cmd, self.timeout, out, err)))
+            self.done = subprocess.CompletedProcess(self.cmd, code, out, err)
+        return self.done
+
+    def _read(self) -> tuple[str, str]:
+        texts = []
+        for f in self.files:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return texts[0], texts[1]
+
+    def stop(self) -> None:
+        """Ends the job if it still runs (a test that failed before waiting for it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def test_info_table_one_process_without_launcher():
