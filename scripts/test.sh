@@ -3,6 +3,8 @@
 # (examples and launchers run for real), real launchers (a SLURM started on loopback, Open
 # MPI's mpirun; their setup installs what they need or fails loudly), and, with
 # MPIDP_TEST_PHDF5=1, the I/O tests again with parallel HDF5.
+# The 1-rank MPI stage runs beside the lint, type, unit and 1-rank composition stages (each
+# of them one process: on 2 cores one core was idle); its output follows theirs.
 # Every MPI run has a timeout and goes through `python -m mpi4py`, so a rank that fails
 # aborts the job instead of leaving the others waiting.
 #
@@ -82,6 +84,37 @@ report_times() {
   fi
 }
 
+# start_beside NAME FACTOR CMD...: run_stage in the background, its output kept in a file, so
+# that a one-process stage runs beside the one-process stages that follow (2 cores: each of
+# them left one idle); join_beside waits for it, prints its output and records its result.
+beside_pid="" beside_dir=""
+start_beside() {
+  beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-beside.XXXXXX")"
+  (
+    last_test="$beside_dir/last" times=() bad=() fail=0
+    run_stage "$@" >"$beside_dir/out" 2>&1
+    printf '%s\n' "${times[@]}" >"$beside_dir/times"
+    printf '%s\n' "${bad[@]}" >"$beside_dir/bad"
+  ) &
+  beside_pid=$!
+}
+join_beside() {
+  local line
+  wait "$beside_pid" || true
+  echo; echo "--- (ran beside the stages above)"; cat "$beside_dir/out"
+  while IFS= read -r line; do [ -n "$line" ] && times+=("$line"); done <"$beside_dir/times"
+  while IFS= read -r line; do [ -n "$line" ] && { bad+=("$line"); fail=1; }; done <"$beside_dir/bad"
+  rm -rf "$beside_dir"
+  beside_pid=""
+}
+
+all_ranks="${MPIDP_TEST_RANKS:-1 2 3 4}"
+one_beside=0
+if [ "$quick" = 0 ] && [[ " $all_ranks " == *" 1 "* ]]; then
+  one_beside=1  # the 1-rank MPI stage beside the lint, type and unit stages
+  start_beside "MPI tests, 1 rank" 2 mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi \
+    tests/mpi --ignore=tests/mpi/test_parallel.py
+fi
 run_stage "ruff" 1 "$py" -m ruff check mpidp tests examples bench docs
 run_stage "mypy" 1 "$py" -m mypy
 run_stage "imports" 1 "$venv/bin/lint-imports" --no-cache
@@ -115,7 +148,13 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_flat_heads test_empty_bands_converted test_blocks test_blocks_layers test_blocks_fft
   test_blocks_sharded test_blocks_models test_io_blocks test_layout_invariance
   test_rebalance)
-for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
+if [ "$one_beside" = 1 ]; then
+  run_stage "DDP / FSDP2 / tensor-parallel composition tests, 1 rank" 1 \
+    mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
+  join_beside
+fi
+for n in $all_ranks; do
+  if [ "$one_beside" = 1 ] && [ "$n" = 1 ]; then continue; fi  # (done beside the above)
   files=(tests/mpi)
   if [ "$n" -gt 3 ] && [ "${MPIDP_TEST_WIDE:-}" != all ]; then
     files=("${wide[@]/#/tests/mpi/}"); files=("${files[@]/%/.py}")
@@ -127,7 +166,8 @@ done
 # DDP / FSDP2 / tensor parallelism (mpidp.parallel) in jobs of their own: every layout builds
 # gloo process groups, and whatever of them outlives a test (threads, sockets) slowed the MPI
 # tests that followed in the same 4-rank job several times over (2 cores, oversubscribed).
-for n in ${MPIDP_TEST_RANKS:-1 2 3 4}; do
+for n in $all_ranks; do
+  if [ "$one_beside" = 1 ] && [ "$n" = 1 ]; then continue; fi
   run_stage "DDP / FSDP2 / tensor-parallel composition tests, $n ranks" 1 \
     mpiexec -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
 done
