@@ -82,6 +82,8 @@ class _Op:
     dim: int
     roll_dim: int
     half: int  # roll by this many entries along roll_dim (polar)
+    #: :func:`_planned`'s prepared exchange and recipe, by the input's shape, dtype, device
+    fast: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def rows(self, shape: torch.Size, n: int) -> tuple[int, ...]:
         return tuple(n if i == self.dim else s for i, s in enumerate(shape))
@@ -368,8 +370,8 @@ def _planned(x: torch.Tensor, op: _Op) -> Any:
     receive buffers; otherwise :class:`_HaloFetch`."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _call(_HaloFetch, x, op, None)
-    kept: dict[Any, Any] = op.t.__dict__.setdefault("_halo_prepared", {})
-    key = (op, x.shape, x.dtype, x.device)  # ops of other shapes can be equal
+    kept = op.fast
+    key = (x.shape, x.dtype, x.device)
     fast = kept.get(key, False)
     if fast is False:
         pl = op.plan
@@ -378,7 +380,7 @@ def _planned(x: torch.Tensor, op: _Op) -> Any:
         fast = None
         if recipe is not None:
             fast = (op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs), recipe)
-        if len(kept) > 256:
+        if len(kept) > 16:
             kept.clear()
         kept[key] = fast
     if fast is None:
