@@ -402,8 +402,8 @@ class _Near:
     a problem, its local size) is the agreement where the neighbours are the whole group (two
     ranks): every rank reads its peer's header, or finds the message of another length (a
     peer that passed other widths, dtype or shape), and both decide alike. On more ranks the
-    agreement is the all-reduce beside the messages (``values``), and the headers only agree
-    with it."""
+    agreement is the all-reduce beside the messages (``values``; the headers travel unread:
+    one message format on every group size)."""
 
     def __init__(self, t: Transport, k: _Known, x: torch.Tensor, problems: list[str]) -> None:
         p, me, d = t.size, t.rank, k.d
