@@ -16,7 +16,8 @@ loop of ``--calls`` calls, in microseconds per call:
 - add: ``torch.add`` of two ShardedTensors of a (1, 8, 16, 16) field against plain tensors.
 
 The figures compared are mpidp's cost over the raw call (``*_over_us``): ``--check`` prints
-"regressed" for each that is more than 1.5x its committed value and exits 1. Timings on this
+"regressed" for each that is more than 1.5x its committed value and exits 1. Every run also
+prints issue 47's acceptance bounds (:data:`TARGETS`) and whether it meets each. Timings on this
 shared 2-core machine are noisy: run it again before believing one regression. Not a test.
 """
 
@@ -29,6 +30,8 @@ from pathlib import Path
 
 LIMIT = 1.5  # a figure over this many times its committed value has regressed
 FIGURES = ("halo_over_us", "conv_over_us", "all_gather_v_over_us", "add_over_us")
+#: issue 47's acceptance, per figure: its bound (us over raw, or the ratio to raw)
+TARGETS = {"halo_over_us": 20.0, "conv_ratio": 1.2, "all_gather_v_over_us": 5.0, "add_over_us": 8.0}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -116,6 +119,14 @@ def compare(row: dict[str, float], baseline: dict[str, float]) -> list[str]:
     return out
 
 
+def targets(row: dict[str, float]) -> list[str]:
+    """Each acceptance bound of issue 47 and whether this run meets it, as lines to print."""
+    return [
+        f"target {name} <= {bound:g}: {row[name]:.2f} {'met' if row[name] <= bound else 'not met'}"
+        for name, bound in TARGETS.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the figures here (the baseline)")
@@ -141,6 +152,7 @@ def main() -> None:
             f"  {name:<13}{row[f'{name}_us']:8.1f}{row[f'{name}_raw_us']:8.1f}"
             f"{row[f'{name}_over_us']:8.1f}{row[f'{name}_ratio']:7.2f}x"
         )
+    print("\n".join(targets(row)))
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     if args.check:

@@ -72,13 +72,19 @@ class PreparedExchange:
         t: Transport,
         send_peers: Sequence[int],
         recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.t, self.peers, self.recvs = t, tuple(send_peers), list(recvs)
+        self.sends = None if sends is None else list(sends)
 
-    def start(self, sends: Sequence[torch.Tensor], number: int = 0) -> PendingExchange:
-        """Post ``sends`` (one tensor per send peer, in order) and the receives into the
-        prepared buffers; ``wait()`` on the result, as for :meth:`Transport.start_exchange`.
-        The buffers are reused by the next call: read them before it."""
+    def start(self, sends: Sequence[torch.Tensor] | None, number: int = 0) -> PendingExchange:
+        """Post ``sends`` (one tensor per send peer, in order; None: the kept send buffers
+        given to :meth:`Transport.prepare_exchange`) and the receives into the prepared
+        buffers; ``wait()`` on the result, as for :meth:`Transport.start_exchange`. The
+        buffers are reused by the next call: read them before it, and write the kept send
+        buffers only after the last call's ``wait()``."""
+        sends = self.sends if sends is None else sends
+        assert sends is not None, "no send buffers were kept: pass them"
         return self.t.start_exchange(list(zip(self.peers, sends, strict=True)), self.recvs, number)
 
 
@@ -372,12 +378,16 @@ class Transport(abc.ABC):
         return PendingExchange(self._start_exchange(_tagged(out, number), _tagged(inn, number)))
 
     def prepare_exchange(
-        self, send_peers: Sequence[int], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        send_peers: Sequence[int],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Sequence[torch.Tensor] | None = None,
     ) -> PreparedExchange:
         """An exchange to be made many times (:class:`PreparedExchange`): one message to each
         of ``send_peers`` (in that order) per :meth:`PreparedExchange.start`, and receives
-        into ``recvs``' ``(peer, buffer)`` pairs, kept and reused. Local."""
-        return PreparedExchange(self, send_peers, recvs)
+        into ``recvs``' ``(peer, buffer)`` pairs, kept and reused; ``sends``: send buffers
+        kept likewise (the caller writes the messages into them). Local."""
+        return PreparedExchange(self, send_peers, recvs, sends)
 
     # -- objects and synchronisation ---------------------------------------------------------
 

@@ -559,18 +559,28 @@ class MPITransport(Transport):
         bufs: Sequence[torch.Tensor],
         statuses: list[MPI.Status],
         number: int,
+        wants: Sequence[int] | None = None,
+        waiting: WaitingFor | None = None,
     ) -> None:
         """Wait for an exchange's receives (the first ``len(peers)`` requests), then its sends,
-        under the deadline, and check that every receive brought the bytes of its buffer."""
+        under the deadline, and check that every receive brought the bytes of its buffer
+        (``wants``, and the deadline's :class:`WaitingFor`: given by a prepared exchange,
+        which made them once)."""
+        needs = waiting.needs if waiting is not None else sorted(set(peers))
         failure = None
-        with deadline(self, WaitingFor(peers), "exchange", number, sorted(set(peers))):
+        n = len(peers)
+        with deadline(self, waiting or WaitingFor(peers), "exchange", number, needs):
             try:
-                MPI.Request.Waitall(reqs[: len(peers)], statuses)
+                MPI.Request.Waitall(reqs[:n], statuses)
             except MPI.Exception as exc:
                 failure = exc
-        failure = self._wait(reqs[len(peers) :], "a point-to-point exchange's sends") or failure
-        for peer, buf, st in zip(peers, bufs, statuses, strict=True):
-            want = buf.numel() * buf.element_size()
+            try:
+                MPI.Request.Waitall(reqs[n:])
+            except MPI.Exception:  # one by one, so that every other send completes
+                failure = self._wait(reqs[n:], "a point-to-point exchange's sends") or failure
+        if wants is None:
+            wants = [buf.numel() * buf.element_size() for buf in bufs]
+        for peer, buf, st, want in zip(peers, bufs, statuses, wants, strict=True):
             got = st.Get_count(MPI.BYTE)
             if failure is not None or got != want:
                 raise CommError(
@@ -583,13 +593,17 @@ class MPITransport(Transport):
                 )
 
     def prepare_exchange(
-        self, send_peers: Sequence[int], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        send_peers: Sequence[int],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Sequence[torch.Tensor] | None = None,
     ) -> PreparedExchange:
+        bufs = [b for _, b in recvs] + list(sends or ())
         if any(p == self.rank for p in (*send_peers, *(p for p, _ in recvs))) or not all(
-            b.is_cpu and b.is_contiguous() for _, b in recvs
+            b.is_cpu and b.is_contiguous() for b in bufs
         ):
-            return super().prepare_exchange(send_peers, recvs)
-        return _Prepared(self, send_peers, recvs)
+            return super().prepare_exchange(send_peers, recvs, sends)
+        return _Prepared(self, send_peers, recvs, sends)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.comm.allgather(obj))

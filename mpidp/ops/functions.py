@@ -103,13 +103,8 @@ def _extent_problem(tensor: torch.Tensor, dim: int, want: int, what: str) -> lis
 
 
 class _NoGradCtx:
-    """Stands in for autograd's ctx when no gradient flows (attributes are simply dropped)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        pass
-
-
-_NO_GRAD_CTX = _NoGradCtx()
+    """Stands in for autograd's ctx when no gradient flows: one per call, dropped with what
+    the forward stored in it (a plain instance: storing costs no Python call)."""
 
 
 def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
@@ -119,7 +114,7 @@ def _call(fn: type[torch.autograd.Function], *args: Any) -> Any:
         isinstance(a, torch.Tensor) and a.requires_grad for a in args
     ):
         return fn.apply(*args)
-    return fn.forward(_NO_GRAD_CTX, *args)
+    return fn.forward(_NoGradCtx(), *args)
 
 
 def _fresh(out: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -85,7 +85,7 @@ def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) ->
     return [row[0] for row in table]
 
 
-def _raise(t: Transport, lines: list[str]) -> None:
+def _raise(t: Transport, lines: list[str]) -> NoReturn:
     raise CommError(
         f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
         + "\n  ".join(lines)
@@ -132,19 +132,14 @@ def _key(
 ) -> tuple[Any, ...] | None:
     """What a call's checked facts depend on, or None when an argument is not a plain value
     (then the call derives everything afresh)."""
+    key = (x.shape, x.dtype, grad, dim, before, after, spec, boundary, roll_dim, strips)
     try:
-        key = (
-            x.shape,
-            x.dtype,
-            grad,
-            dim,
-            _hashable(before),
-            _hashable(after),
-            _hashable(spec),
-            _hashable(boundary),
-            roll_dim,
-            strips,
-        )
+        hash(key)  # the common call: ints and strings, hashable as they are
+        return key
+    except TypeError:  # lists of widths, a (low, high) list of kinds
+        pass
+    try:
+        key = (*key[:4], *(_hashable(v) for v in (before, after, spec, boundary)), *key[8:])
         hash(key)
     except TypeError:
         return None

@@ -24,6 +24,7 @@ grid with blocks (``P_lon > 1``) a group must be passed (an axis transport).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,8 @@ class _Op:
     dim: int
     roll_dim: int
     half: int  # roll by this many entries along roll_dim (polar)
+    #: :func:`_planned`'s prepared exchange and recipe, by the input's shape, dtype, device
+    fast: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def rows(self, shape: torch.Size, n: int) -> tuple[int, ...]:
         return tuple(n if i == self.dim else s for i, s in enumerate(shape))
@@ -341,15 +344,16 @@ def _fetch_now(
 ) -> Any:
     """The exchange in one go (:func:`band_halo_exchange`, :func:`halo_strips`).
 
-    Without a spec, over MPI, the partition is learned and the arguments agreed in one small
-    all-reduce made while a first exchange with the two neighbours is in flight: every rank
-    sends one message to each neighbour and receives one from each, whatever it was passed
-    (so every message meets its receive, even between ranks that disagree), holding the rows
-    a neighbour needs when every rank's halo comes from its neighbours alone. Every rank
-    decides from the all-reduce's result alone (the same everywhere) whether that exchange was
-    the halo; if not (thin shards, a circular or polar boundary) the planned exchange follows,
-    and when the arguments disagree every rank raises. Otherwise: checks and agreement, then
-    the planned exchange (:func:`_resolve`)."""
+    Without a spec, over MPI, the partition is learned and the arguments agreed while a first
+    exchange with the two neighbours is made: every rank sends one message to each neighbour
+    and receives one from each, whatever it was passed (so every message meets its receive,
+    even between ranks that disagree), holding the rows a neighbour needs when every rank's
+    halo comes from its neighbours alone, behind a header (:class:`_Near`). On two ranks the
+    headers are the agreement; on more, one small all-reduce made while the messages travel.
+    Every rank decides from what the agreement gives (the same everywhere) whether that
+    exchange was the halo; if not (thin shards, a circular or polar boundary) the planned
+    exchange follows, and when the arguments disagree every rank raises. Otherwise: checks and
+    agreement, then the planned exchange (:func:`_resolve`)."""
     t = band_transport(group if group is not None else manager, x.device, _WHAT)
     check = getattr(t, "max_ints", None)
     if spec is not None or check is None or t.size == 1:
@@ -363,23 +367,28 @@ def _fetch_now(
             k.near = near
     t.fetches += 1
     number = 2 * t.fetches
-    pending = near.exchange.start(near.sends(x), number)
-    agreed = check(near.values, _CHECK)
-    if agreed[2] or agreed[0] != -agreed[1]:
-        try:
-            pending.wait()
-        except CommError:  # rows of another width: the disagreement below says why
-            pass
+    pending = near.start(x, number)
+    sizes: tuple[int, ...] | None = None
+    if t.size > 2:  # the neighbours are not the whole group: the all-reduce agrees
+        agreed = check(near.values, _CHECK)
+        if not agreed[2] and agreed[0] == -agreed[1]:
+            sizes = tuple(agreed[3:])
+    try:
+        pending.wait()
+    except CommError:  # a message of another length: a peer passed other widths or rows
+        sizes = None
+    else:
+        if t.size == 2:  # the peer's header is the agreement
+            sizes = near.agreed(2, t.rank)
+    if sizes is None:
         _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
-    pending.wait()
     last = k.last
-    if last is None or last[0] != agreed:  # another partition than the last call's
-        sizes = tuple(agreed[3:])
+    if last is None or last[0] != sizes:  # another partition than the last call's
         op = _op_of(k, sizes, t, x, strips)
-        last = (agreed, ShardSpec(sizes), op, False, None)
+        last = (sizes, ShardSpec(sizes), op, False, None)
         if near.eligible and neighbours_only(sizes, k.bw, k.aw, k.b):
             bufs = [near.got[peer] for peer, _, _ in op.plan.recv]
-            last = (agreed, last[1], op, True, _recipe(op, bufs, x))
+            last = (sizes, last[1], op, True, _recipe(op, bufs, x))
         k.last = last
     _, learnt, op, done, recipe = last
     learned(x, k.d, learnt)  # the partition the agreement learned: a layer reads it next
@@ -401,8 +410,8 @@ def _planned(x: torch.Tensor, op: _Op) -> Any:
     receive buffers; otherwise :class:`_HaloFetch`."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _call(_HaloFetch, x, op, None)
-    kept: dict[Any, Any] = op.t.__dict__.setdefault("_halo_prepared", {})
-    key = (op, x.shape, x.dtype, x.device)  # ops of other shapes can be equal
+    kept = op.fast
+    key = (x.shape, x.dtype, x.device)
     fast = kept.get(key, False)
     if fast is False:
         pl = op.plan
@@ -411,7 +420,7 @@ def _planned(x: torch.Tensor, op: _Op) -> Any:
         fast = None
         if recipe is not None:
             fast = (op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs), recipe)
-        if len(kept) > 256:
+        if len(kept) > 16:
             kept.clear()
         kept[key] = fast
     if fast is None:
@@ -426,7 +435,15 @@ def _planned(x: torch.Tensor, op: _Op) -> Any:
 class _Near:
     """The learned-partition path's first exchange, prepared once per call key: one message
     to each neighbour and one from each, whatever the call (so every message meets its
-    receive, even between ranks that disagree), and the ints of the agreement beside it."""
+    receive, even between ranks that disagree), each a header and the rows the neighbour
+    needs.
+
+    The header (:data:`_HEADER` bytes: the call's agreement checksum, whether this rank found
+    a problem, its local size) is the agreement where the neighbours are the whole group (two
+    ranks): every rank reads its peer's header, or finds the message of another length (a
+    peer that passed other widths, dtype or shape), and both decide alike. On more ranks the
+    agreement is the all-reduce beside the messages (``values``; the headers travel unread:
+    one message format on every group size)."""
 
     def __init__(self, t: Transport, k: _Known, x: torch.Tensor, problems: list[str]) -> None:
         p, me, d = t.size, t.rank, k.d
@@ -436,6 +453,7 @@ class _Near:
         table = [-1] * p
         table[me] = n
         self.values = [k.checksum, -k.checksum, 1 if problems else 0, *table]
+        self.header = (k.checksum, 1 if problems else 0)
         shape = x.shape if x.dim() else torch.Size([0])
         # (peer, rows this rank gives from its low or high end, rows it takes from the peer)
         peers = []
@@ -443,26 +461,57 @@ class _Near:
             peers.append((me - 1, True, k.aw[me - 1], k.bw[me]))
         if me < p - 1:
             peers.append((me + 1, False, k.bw[me + 1], k.aw[me]))
-        #: per send: the band's rows (first row, count) or a stand-in (a thin band: the
-        #: agreement sends every rank to the plan)
-        self.gives: list[tuple[int, int] | torch.Tensor] = []
-        recvs = []
-        for _, low, give, take in peers:
+        self.d, self.n, self.problems = d, n, bool(problems)
+        # per send: its kept message, the part the band's rows go to, and which rows (first
+        # row, count); None for a thin band (the agreement then sends every rank to the plan)
+        out: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]] = []
+        recvs, self.got, self.heads = [], {}, []
+        for peer, low, give, take in peers:
             give, take = (give, take) if eligible else (0, 0)
-            if give <= n and x.dim():
-                self.gives.append((0 if low else n - give, give))
-            else:
-                self.gives.append(x.new_zeros(_rows(shape, d, give)))
-            recvs.append(torch.empty(_rows(shape, d, take), dtype=x.dtype, device=x.device))
-        self.d = d
-        self.exchange = t.prepare_exchange(
-            [peer for peer, _, _, _ in peers],
-            [(peer, buf) for (peer, _, _, _), buf in zip(peers, recvs, strict=True)],
-        )
-        self.got = {peer: buf for (peer, _, _, _), buf in zip(peers, recvs, strict=True)}
+            msg, rows = _headed(_rows(shape, d, give), x, [k.checksum, self.header[1], n])
+            rows.zero_()  # a stand-in where the band is too thin to give its rows
+            which = (0 if low else n - give, give) if give <= n and x.dim() else None
+            out.append((msg, rows, which))
+            msg_in, rows_in = _headed(_rows(shape, d, take), x, [0, 0, 0])
+            recvs.append((peer, msg_in))
+            self.got[peer] = rows_in
+            self.heads.append(msg_in[:_HEADER].view(torch.int64))
+        self.peers = [peer for peer, _, _, _ in peers]
+        self.exchange = t.prepare_exchange(self.peers, recvs, [msg for msg, _, _ in out])
+        #: (rows of a message, the band's rows it holds) for each message that holds any
+        self.copies = [(rows, which) for _, rows, which in out if which is not None and which[1]]
 
-    def sends(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [g if isinstance(g, torch.Tensor) else x.narrow(self.d, *g) for g in self.gives]
+    def start(self, x: torch.Tensor, number: int) -> PendingExchange:
+        """Post this call's messages: the band's rows copied behind the kept headers."""
+        for rows, (lo, n) in self.copies:
+            rows.copy_(x.narrow(self.d, lo, n))
+        return self.exchange.start(None, number)
+
+    def agreed(self, p: int, me: int) -> tuple[int, ...] | None:
+        """Every rank's size from the peers' headers when they agree with this rank's (the
+        neighbours are the whole group), else None."""
+        sizes = [self.n] * p
+        for peer, head in zip(self.peers, self.heads, strict=True):
+            checksum, problem, n, _ = head.tolist()
+            if problem or checksum != self.header[0]:
+                return None
+            sizes[peer] = n
+        return None if self.problems else tuple(sizes)
+
+
+#: bytes of the header before a neighbour message's rows (4 int64: aligns any dtype's rows)
+_HEADER = 32
+
+
+def _headed(
+    shape: tuple[int, ...], x: torch.Tensor, header: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message of :data:`_HEADER` bytes of header (``header``'s ints) then rows of
+    ``shape`` of ``x``'s dtype: (the message's bytes, the rows as a tensor)."""
+    nbytes = math.prod(shape) * x.element_size()
+    msg = torch.empty(_HEADER + nbytes, dtype=torch.uint8, device=x.device)
+    msg[:_HEADER].view(torch.int64).copy_(torch.tensor([*header, 0][:4], dtype=torch.int64))
+    return msg, msg[_HEADER:].view(x.dtype).view(shape)
 
 
 #: one output's pieces in row order: the band's rows (first row, count), or a tensor (rows

@@ -212,3 +212,19 @@ def test_conv_other_channels_on_one_rank_after_a_kept_call_fail_everywhere(manag
     x = rand((1, 3 if manager.domain_rank == 1 else 2, n, 5), 8, torch.float32)
     with pytest.raises(CommError, match=r"rank 1: shape without dim=.* but rank 0 passed"):
         conv(x)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_halo_problem_on_one_rank_after_a_kept_call_fails_everywhere(t):
+    """The learned-partition path (on two ranks its agreement is the neighbour messages'
+    headers): a rank whose own check fails (a dim out of range), or whose band has another
+    shape, after a kept call, fails on every rank, and the kept call runs again after."""
+    x = rand((2, 3 + t.rank % 2, 6), 9)
+    _twice(lambda: mpidp.halo_exchange(x, 1, 1, 1, group=t))
+    other = t.rank == t.size - 1
+    with pytest.raises(CommError, match=rf"rank {t.size - 1}: dim 5 is out of range"):
+        mpidp.halo_exchange(x, 1, 1, 5 if other else 1, group=t)
+    wide = rand((2, x.size(1), 7), 9) if other else x
+    with pytest.raises(CommError, match=rf"rank {t.size - 1}: shape without dim=.* but rank 0"):
+        mpidp.halo_exchange(wide, 1, 1, 1, group=t)
+    assert mpidp.halo_exchange(x, 1, 1, 1, group=t).size(1) == x.size(1) + 2
