@@ -134,7 +134,12 @@ def run_case(case_name, m, group=None):
         y_ser, ws, gx_ser, g_ser = ser
         result["serial_seconds"] = round(time.time() - t0, 1)
 
-        result["sizes"] = list(m.spec(ins[sidx].shape[dim]).sizes)
+        if m.grid[1] > 1:  # blocks: the latitude and the longitude after it
+            dim = (dim, dim + 1)
+            bs = m.block_spec(ins[sidx].shape, dim)
+            result["sizes"] = [list(bs.lat.sizes), list(bs.lon.sizes)]
+        else:
+            result["sizes"] = list(m.spec(ins[sidx].shape[dim]).sizes)
         stage = "sharded forward"
         model.zero_grad(set_to_none=True)
         torch.manual_seed(2)
@@ -272,11 +277,13 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     import mpidp
+    from mpidp.runtime.grid import parse_domain
 
     case_name, outdir = sys.argv[1], sys.argv[2]
     world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    domain = os.environ.get("ZOO_DOMAIN", str(world))  # run_zoo.py's: "3" bands, "2x2" blocks
     try:
-        manager = mpidp.DistributedManager(domain_parallel_size=world)
+        manager = mpidp.DistributedManager(domain_parallel_size=parse_domain(domain))
         if os.environ.get("ZOO_ALLOW_EMPTY"):
             manager.partition = mpidp.Balanced(allow_empty=True)
         out = run_case(case_name, manager)
@@ -289,5 +296,5 @@ if __name__ == "__main__":
             "stage": "import",
             "traceback": tb_tail(),
         }
-    with open(os.path.join(outdir, f"{case_name}_P{world}_r{rank}.json"), "w") as f:
+    with open(os.path.join(outdir, f"{case_name}_P{domain}_r{rank}.json"), "w") as f:
         json.dump(out, f, indent=1)
