@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The third-party stage: unchanged PhysicsNeMo and CREDIT models on ShardedTensors against
-# serial (tests/zoo), at 2 and 3 ranks, each package in an environment of its own built by
-# bench/zoo/setup.sh (about 2 GB and 2-3 minutes each from PyPI the first time; kept in
-# $MPIDP_ZOO_VENVS, default /tmp/mpidp-zoo, and reused while its spec is unchanged). An
-# environment that cannot be built fails the stage loudly; MPIDP_TEST_ZOO=0 skips the stage
-# on purpose (scripts/test.sh says so in its summary).
+# serial (tests/zoo), on bands at 2 and 3 ranks and on 2 x 2 blocks at 4 (the convolutional
+# and window models: tests/zoo/test_zoo.py's ON_BLOCKS; MPIDP_ZOO_RANKS="2 3 2x2" by default),
+# each package in an environment of its own built by bench/zoo/setup.sh (about 2 GB and 2-3
+# minutes each from PyPI the first time; kept in $MPIDP_ZOO_VENVS, default /tmp/mpidp-zoo, and
+# reused while its spec is unchanged). An environment that cannot be built fails the stage
+# loudly; MPIDP_TEST_ZOO=0 skips the stage on purpose (scripts/test.sh says so in its summary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 per_run="${MPIDP_TEST_TIMEOUT:-600}"
@@ -20,11 +21,12 @@ for group in "pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0"; do
   if ! bash bench/zoo/setup.sh "$1" "$2"; then
     echo "!!! zoo: could not build the $1 environment ($2)"; fail=1; continue
   fi
-  for n in ${MPIDP_ZOO_RANKS:-2 3}; do
-    echo "--- zoo $1 ($2), $n ranks"
-    timeout $((per_run + 30)) "$root/$1/bin/mpiexec" -n "$n" "$root/$1/bin/python" -m mpi4py \
-      -m pytest -q -rs -p no:cacheprovider tests/zoo \
-      || { echo "!!! zoo $1 FAILED at $n ranks"; fail=1; }
+  for domain in ${MPIDP_ZOO_RANKS:-2 3 2x2}; do  # N ranks of bands or LATxLON blocks
+    n=$(( ${domain/x/*} ))
+    echo "--- zoo $1 ($2), domain $domain ($n ranks)"
+    MPIDP_ZOO_DOMAIN="$domain" timeout $((per_run + 30)) "$root/$1/bin/mpiexec" -n "$n" \
+      "$root/$1/bin/python" -m mpi4py -m pytest -q -rs -p no:cacheprovider tests/zoo \
+      || { echo "!!! zoo $1 FAILED on domain $domain"; fail=1; }
   done
 done
 exit "$fail"

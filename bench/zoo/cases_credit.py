@@ -122,6 +122,7 @@ def credit_UNet():
     return dict(
         model=eval(ctor),
         inputs=[Z(1, 7, 2, 40, 64)],
+        inputs_blocks=[Z(1, 7, 2, 40, 72)],  # / 8 (3 levels): 5 x 9 at the bottom, uneven
         dim=3,
         ctor=ctor,
         note="smp.Unet(resnet18 encoder, depth 3); H=40",

@@ -1,5 +1,6 @@
 # ruff: noqa: E501  (the constructors are written as the packages document them)
-"""PhysicsNeMo 2.2.x cases. Each returns dict(model, inputs, shard, dim, ctor, [call, note])."""
+"""PhysicsNeMo 2.2.x cases. Each returns dict(model, inputs, shard, dim, ctor, [call, note,
+inputs_blocks: the shapes on 2 x 2 blocks, uneven in both dims where the model allows])."""
 
 import torch
 
@@ -112,7 +113,13 @@ def pnm_Pix2Pix():
         "Pix2Pix(in_channels=3, out_channels=3, dimension=2, conv_layer_size=8, n_downsampling=2, "
         "n_upsampling=2, n_blocks=2, batch_norm=True, padding_type='reflect')"
     )
-    return dict(model=eval(ctor), inputs=[Z(2, 3, 36, 40)], dim=2, ctor=ctor)
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 3, 36, 40)],
+        inputs_blocks=[Z(2, 3, 35, 41)],  # 18/17 x 21/20 over 2 x 2
+        dim=2,
+        ctor=ctor,
+    )
 
 
 @case
@@ -143,6 +150,7 @@ def pnm_SRResNet():
     return dict(
         model=eval(ctor),
         inputs=[Z(1, 2, 7, 33, 10)],
+        inputs_blocks=[Z(1, 2, 7, 33, 11)],  # 17/16 x 6/5 over 2 x 2
         dim=3,
         ctor=ctor,
         note="3-D model: input (B,C,D,H,W), sharded along H",
@@ -158,7 +166,13 @@ def pnm_UNet3D():
         "num_conv_blocks=2, normalization='groupnorm', normalization_args={'num_groups': 2}, "
         "gradient_checkpointing=False)"
     )
-    return dict(model=eval(ctor), inputs=[Z(1, 2, 4, 36, 8)], dim=3, ctor=ctor)
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 2, 4, 36, 8)],
+        inputs_blocks=[Z(1, 2, 4, 36, 12)],  # the skips need H, W / 4: 9 x 3 at the bottom, uneven
+        dim=3,
+        ctor=ctor,
+    )
 
 
 @case

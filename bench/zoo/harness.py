@@ -60,9 +60,13 @@ def relerr(got, want):
     return d / (scale or 1.0), None
 
 
-def build(case, dtype):
+def build(case, dtype, blocks=False):
+    """The case's model in ``dtype`` and random inputs of its shapes (on ``blocks``, those of
+    its ``inputs_blocks`` where it gives them: uneven over 2 x 2 where the model allows)."""
     torch.manual_seed(0)
     spec = case()  # dict: model, inputs (list of full tensors), shard (index of input), dim, call
+    if blocks and "inputs_blocks" in spec:
+        spec["inputs"] = spec["inputs_blocks"]
     cast = spec.get("cast", lambda m, dt: m.to(dt))  # a case may say how its model changes dtype
     model = cast(spec["model"], dtype) if dtype != torch.float32 else spec["model"]
     gen = torch.Generator().manual_seed(1)
@@ -110,15 +114,15 @@ def run_case(case_name, m, group=None):
     result = {"case": case_name, "P": m.domain_world_size, "rank": m.domain_rank, "meta": {}}
     stage = "build"
     try:
-        dtype = torch.float64
-        spec, model, ins = build(case, dtype)
+        dtype, blocks = torch.float64, m.grid[1] > 1
+        spec, model, ins = build(case, dtype, blocks)
         stage = "serial"
         try:
             ser = run_serial(spec, model, ins)
         except Exception:
             result["float64_serial_failed"] = tb_tail(3)
             dtype = torch.float32
-            spec, model, ins = build(case, dtype)
+            spec, model, ins = build(case, dtype, blocks)
             ser = run_serial(spec, model, ins)
         result["dtype"] = str(dtype).replace("torch.", "")
         sidx, dim = spec.get("shard", 0), spec["dim"]
@@ -134,7 +138,12 @@ def run_case(case_name, m, group=None):
         y_ser, ws, gx_ser, g_ser = ser
         result["serial_seconds"] = round(time.time() - t0, 1)
 
-        result["sizes"] = list(m.spec(ins[sidx].shape[dim]).sizes)
+        if blocks:  # the latitude and the longitude after it
+            dim = (dim, dim + 1)
+            bs = m.block_spec(ins[sidx].shape, dim)
+            result["sizes"] = [list(bs.lat.sizes), list(bs.lon.sizes)]
+        else:
+            result["sizes"] = list(m.spec(ins[sidx].shape[dim]).sizes)
         stage = "sharded forward"
         model.zero_grad(set_to_none=True)
         torch.manual_seed(2)
@@ -272,11 +281,13 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     import mpidp
+    from mpidp.runtime.grid import parse_domain
 
     case_name, outdir = sys.argv[1], sys.argv[2]
     world, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    domain = os.environ.get("ZOO_DOMAIN", str(world))  # run_zoo.py's: "3" bands, "2x2" blocks
     try:
-        manager = mpidp.DistributedManager(domain_parallel_size=world)
+        manager = mpidp.DistributedManager(domain_parallel_size=parse_domain(domain))
         if os.environ.get("ZOO_ALLOW_EMPTY"):
             manager.partition = mpidp.Balanced(allow_empty=True)
         out = run_case(case_name, manager)
@@ -289,5 +300,5 @@ if __name__ == "__main__":
             "stage": "import",
             "traceback": tb_tail(),
         }
-    with open(os.path.join(outdir, f"{case_name}_P{world}_r{rank}.json"), "w") as f:
+    with open(os.path.join(outdir, f"{case_name}_P{domain}_r{rank}.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -1,9 +1,10 @@
 """Driver: for each case and P in (2, 3), launch harness.py under mpiexec, poll the per-rank
 JSON files, kill the job when it hangs, merge into <outdir>/<group>.json.
-usage: python run_zoo.py <group: pnm|credit> [case ...] [--P 2,3] [--timeout 300]"""
+usage: python run_zoo.py <group: pnm|credit> [case ...] [--P 2,3,2x2] [--timeout 300]"""
 
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ group = args.pop(0)
 Ps, timeout = [2, 3], 300
 if "--P" in args:
     i = args.index("--P")
-    Ps = [int(p) for p in args[i + 1].split(",")]
+    Ps = args[i + 1].split(",")  # N ranks of bands or LATxLON blocks (2x2)
     del args[i : i + 2]
 if "--timeout" in args:
     i = args.index("--timeout")
@@ -50,7 +51,8 @@ if not args:
 merged_path = os.path.join(VENVS, "out", f"{group}.json")
 merged = json.load(open(merged_path)) if os.path.exists(merged_path) else {}
 for case in args:
-    for P in Ps:
+    for P in map(str, Ps):
+        n_ranks = math.prod(int(k) for k in P.split("x"))  # "2x2": 4 ranks
         for f in glob.glob(f"{outdir}/{case}_P{P}_r*.json"):
             os.remove(f)
         t0 = time.time()
@@ -59,7 +61,7 @@ for case in args:
             [
                 f"{venv}/bin/mpiexec",
                 "-n",
-                str(P),
+                str(n_ranks),
                 f"{venv}/bin/python",
                 "-m",
                 "mpi4py",
@@ -67,7 +69,7 @@ for case in args:
                 case,
                 outdir,
             ],
-            env=env,
+            env=dict(env, ZOO_DOMAIN=P),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -79,10 +81,10 @@ for case in args:
             n = len(glob.glob(f"{outdir}/{case}_P{P}_r*.json"))
             if n and first_file is None:
                 first_file = time.time()
-            if n == P and time.time() - first_file > 10:
+            if n == n_ranks and time.time() - first_file > 10:
                 killed = "all ranks reported; job did not exit"
             elif n and time.time() - first_file > 60:
-                killed = f"only {n}/{P} ranks reported within 60 s of the first (others hung)"
+                killed = f"only {n}/{n_ranks} ranks reported within 60 s of the first (others hung)"
             elif time.time() - t0 > timeout:
                 killed = f"timeout {timeout}s"
             if killed:
@@ -90,7 +92,7 @@ for case in args:
                 proc.wait()
                 break
         ranks = []
-        for r in range(P):
+        for r in range(n_ranks):
             f = f"{outdir}/{case}_P{P}_r{r}.json"
             ranks.append(
                 json.load(open(f)) if os.path.exists(f) else {"rank": r, "status": "no report"}

@@ -18,10 +18,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.ops.collectives import copy_to, repartition
 from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
+from mpidp.runtime.partition import ShardSpec
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
 from mpidp.sharded.pointwise import POINTWISE, draws
 from mpidp.sharded.select import index_parts, kept
+from mpidp.sharded.shapes import _aligned, _groups, plan_cut
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
 __all__: list[str] = []
@@ -247,8 +249,12 @@ def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A reshape that keeps the two cut dims, adjacent, whole: the dims before them and the
-    dims after them each regroup among themselves."""
+    """The band rule once per cut dim (:func:`~mpidp.sharded.shapes.plan_cut`): a cut dim
+    merged with the dims after it (a pixel shuffle's (H, r) -> H r) or split (a patch's
+    H -> (H / p, p)) stays cut, each rank's rows becoming its entries of the new dim; where a
+    boundary falls off the new unit, the rows that change owner move first, along that axis
+    alone. The two cut dims must stay in runs of their own with nothing merged before them
+    (tokens of rows x columns would be no block)."""
     x = args[0]
     g = _block_of(x)
     raw = args[1:] if len(args) > 1 else (kwargs.get("shape"),)
@@ -258,30 +264,43 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         i = new.index(-1)
         rest = math.prod(n for j, n in enumerate(new) if j != i)
         new[i] = math.prod(old) // max(rest, 1)
-    lat, lon = g.dims
-    at = None
-    if lon == lat + 1:
-        before = math.prod(old[:lat])
-        for j in range(len(new) - 1):
-            if new[j : j + 2] == old[lat : lat + 2] and math.prod(new[:j]) == before:
-                at = j
-                break
-    if at is None or math.prod(new) != math.prod(old):
+    call = (func, args, kwargs)
+    runs = [next(r for r in _groups(old, new) if r[0] <= d < r[1]) for d in g.dims]
+    if math.prod(new) != math.prod(old) or runs[0] == runs[1] or 0 in old:
         raise refuse(
-            func,
-            args,
-            kwargs,
-            "a reshape that merges or splits a cut dim (H and W flattened into tokens give "
-            "this rank its rows x columns, tokens in neither band nor block order, so "
-            "attention over every token, nn.MultiheadAttention or "
+            *call,
+            "a reshape that merges the two cut dims, or a dim of none (H and W flattened into "
+            "tokens give this rank its rows x columns, tokens in neither band nor block "
+            "order, so attention over every token, nn.MultiheadAttention or "
             "F.scaled_dot_product_attention, is not computed on blocks)",
-            "keep H and W whole; for attention use windows (a converted SwinBlock or window "
-            "attention, exact on blocks), bands (mpidp.init(domain_parallel_size=P): the "
-            "tokens are a band and attention is exact), or gather (.full_tensor())",
+            "keep the latitude and the longitude in dims of their own; for attention use "
+            "windows (a converted SwinBlock or window attention, exact on blocks), bands "
+            "(mpidp.init(domain_parallel_size=P): the tokens are a band and attention is "
+            "exact), or gather (.full_tensor())",
         )
-    local_shape = list(new)
-    local_shape[at : at + 2] = x.local.shape[lat : lat + 2]
-    return _moved(x, x.local.reshape(local_shape), (at, at + 1))
+    plans = [
+        plan_cut(old, new, d, spec, 1, "reshape", call)
+        for d, spec in zip(g.dims, (g.lat, g.lon), strict=True)
+    ]
+    if any(blocks != 1 for _, blocks, _, _ in plans):
+        raise refuse(
+            *call,
+            "a reshape that merges dims before a cut dim into it",
+            "keep the dims before each cut dim out of its run",
+        )
+    aligned = [
+        _aligned(spec, unit) for spec, (_, _, unit, _) in zip((g.lat, g.lon), plans, strict=True)
+    ]
+    x = to_blocks(x, BlockSpec(aligned[0], aligned[1], g.dims), call)
+    specs = [
+        ShardSpec(tuple(s * num // den for s in spec.sizes))
+        for spec, (_, _, _, (num, den)) in zip(aligned, plans, strict=True)
+    ]
+    local_new = list(new)
+    for (k, _, _, _), spec, i in zip(plans, specs, x.manager.grid_coords, strict=True):
+        local_new[k] = spec.sizes[i]
+    out = BlockSpec(specs[0], specs[1], (plans[0][0], plans[1][0]))
+    return ShardedTensor(x.local.reshape(local_new), out.lat, out.dims[0], x.manager, grid=out)
 
 
 @register_grid(torch.flatten, torch.Tensor.flatten)

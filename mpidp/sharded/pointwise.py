@@ -504,14 +504,15 @@ def _channel_dropout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return local_like(x, x.local * mask)
 
 
-@register(F.prelu, torch.prelu, torch.Tensor.prelu, blocks=True)
+@register(F.prelu, torch.prelu, torch.Tensor.prelu, blocks=True, grid=True)
 def _prelu(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """PReLU's weight runs along dim 1 (the channels), not right-aligned: bands along any
-    other dim use it whole; bands along the channels are refused."""
+    """PReLU's weight runs along dim 1 (the channels), not right-aligned: bands or blocks cut
+    along other dims use it whole; a cut of the channels is refused."""
     x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
     if not isinstance(x, ShardedTensor) or isinstance(weight, ShardedTensor):
         raise refuse(func, args, kwargs, "a sharded PReLU weight", "shard the input only")
-    if x.shard_dim == 1 and weight.numel() > 1:
+    cut = x.grid.dims if x.grid is not None else (x.shard_dim,)
+    if 1 in cut and weight.numel() > 1:
         raise refuse(func, args, kwargs, "bands along the channel dim", "shard along H")
     if isinstance(weight, Replicated):
         weight = copy_to(weight.as_subclass(torch.Tensor), x.transport)

@@ -90,10 +90,10 @@ def _adaptive_handler(n: int, kind: str) -> Any:
         if a["return_indices"]:
             raise refuse(func, args, kwargs, "pooling indices on bands", "pool without indices")
         size = as_tuple(a["output_size"], n)
-        k = x.shard_dim - (x.dim() - n)
-        oh = size[k] if size[k] is not None else x.shape[x.shard_dim]
-        if oh < x.spec.parts:  # a few rows: every rank gets them whole (Replicated)
-            return _adaptive_few(x, size, k, oh, n, kind, func)
+        cuts = _cuts(x)
+        outs = [size[d - x.dim() + n] or x.shape[d] for d, _ in cuts]
+        if any(o < parts for o, (_, parts) in zip(outs, cuts, strict=True)):
+            return _adaptive_few(x, size, [d for d, _ in cuts], outs, n, kind)
         mod = module_with(
             cls,
             output_size=a["output_size"],
@@ -104,22 +104,40 @@ def _adaptive_handler(n: int, kind: str) -> Any:
     return handler
 
 
+def _cuts(x: ShardedTensor) -> list[tuple[int, int]]:
+    """(dim, ranks along it) of each cut dim: a band's one, a block's two."""
+    g = x.grid
+    if g is None:
+        return [(x.shard_dim, x.spec.parts)]
+    return [(g.dims[0], g.lat.parts), (g.dims[1], g.lon.parts)]
+
+
 def _adaptive_few(
-    x: ShardedTensor, size: tuple[Any, ...], k: int, oh: int, n: int, kind: str, func: Any
+    x: ShardedTensor, size: tuple[Any, ...], dims: list[int], outs: list[int], n: int, kind: str
 ) -> Any:
-    """An adaptive pool to fewer rows than ranks: each output row is the mean (max) of its
-    window of rows, a global reduction; the other dims pooled by torch on that row."""
-    h, d = x.shape[x.shard_dim], x.shard_dim
-    rows = []
-    for o in range(oh):
-        a, b = (o * h) // oh, -(-((o + 1) * h) // oh)
-        seg = x.narrow(d, a, b - a)
-        rows.append(seg.amax(d, keepdim=True) if kind == "Max" else seg.mean(d, keepdim=True))
-    joined = torch.cat(rows, d) if len(rows) > 1 else rows[0]
+    """An adaptive pool to fewer rows than ranks along a cut dim: each output cell of the cut
+    dims is the mean (max) of its window of rows (by columns, on a block), a global reduction
+    (Replicated, every rank the same; a block's one-dim reduction would be no ShardedTensor);
+    the other dims pooled by torch on those cells (a window is a product of intervals, so
+    pooling dim by dim is exact)."""
+
+    def window(t: Any, d: int, o: int, out: int) -> Any:
+        h = x.shape[d]
+        lo, hi = (o * h) // out, -(-((o + 1) * h) // out)
+        return t.narrow(d, lo, hi - lo)
+
+    def cells(t: Any, k: int) -> Any:
+        """The cells of the cut dims from the k-th on, joined along them."""
+        if k == len(dims):
+            return t.amax(dims, keepdim=True) if kind == "Max" else t.mean(dims, keepdim=True)
+        parts = [cells(window(t, dims[k], o, outs[k]), k + 1) for o in range(outs[k])]
+        return torch.cat(parts, dims[k]) if len(parts) > 1 else parts[0]
+
     rest = list(size)
-    rest[k] = oh
+    for d, o in zip(dims, outs, strict=True):
+        rest[d - x.dim() + n] = o
     pool = getattr(F, f"adaptive_{kind.lower()}_pool{n}d")
-    return pool(joined, tuple(rest))
+    return pool(cells(x, 0), tuple(rest))
 
 
 for _n in (1, 2, 3):

@@ -84,23 +84,48 @@ def _groups(old: list[int], new: list[int]) -> list[tuple[int, int, int, int]]:
 
 
 def reshape_sharded(x: ShardedTensor, new: list[int], what: str) -> ShardedTensor:
-    """The reshape of ``x`` to ``new``, in the layout that describes each rank's part.
-
-    Within the run of old dims that holds the sharded one, the global index is (``before``
-    blocks: the dims merged before the band and ``x.blocks``) x (``n`` rows) x (``inner``
-    entries per row). The new dim holding the bands is the one whose running product passes
-    ``before``: what of ``before`` it holds becomes its ``blocks``, and each rank's
-    rows become ``rows * inner / stride`` of its entries (``stride``: the product of the new
-    dims after it), which needs every band boundary on a multiple of ``stride / inner``
-    rows; where one is not, the tensor first moves to the nearest partition where it is
-    (only boundary rows travel)."""
+    """The reshape of ``x`` to ``new``, in the layout that describes each rank's part
+    (:func:`plan_cut`); where a band boundary falls off the new dim's unit, the tensor first
+    moves to the nearest partition where it does not (only boundary rows travel)."""
     old = list(x.shape)
     new = _infer(old, new)
-    d, n = x.shard_dim, x.spec.total
     if math.prod(new) != math.prod(old) or 0 in old:
         raise ValueError(f"{what}: shape {new} is invalid for a tensor of shape {tuple(old)}")
+    call: tuple[Any, Any, Any] = (torch.Tensor.reshape, (x,), {})
+    k, blocks, unit, scale = plan_cut(old, new, x.shard_dim, x.spec, x.blocks, what, call)
+    if unit > 1:
+        x = to_spec(x, _aligned(x.spec, unit))
+    sizes = tuple(s * scale[0] // scale[1] for s in x.spec.sizes)
+    local_new = list(new)
+    local_new[k] = blocks * sizes[x.rank]
+    return ShardedTensor(x.local.reshape(local_new), ShardSpec(sizes), k, x.manager, blocks)
+
+
+def plan_cut(
+    old: list[int],
+    new: list[int],
+    d: int,
+    spec: ShardSpec,
+    blocks: int,
+    what: str,
+    call: tuple[Any, Any, Any],
+) -> tuple[int, int, int, tuple[int, int]]:
+    """Where the cut dim ``d`` of a reshape from ``old`` to ``new`` goes: ``(k, blocks, unit,
+    (num, den))``, the new dim holding it, the blocks merged before it, the rows per new
+    index (every boundary of the cut must fall on a multiple of ``unit``) and the factor
+    ``num / den`` that turns a part's rows into its entries of dim ``k``. Local; the same for
+    each cut dim of a block (with ``blocks`` 1) as for a band. ``call`` names the op in a
+    refusal.
+
+    Within the run of old dims that holds the cut one, the global index is (``before``
+    blocks: the dims merged before the band and ``blocks``) x (``n`` rows) x (``inner``
+    entries per row). The new dim holding the bands is the one whose running product passes
+    ``before``: what of ``before`` it holds becomes its blocks, and each rank's rows become
+    ``rows * inner / stride`` of its entries (``stride``: the product of the new dims after
+    it)."""
+    n = spec.total
     a, b, c, e = next(g for g in _groups(old, new) if g[0] <= d < g[1])
-    before = math.prod(old[a:d]) * x.blocks
+    before = math.prod(old[a:d]) * blocks
     inner = math.prod(old[d + 1 : b])
     run, k = 1, None
     for i in range(c, e):
@@ -113,24 +138,18 @@ def reshape_sharded(x: ShardedTensor, new: list[int], what: str) -> ShardedTenso
         run = math.prod(new[c:k])
     if k is None or before % run or (run * new[k]) % before:
         raise refuse(
-            torch.Tensor.reshape,
-            (x,),
-            {},
-            f"{what} to {tuple(new)} splits the sharded dim {d} ({x.blocks} block(s) of "
-            f"{n} rows, {math.prod(old[a:d])} merged before it) across new dims: no rank's "
-            f"part of the result is a block of rows of one dim",
+            *call,
+            f"{what} of {tuple(old)} to {tuple(new)} splits the sharded dim {d} ({blocks} "
+            f"block(s) of {n} rows, {math.prod(old[a:d])} merged before it) across new dims: "
+            f"no rank's part of the result is a block of rows of one dim",
             "reshape so that the dims merged before the band stay whole (or permute the "
             "sharded dim first)",
         )
-    blocks = before // run
     stride = math.prod(new[k + 1 : e])
-    if any((s * inner) % stride for s in x.spec.offsets[1:]):
+    unit = 1
+    if any((s * inner) % stride for s in spec.offsets[1:]):
         unit = stride // math.gcd(stride, inner)  # rows per new index
-        x = to_spec(x, _aligned(x.spec, unit))
-    sizes = tuple(s * inner // stride for s in x.spec.sizes)
-    local_new = list(new)
-    local_new[k] = blocks * sizes[x.rank]
-    return ShardedTensor(x.local.reshape(local_new), ShardSpec(sizes), k, x.manager, blocks)
+    return k, before // run, unit, (inner, stride)
 
 
 def _aligned(spec: ShardSpec, unit: int) -> ShardSpec:
