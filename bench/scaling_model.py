@@ -176,6 +176,8 @@ def main() -> None:
         "network_measured": net,
         "checked": check(shape, measured, here, kw),
     }
+    if args.json:  # written now, and again with the predictions (they take minutes)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.publish:
         doc["published"] = publish(args.channels, here, per_call, kw["fixed"])
     if args.json:
@@ -264,12 +266,13 @@ def publish(channels: int, here: Any, per_call: float, fixed: float) -> dict[str
         serial = base[0] * grid[0] * grid[1] / base[1]
         kw = {"serial_step": serial, "per_call": per_call, "fixed": fixed}
         curves = {}
-        blocks = predict_scaling(model, shape, parts, network=here, blocks=True, **kw)
-        shapes = [pt.grid for pt in blocks]  # the best block shape of each P: no network in it
+        # priced once, on this machine's network; the presets re-price the same ranks' messages
+        # and bytes (ScalingPoint.on)
+        bands0 = predict_scaling(model, shape, parts, network=here, **kw)
+        blocks0 = predict_scaling(model, shape, parts, network=here, blocks=True, **kw)
         for network in (here, *(NETWORKS[n] for n in PRESETS)):
-            bands = predict_scaling(model, shape, parts, network=network, **kw)
-            if network is not here:
-                blocks = predict_scaling(model, shape, shapes, network=network, **kw)
+            bands = [pt.on(network) for pt in bands0]
+            blocks = [pt.on(network) for pt in blocks0]
             curves[network.name] = {
                 "network": dataclasses.asdict(network),
                 "points": as_dicts(bands),

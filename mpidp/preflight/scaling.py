@@ -103,6 +103,14 @@ class ScalingPoint:
     grid: tuple[int, int] = (1, 1)
     cols: int = 0  #: the busiest rank's input columns
     activations: int = 0  #: of ``memory``: the busiest rank's saved activations (bytes)
+    messages: float = 0.0  #: the busiest rank's messages in a step (``comm``'s latencies)
+    comm_bytes: float = 0.0  #: and the bytes over the bandwidth
+
+    def on(self, network: Network) -> ScalingPoint:
+        """The same rank's step priced on another ``network`` (its messages and bytes are
+        the grid's; the rank stays the one that was busiest)."""
+        comm = network.seconds(self.messages, self.comm_bytes)
+        return dataclasses.replace(self, step=self.step - self.comm + comm, comm=comm)
 
     @property
     def comm_fraction(self) -> float:
@@ -189,17 +197,18 @@ def _point(
                 messages += 4 * (parts - 1) + 4 * (grid[1] - 1)
         compute = serial_step * share / total
         cost = priced.ranks[r]
-        nbytes = max(cost.send_bytes, cost.recv_bytes)
-        comm = network.seconds(messages, nbytes)
-        comm += network.seconds(4 * log_p * norms, 0)  # statistics: forward and backward
+        nbytes = float(max(cost.send_bytes, cost.recv_bytes))
+        messages += 4 * log_p * norms  # the norms' statistics: forward and backward
         if parts > 1:  # the gradient all-reduce (ring)
-            comm += network.seconds(2 * log_p, 2 * (parts - 1) / parts * params)
+            messages += 2 * log_p
+            nbytes += 2 * (parts - 1) / parts * params
+        comm = network.seconds(messages, nbytes)
         calls = 2 * len(lat) * per_call if parts > 1 else 0.0
         memory = (2 + optimizer_states) * params + cost.activation_bytes
         step = compute + comm + calls + fixed
         point = ScalingPoint(
             parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols,
-            cost.activation_bytes,
+            cost.activation_bytes, messages, nbytes,
         )  # fmt: skip
         if best is None or point.step > best.step:
             best = point

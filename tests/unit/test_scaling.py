@@ -66,3 +66,14 @@ def test_the_command_offers_every_network_preset():
     network = next(a for a in plan._actions if a.dest == "network")
     assert tuple(network.choices) == tuple(NETWORKS)
     assert all(n.source and n.beta > 0 and n.alpha > 0 for n in NETWORKS.values())
+
+
+def test_a_point_repriced_on_another_network_is_that_networks_prediction():
+    model = nn.Conv2d(2, 2, 3, padding=1)
+    shape = (1, 2, 9, 8)
+    slow, fast = Network("slow", 1e-3, 1e6), Network("fast", 1e-6, 1e10)
+    (two,) = predict_scaling(model, shape, [2], serial_step=1.0, network=slow)
+    (want,) = predict_scaling(model, shape, [2], serial_step=1.0, network=fast)
+    got = two.on(fast)
+    assert (got.step, got.comm) == (pytest.approx(want.step), pytest.approx(want.comm))
+    assert two.comm == pytest.approx(slow.seconds(two.messages, two.comm_bytes))
