@@ -1,8 +1,9 @@
 """The scaling model (mpidp/preflight/scaling.py, ``mpidp plan --scaling``) against real steps on
 this machine, on bands and on blocks, and its predictions to 1024 ranks.
 
-    python bench/scaling_model.py --json docs/bench/scaling_model.json \
-        --plot docs/bench/scaling_model.png
+    python bench/scaling_model.py --json docs/bench/scaling_model.json    # the checks
+    python bench/scaling_model.py --given 1.3934 0.009919 1.0006e-6 1.2366e10 \
+        --json docs/bench/scaling_published.json --plot docs/bench/scaling_model.png
 
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
    for the latency ``alpha``, 4 MB for the bandwidth ``beta``), medians.
@@ -21,6 +22,8 @@ this machine, on bands and on blocks, and its predictions to 1024 ranks.
    721 x 1440 and 1801 x 3600 on bands and on each P's best blocks, for this machine's
    network and two GPU cluster presets (``mpidp.preflight.scaling.NETWORKS``), from a serial
    step timed here at 721 x 1440 (1801 x 3600: scaled by the points, the U-Net's work).
+   ``--given SERIAL FIXED ALPHA BETA`` publishes only, from figures of an earlier quiet
+   sitting (a loaded machine inflates all four).
 Not a test.
 """
 
@@ -132,6 +135,15 @@ def main() -> None:
     parser.add_argument(
         "--publish", action="store_true", help="predict 721 x 1440 and 1801 x 3600 to P = 1024"
     )
+    parser.add_argument(
+        "--given",
+        type=float,
+        nargs=4,
+        metavar=("SERIAL", "FIXED", "ALPHA", "BETA"),
+        default=None,
+        help="publish only, from figures measured before (a quiet sitting): the serial step "
+        "at 721 x 1440, the fixed cost per step (s), this machine's alpha (s), beta (B/s)",
+    )
     parser.add_argument("--mode", choices=("pingpong", "step"), default="step")
     parser.add_argument("--domain", default="1", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -148,6 +160,18 @@ def main() -> None:
     from mpidp.preflight.scaling import Network
     from mpidp.runtime.grid import parse_domain
 
+    percall = HERE.parent / "docs" / "bench" / "percall.json"
+    per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+    if args.given is not None:
+        serial, fixed, alpha, beta = args.given
+        quiet = Network("this machine", alpha, beta, "measured here, a quiet sitting")
+        doc = {"given": args.given, "per_call": per_call}
+        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial)
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        if args.plot:
+            _plot(doc, args.plot)
+        return
     # one rank per core polls while it waits (as an HPC job runs); 4 ranks on 2 cores sleep
     # instead (polling ranks would starve the ones that compute)
     os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "0"
@@ -162,8 +186,6 @@ def main() -> None:
         p = grid[0] * grid[1]
         os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1" if p > (os.cpu_count() or 1) else "0"
         measured[grid] = run_worker(__file__, p, [*cli, "--domain", domain])
-    percall = HERE.parent / "docs" / "bench" / "percall.json"
-    per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
     shape = (1, args.channels, *args.grid)
     one = measured[(1, 1)]
     # the compute the model scales is the plain model's; what mpidp's front end adds to a step
@@ -243,9 +265,12 @@ PUBLISHED = ((721, 1440), (1801, 3600))
 PRESETS = ("infiniband-ndr", "nvlink-h100")
 
 
-def publish(channels: int, here: Any, per_call: float, fixed: float) -> dict[str, Any]:
+def publish(
+    channels: int, here: Any, per_call: float, fixed: float, serial: float | None = None
+) -> dict[str, Any]:
     """Predictions to P = 1024 on bands and on each P's best blocks, for every network, at
-    the published grids; the serial step timed here at the first, scaled by the points."""
+    the published grids; the serial step at the first (``serial``, or timed here), scaled
+    by the points at the others."""
     from mpidp.preflight.plan import build_model
     from mpidp.preflight.scaling import (
         NETWORKS,
@@ -262,9 +287,10 @@ def publish(channels: int, here: Any, per_call: float, fixed: float) -> dict[str
         shape = (1, channels, *grid)
         model = build_model("unet", channels, grid)
         if base is None:
-            base = (serial_step_seconds(model, shape, repeats=2), grid[0] * grid[1])
-        serial = base[0] * grid[0] * grid[1] / base[1]
-        kw = {"serial_step": serial, "per_call": per_call, "fixed": fixed}
+            first = serial if serial is not None else serial_step_seconds(model, shape, repeats=2)
+            base = (first, grid[0] * grid[1])
+        step = base[0] * grid[0] * grid[1] / base[1]
+        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed}
         curves = {}
         # priced once, on this machine's network; the presets re-price the same ranks' messages
         # and bytes (ScalingPoint.on)
@@ -279,9 +305,9 @@ def publish(channels: int, here: Any, per_call: float, fixed: float) -> dict[str
                 "blocks": as_dicts(blocks),
             }
             print()
-            print(table(bands, serial, network, f"{grid[0]} x {grid[1]}, bands"))
-            print(table(blocks, serial, network, f"{grid[0]} x {grid[1]}, best blocks"))
-        out[f"{grid[0]}x{grid[1]}"] = {"shape": list(shape), "serial_step": serial,
+            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands"))
+            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks"))
+        out[f"{grid[0]}x{grid[1]}"] = {"shape": list(shape), "serial_step": step,
                                        "curves": curves}  # fmt: skip
     return out
 
