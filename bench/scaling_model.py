@@ -1,31 +1,42 @@
 """The scaling model (mpidp/preflight/scaling.py, ``mpidp plan --scaling``) against real steps on
-this machine, and its predictions to 1024 ranks.
+this machine, on bands and on blocks, and its predictions to 1024 ranks.
 
-    python bench/scaling_model.py --json docs/bench/scaling_model.json \
-        --plot docs/bench/scaling_model.png
+    python bench/scaling_model.py --json docs/bench/scaling_model.json    # the checks
+    python bench/scaling_model.py --given 1.3934 0.009919 1.0006e-6 1.2366e10 \
+        --json docs/bench/scaling_published.json --plot docs/bench/scaling_model.png
 
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
    for the latency ``alpha``, 4 MB for the bandwidth ``beta``), medians.
 2. Real training steps of the example U-Net (converted, forward + backward + gradient sync,
-   float32, one thread per rank), and its compute floor (the plain model on each rank's rows
-   alone, no exchange), at P = 1, 2 and 4 (4 ranks on 2 cores: oversubscribed, so
-   its measurement is not what the model predicts for 4 cores; reported as such).
-3. The model's prediction for the same P from the measured serial step (P = 1), the measured
+   float32, one thread per rank) on each domain of ``--domains`` (bands ``N``, blocks
+   ``LATxLON``; default 1, 2, 1x2, 4, 2x2): the step, the time in mpidp's communication
+   (``mpidp.profile``: transfers and waiting for the peer), the saved activations
+   (``bench/memory.py``'s count) and the compute floor (the plain model on each rank's
+   rows and columns alone, no exchange), each the busiest rank's median. 4 ranks on 2 cores
+   are oversubscribed: their measurement is not what the model predicts for 4 cores
+   (reported as such).
+3. The model's prediction for the same grids from the P = 1 figures alone (the plain step as
+   the compute, the converted step minus it as the front end's fixed cost), the measured
    network and the per-call cost of ``docs/bench/percall.json`` (its converted conv over
-   torch's), with the error of each; then predictions to P = 1024 for this machine's network
-   and the assumed cluster networks (``mpidp.preflight.scaling.NETWORKS``), on bands and on
-   blocks (each P's block shape that moves the fewest halo bytes).
+   torch's), with the error of each; then, with ``--publish``, predictions to P = 1024 at
+   721 x 1440 and 1801 x 3600 on bands and on each P's best blocks, for this machine's
+   network and two GPU cluster presets (``mpidp.preflight.scaling.NETWORKS``), from a serial
+   step timed here at 721 x 1440 (1801 x 3600: scaled by the points, the U-Net's work).
+   ``--given SERIAL FIXED ALPHA BETA`` publishes only, from figures of an earlier quiet
+   sitting (a loaded machine inflates all four).
 Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,40 +69,59 @@ def pingpong() -> dict[str, float]:
 
 def step(args: argparse.Namespace) -> dict[str, float]:
     import torch
+    from memory import saved_bytes
     from mpi4py import MPI
 
     import mpidp
     from mpidp.preflight.plan import build_model
+    from mpidp.runtime.grid import parse_domain
 
     world = MPI.COMM_WORLD
-    m = mpidp.init(domain_parallel_size=world.Get_size())
+    m = mpidp.init(domain_parallel_size=parse_domain(args.domain))
     grid = tuple(args.grid)
     torch.manual_seed(0)
     model = mpidp.convert_to_domain_parallel(build_model("unet", args.channels, grid), m)
-    spec = m.spec(grid[0])
-    x = torch.randn(1, args.channels, spec.sizes[m.domain_rank], grid[1])
-    # the same network built for this rank's rows (its upsampling sizes are the grid's)
+    i, j = m.grid_coords
+    rows, cols = m.partition.spec(grid[0], m.grid[0]), m.partition.spec(grid[1], m.grid[1])
+    full = torch.randn(1, args.channels, *grid)
+    x = full[..., rows.slice(i), cols.slice(j)].contiguous()
+    # the same network built for this rank's block (its upsampling sizes are the block's)
     plain = build_model("unet", args.channels, tuple(x.shape[-2:]))
+    prof = mpidp.profile(m)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return mpidp.global_mean(out.square(), manager=m)
 
     def converted() -> None:
         model.zero_grad(set_to_none=True)
-        mpidp.global_mean(model(x).square(), manager=m).backward()
-        mpidp.sync_gradients(model, m)
+        with prof.step():
+            loss(model(x)).backward()
+            mpidp.sync_gradients(model, m)
 
-    def floor() -> None:  # the plain model on this rank's rows alone: no exchange at all
+    def floor() -> None:  # the plain model on this rank's block alone: no exchange at all
         plain.zero_grad(set_to_none=True)
         plain(x).square().mean().backward()
 
-    out = {"ranks": world.Get_size()}
-    for name, fn in (("step", converted), ("floor", floor)):
-        times = []
-        for _ in range(args.steps + 1):  # the first is a warm-up
-            world.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = world.allreduce(statistics.median(times[1:]), op=MPI.MAX)
+    out: dict[str, float] = {"ranks": world.Get_size()}
+    with prof:
+        for name, fn in (("step", converted), ("floor", floor)):
+            times = []
+            for _ in range(args.steps + 1):  # the first is a warm-up
+                world.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[name] = world.allreduce(statistics.median(times[1:]), op=MPI.MAX)
+    comm = statistics.median(prof.comm_seconds[1:]) if m.domain_world_size > 1 else 0.0
+    out["comm"] = world.allreduce(comm, op=MPI.MAX)
+    model.zero_grad(set_to_none=True)
+    saved = saved_bytes(model, lambda: model(x), loss)[0]
+    out["saved"] = world.allreduce(saved, op=MPI.MAX)
     return out
+
+
+#: the domains measured by default: P = 1, 2 (bands, 1 x 2 blocks), 4 (bands, 2 x 2 blocks)
+DOMAINS = ("1", "2", "1x2", "4", "2x2")
 
 
 def main() -> None:
@@ -101,7 +131,21 @@ def main() -> None:
     parser.add_argument("--grid", type=int, nargs=2, default=[181, 360])
     parser.add_argument("--channels", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--domains", nargs="+", default=list(DOMAINS))
+    parser.add_argument(
+        "--publish", action="store_true", help="predict 721 x 1440 and 1801 x 3600 to P = 1024"
+    )
+    parser.add_argument(
+        "--given",
+        type=float,
+        nargs=4,
+        metavar=("SERIAL", "FIXED", "ALPHA", "BETA"),
+        default=None,
+        help="publish only, from figures measured before (a quiet sitting): the serial step "
+        "at 721 x 1440, the fixed cost per step (s), this machine's alpha (s), beta (B/s)",
+    )
     parser.add_argument("--mode", choices=("pingpong", "step"), default="step")
+    parser.add_argument("--domain", default="1", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -113,9 +157,21 @@ def main() -> None:
         return
     from common import run_worker
 
-    from mpidp.preflight.plan import build_model
-    from mpidp.preflight.scaling import NETWORKS, Network, as_dicts, predict_scaling, table
+    from mpidp.preflight.scaling import Network
+    from mpidp.runtime.grid import parse_domain
 
+    percall = HERE.parent / "docs" / "bench" / "percall.json"
+    per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+    if args.given is not None:
+        serial, fixed, alpha, beta = args.given
+        quiet = Network("this machine", alpha, beta, "measured here, a quiet sitting")
+        doc = {"given": args.given, "per_call": per_call}
+        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial)
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        if args.plot:
+            _plot(doc, args.plot)
+        return
     # one rank per core polls while it waits (as an HPC job runs); 4 ranks on 2 cores sleep
     # instead (polling ranks would starve the ones that compute)
     os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "0"
@@ -123,102 +179,163 @@ def main() -> None:
     here = Network("this machine", net["alpha"], net["beta"], "measured here, 2 ranks")
     cli = ["--grid", *map(str, args.grid), "--channels", str(args.channels)]
     cli += ["--steps", str(args.steps), "--mode", "step"]
-    measured, floors = {}, {}
-    for p in (1, 2, 4):
+    measured = {}
+    for domain in dict.fromkeys(["1", *args.domains]):
+        parsed = parse_domain(domain)
+        grid = (parsed, 1) if isinstance(parsed, int) else parsed
+        p = grid[0] * grid[1]
         os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1" if p > (os.cpu_count() or 1) else "0"
-        got = run_worker(__file__, p, cli)
-        measured[p], floors[p] = got["step"], got["floor"]
-    percall = HERE.parent / "docs" / "bench" / "percall.json"
-    per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+        measured[grid] = run_worker(__file__, p, [*cli, "--domain", domain])
     shape = (1, args.channels, *args.grid)
-    model = build_model("unet", args.channels, tuple(args.grid))
+    one = measured[(1, 1)]
     # the compute the model scales is the plain model's; what mpidp's front end adds to a step
     # whatever P is measured at P = 1 (the converted step minus the plain one)
-    serial, fixed = floors[1], measured[1] - floors[1]
-    kw = {"serial_step": serial, "per_call": per_call, "fixed": fixed}
-    checked = predict_scaling(model, shape, [1, 2, 4], network=here, **kw)
-    rows = []
-    print(f"U-Net {shape}, float32: predicted against measured steps (this machine's network)")
-    print(
-        f"{'P':>3}{'measured ms':>13}{'predicted ms':>14}{'error':>8}"
-        f"{'floor ms':>10}{'pred. compute':>15}{'error':>8}{'rest ms':>9}{'pred. rest':>12}"
-    )
-    for pt in checked:
-        got, fl = measured[pt.parts], floors[pt.parts]
-        err = (pt.step - got) / got
-        rest, pred_rest = got - fl, pt.comm + pt.calls
-        note = "  (4 ranks on 2 cores: oversubscribed)" if pt.parts > 2 else ""
-        print(
-            f"{pt.parts:>3}{got * 1e3:>13.1f}{pt.step * 1e3:>14.1f}{100 * err:>7.1f}%"
-            f"{fl * 1e3:>10.1f}{pt.compute * 1e3:>15.1f}{100 * (pt.compute - fl) / fl:>7.1f}%"
-            f"{rest * 1e3:>9.1f}{pred_rest * 1e3:>12.1f}{note}"
-        )
-        rows.append(
-            {
-                "parts": pt.parts,
-                "measured": got,
-                "predicted": pt.step,
-                "error": err,
-                "floor": fl,
-                "predicted_compute": pt.compute,
-                "rest": rest,
-                "predicted_rest": pred_rest,
-            }
-        )
-    parts = [2**k for k in range(11)]
-    curves = {}
-    for network in (here, *NETWORKS.values()):
-        points = predict_scaling(model, shape, parts, network=network, **kw)
-        blocks = predict_scaling(model, shape, parts, network=network, blocks=True, **kw)
-        curves[network.name] = {
-            "network": network.__dict__,
-            "points": as_dicts(points),
-            "blocks": as_dicts(blocks),
-        }
-        print()
-        print(table(points, serial, network))
-        print(table(blocks, serial, network, "blocks (the shape moving the fewest halo bytes)"))
+    kw = {"serial_step": one["floor"], "per_call": per_call, "fixed": one["step"] - one["floor"]}
     doc = {
         "shape": list(shape),
         "per_call": per_call,
-        "fixed": fixed,
+        "fixed": kw["fixed"],
         "network_measured": net,
-        "checked": rows,
-        "curves": curves,
+        "checked": check(shape, measured, here, kw),
     }
+    if args.json:  # written now, and again with the predictions (they take minutes)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.publish:
+        doc["published"] = publish(args.channels, here, per_call, kw["fixed"])
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    if args.plot:
+    if args.plot and args.publish:
         _plot(doc, args.plot)
 
 
+def check(
+    shape: tuple[int, ...], measured: dict, network: Any, kw: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The model's step, communication and activations against the measured ones, with the
+    error of each; printed, and returned as rows."""
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import predict_scaling
+
+    model = build_model("unet", shape[1], tuple(shape[2:]))  # type: ignore[arg-type]
+    points = predict_scaling(model, shape, list(measured), network=network, **kw)
+    print(f"U-Net {shape}, float32: predicted against measured, the busiest rank")
+    head = ["grid", "step ms", "pred.", "error", "comm ms", "pred.", "rest ms", "pred.",
+            "floor ms", "pred.", "error", "act. MB", "pred.", "error"]  # fmt: skip
+    print("".join(f"{h:>10}" for h in head))
+    rows = []
+    for pt in points:
+        got = measured[pt.grid]
+        row = {
+            "grid": list(pt.grid),
+            "parts": pt.parts,
+            "oversubscribed": pt.parts > (os.cpu_count() or 1),
+            "measured": got["step"],
+            "predicted": pt.step,
+            "error": (pt.step - got["step"]) / got["step"],
+            "comm": got["comm"],
+            "predicted_comm": pt.comm,
+            "rest": got["step"] - got["floor"],
+            "predicted_rest": pt.step - pt.compute,
+            "floor": got["floor"],
+            "predicted_compute": pt.compute,
+            "compute_error": (pt.compute - got["floor"]) / got["floor"],
+            "saved": got["saved"],
+            "predicted_saved": pt.activations,
+            "saved_error": (pt.activations - got["saved"]) / max(got["saved"], 1),
+        }
+        rows.append(row)
+        cells = [
+            f"{pt.grid[0]}x{pt.grid[1]}",
+            *(f"{row[k] * 1e3:.1f}" for k in ("measured", "predicted")),
+            f"{100 * row['error']:+.1f}%",
+            *(f"{row[k] * 1e3:.1f}" for k in ("comm", "predicted_comm", "rest", "predicted_rest")),
+            *(f"{row[k] * 1e3:.1f}" for k in ("floor", "predicted_compute")),
+            f"{100 * row['compute_error']:+.1f}%",
+            *(f"{row[k] / 1e6:.2f}" for k in ("saved", "predicted_saved")),
+            f"{100 * row['saved_error']:+.1f}%",
+        ]
+        note = "  (oversubscribed)" if row["oversubscribed"] else ""
+        print("".join(f"{c:>10}" for c in cells) + note)
+    return rows
+
+
+#: the grids the published predictions price (the issue's 0.25 and 0.1 degree grids)
+PUBLISHED = ((721, 1440), (1801, 3600))
+#: the cluster networks they are priced for besides this machine's (GPU clusters)
+PRESETS = ("infiniband-ndr", "nvlink-h100")
+
+
+def publish(
+    channels: int, here: Any, per_call: float, fixed: float, serial: float | None = None
+) -> dict[str, Any]:
+    """Predictions to P = 1024 on bands and on each P's best blocks, for every network, at
+    the published grids; the serial step at the first (``serial``, or timed here), scaled
+    by the points at the others."""
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import (
+        NETWORKS,
+        as_dicts,
+        predict_scaling,
+        serial_step_seconds,
+        table,
+    )
+
+    parts = [2**k for k in range(11)]
+    out: dict[str, Any] = {}
+    base = None
+    for grid in PUBLISHED:
+        shape = (1, channels, *grid)
+        model = build_model("unet", channels, grid)
+        if base is None:
+            first = serial if serial is not None else serial_step_seconds(model, shape, repeats=2)
+            base = (first, grid[0] * grid[1])
+        step = base[0] * grid[0] * grid[1] / base[1]
+        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed}
+        curves = {}
+        # priced once, on this machine's network; the presets re-price the same ranks' messages
+        # and bytes (ScalingPoint.on)
+        bands0 = predict_scaling(model, shape, parts, network=here, **kw)
+        blocks0 = predict_scaling(model, shape, parts, network=here, blocks=True, **kw)
+        for network in (here, *(NETWORKS[n] for n in PRESETS)):
+            bands = [pt.on(network) for pt in bands0]
+            blocks = [pt.on(network) for pt in blocks0]
+            curves[network.name] = {
+                "network": dataclasses.asdict(network),
+                "points": as_dicts(bands),
+                "blocks": as_dicts(blocks),
+            }
+            print()
+            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands"))
+            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks"))
+        out[f"{grid[0]}x{grid[1]}"] = {"shape": list(shape), "serial_step": step,
+                                       "curves": curves}  # fmt: skip
+    return out
+
+
 def _plot(doc: dict, path: str) -> None:
+    """One panel per published grid: the busiest rank's step against P, bands solid and the
+    best blocks dotted, one colour per network; the measured steps on the first panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (name, curve) in enumerate(doc["curves"].items()):
-        color = f"C{i}"
-        pts = curve["points"]
-        ax.loglog(
-            [p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], marker=".", color=color,
-            label=name,
-        )  # fmt: skip
-        pts = curve.get("blocks", [])
-        ax.loglog(
-            [p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], ":", color=color,
-            label=f"{name}, blocks" if pts else None,
-        )  # fmt: skip
-    got = doc["checked"]
-    ax.loglog(
-        [r["parts"] for r in got], [r["measured"] * 1e3 for r in got], "kx", label="measured here"
-    )
-    ax.set_xlabel("domain ranks P")
-    ax.set_ylabel("step, ms (busiest rank)")
-    ax.set_title(f"U-Net {doc['shape']}: predicted step")
-    ax.legend(fontsize=8)
+    grids = doc["published"]
+    fig, axes = plt.subplots(1, len(grids), figsize=(6.0 * len(grids), 4.4), squeeze=False)
+    for ax, (name, found) in zip(axes[0], grids.items(), strict=True):
+        for i, (net, curve) in enumerate(found["curves"].items()):
+            for kind, style in (("points", "-"), ("blocks", ":")):
+                pts = curve[kind]
+                ax.loglog(
+                    [p["parts"] for p in pts], [p["step"] * 1e3 for p in pts], style,
+                    marker="." if kind == "points" else None, color=f"C{i}",
+                    label=f"{net}, {'bands' if kind == 'points' else 'best blocks'}",
+                )  # fmt: skip
+        ax.set_xlabel("domain ranks P")
+        ax.set_ylabel("step, ms (busiest rank)")
+        ax.set_title(f"U-Net {name}: predicted step")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -225,6 +225,27 @@ class DomainParallel:
         return 0
 
     @classmethod
+    def block_transpose_bytes(
+        cls, lat: Any, lon: Any, i: int, j: int, itemsize: int, partition: Any
+    ) -> int:
+        """Bytes block ``(i, j)`` sends in a training step in this layer's transposes on a grid
+        of blocks (``lat``, ``lon``: the layer cut along the latitude and along the longitude,
+        :class:`~mpidp.preflight.validate.LayerSharding`; ``partition``: the policy that cut
+        them). By default the band transposes along each cut axis in turn, as the layer's
+        block form makes them: along the latitude column on the block's columns, then along
+        the longitude row on the rows that gave (:meth:`_rows_after`)."""
+        cols = lon.rows_in[j] / max(sum(lon.rows_in), 1)
+        along_lat = cls.transpose_bytes(lat, i, itemsize) * cols
+        along_lon = cls.transpose_bytes(lon, j, itemsize) * cls._rows_after(lat, i)
+        return round(along_lat + along_lon)
+
+    @classmethod
+    def _rows_after(cls, lat: Any, i: int) -> float:
+        """The share of the rows latitude index ``i`` holds after the transposes along the
+        latitude: by default its rows of the layer's output."""
+        return lat.rows_out[i] / max(sum(lat.rows_out), 1)
+
+    @classmethod
     def saved_shares(cls, layer: Any) -> list[float] | None:
         """Each rank's share of what this layer saves for the backward inside it, where its
         layout has no sharded dim to read it off (windows); None: read off the dims."""

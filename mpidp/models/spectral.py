@@ -18,6 +18,7 @@ pixel rows along the latitude column and pixel columns along the longitude row.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -69,6 +70,27 @@ class SpectralBands(DomainParallel):
         other = layer.row_elements("in") // layer.shape_in[d + 1]  # W follows H in both layouts
         once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
         return 2 * once
+
+    @classmethod
+    def block_transpose_bytes(
+        cls, lat: Any, lon: Any, i: int, j: int, itemsize: int, partition: Any
+    ) -> int:
+        """On blocks: the pencil transpose along the longitude row (the block's rows sub-cut
+        over the row, each rank given its sub-cut's rows of every column; real values), then
+        the band transposes over the whole domain group on those rows (the modes cut over
+        every rank); each in rfft2 and back in irfft2, forward and backward."""
+        p_lat, p_lon = len(lat.rows_in), len(lon.rows_in)
+        d = len(lat.shape_in) + lat.dim_in
+        w, cols = lat.shape_in[d + 1], lon.rows_in[j]
+        subs = [partition.derived(n, p_lon).sizes for n in lat.rows_in]
+        sub = subs[i][j]
+        other = lat.row_elements("in") // w  # the values of one point (batch, channels)
+        pencil = 2 * ((lat.rows_in[i] - sub) * cols + sub * (w - cols)) * other * itemsize
+        k_modes = w // 2 + 1
+        rows = tuple(n for cut in subs for n in cut)  # the pencils' rows, in domain rank order
+        modes = tuple(partition.derived(k_modes, p_lat * p_lon).sizes)
+        band = dataclasses.replace(lat, rows_in=rows, modes=modes)
+        return pencil + cls.transpose_bytes(band, i * p_lon + j, itemsize)
 
     def input_band_dim(self) -> int:
         first = self.fft_dims[0]

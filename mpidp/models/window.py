@@ -114,6 +114,13 @@ class DomainParallelWindowAttention(DomainParallel, WindowAttention):
         return (fetched + given) * layer.row_elements("in") * itemsize
 
     @classmethod
+    def _rows_after(cls, lat: Any, i: int) -> float:
+        """On blocks the fetch along the longitude runs on the rows of every window the
+        block's rows touch (the latitude fetch's rows, the padding's zero rows included)."""
+        runs = window_rows(tuple(lat.rows_in), *lat.window, i)[2]
+        return sum(n for _, n in runs) / max(sum(lat.rows_in), 1)
+
+    @classmethod
     def saved_shares(cls, layer: Any) -> list[float] | None:
         """It computes whole windows, so it holds the rows of every window its band touches,
         of the field padded to whole windows."""

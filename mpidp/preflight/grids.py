@@ -1,5 +1,6 @@
-"""The halo bytes of a model on latitude x longitude blocks, per axis from each layer's halo
-geometry, and the comparison of every grid of a number of ranks (what ``mpidp plan`` and
+"""The bytes a model moves on latitude x longitude blocks (its halos, per axis from each
+layer's halo geometry, and its transposes), and the comparison of every grid of a number of
+ranks (what ``mpidp plan`` and
 ``mpidp plan --scaling`` price on blocks; :mod:`mpidp.preflight.plan` documents the rules).
 
 Blocks move their halos as mpidp.ops.block_halo does: the latitude rows, as wide as the block;
@@ -53,11 +54,39 @@ def axis_exchange(layer: LayerSharding) -> list[tuple[int, int, int, int]]:
     return [(rows_in[r], rows_out[r], len(got[r]), len(to[r])) for r in range(n)]
 
 
-def _moved_bytes(layer: LayerSharding, rank: int, itemsize: int) -> int:
-    """Bytes one rank sends (= receives, summed over a step) in a layer's transposes: a
-    spectral layer's rfft2 and irfft2 all-to-alls (complex values; forward and backward), and
-    a patch head's move of its pixel rows to the policy's cut."""
-    return 0 if layer.form is None else layer.form.transpose_bytes(layer, rank, itemsize)
+def _moved_bytes(
+    lat: LayerSharding,
+    lon: LayerSharding,
+    i: int,
+    j: int,
+    itemsize: int,
+    partition: PartitionPolicy,
+) -> int:
+    """Bytes block ``(i, j)`` sends (= receives, summed over a step) in a layer's transposes
+    (``lat``, ``lon``: the layer cut along each axis; bands: ``lon`` is one rank's): a spectral
+    layer's rfft2 and irfft2 all-to-alls (complex values; on blocks the pencil transposes
+    along the longitude row too), windowed attention's fetch of straddling windows, a patch
+    head's move of its pixel rows (and columns) to the policy's cut; forward and backward
+    (the layer's form prices them: ``block_transpose_bytes``)."""
+    if lat.form is None:
+        return 0
+    return int(lat.form.block_transpose_bytes(lat, lon, i, j, itemsize, partition))
+
+
+def transpose_bytes(
+    lat: Sequence[LayerSharding],
+    lon: Sequence[LayerSharding],
+    grid: tuple[int, int],
+    itemsize: int,
+    partition: PartitionPolicy,
+) -> list[int]:
+    """Bytes each rank of the ``grid`` (row-major) sends in one training step in the
+    transposes of the layers cut along both axes (:func:`_moved_bytes`)."""
+    return [
+        sum(_moved_bytes(a, b, *divmod(d, grid[1]), itemsize, partition)
+            for a, b in zip(lat, lon, strict=True))
+        for d in range(grid[0] * grid[1])
+    ]  # fmt: skip
 
 
 def block_shapes(parts: int) -> list[tuple[int, int]]:
@@ -150,8 +179,9 @@ def _halo_bytes(
 
 @dataclasses.dataclass(frozen=True)
 class ShapeCost:
-    """The halo bytes of one grid of the same ranks: per training step, its busiest rank's
-    (the larger of what it receives and sends) and the mean over ranks."""
+    """The bytes one grid of the same ranks moves in its halos and transposes: per training
+    step, its busiest rank's (the larger of what it receives and sends) and the mean over
+    ranks."""
 
     grid: tuple[int, int]
     busiest_bytes: int
@@ -167,14 +197,10 @@ def compare_shapes(
     itemsize: int,
     shard_dim: int = -2,
 ) -> tuple[list[ShapeCost], list[str]]:
-    """The halo bytes of ``model`` (the dry run's spatial ``layers``, on inputs of
+    """The bytes ``model`` moves (the dry run's spatial ``layers``, on inputs of
     ``global_shape``) on every grid of ``parts`` ranks (:func:`block_shapes`), and why a grid
     cannot be priced (the input's rows or columns cannot be cut over it: the data's own
-    partition refuses empty parts; a model whose transposes are priced on bands only: none).
-    Local."""
-    refused = _unpriced(layers, False, itemsize)
-    if refused:
-        return [], [refused]
+    partition refuses empty parts). The bytes are the halos' and the transposes'. Local."""
     found, why = [], []
     extents = (global_shape[shard_dim], global_shape[shard_dim + 1])
     for grid in block_shapes(parts):
@@ -190,27 +216,14 @@ def compare_shapes(
             why.append(f"{grid[0]} x {grid[1]}: {problems[0]}")
             continue
         recv, send = _halo_bytes(lat, lon, grid, itemsize)
-        per_rank = [max(r, s) for r, s in zip(recv, send, strict=True)]
+        moved = transpose_bytes(lat, lon, grid, itemsize, partition)
+        per_rank = [max(r, s) + t for r, s, t in zip(recv, send, moved, strict=True)]
         found.append(ShapeCost(grid, max(per_rank), sum(per_rank) / len(per_rank)))
     return found, why
 
 
 def best_blocks(shapes: Sequence[ShapeCost]) -> ShapeCost | None:
-    """The block shape (``P_lon > 1``) whose busiest rank moves the fewest halo bytes (of
+    """The block shape (``P_lon > 1``) whose busiest rank moves the fewest bytes (of
     equals, the one with fewer longitude ranks), or None when there is none."""
     blocks = [c for c in shapes if c.grid[1] > 1]
     return min(blocks, key=lambda c: (c.busiest_bytes, c.grid[1])) if blocks else None
-
-
-def _unpriced(layers: Sequence[LayerSharding], graphs: bool, itemsize: int) -> str | None:
-    """Why a model's exchanges cannot be priced on blocks (spectral layers' and windows'
-    transposes, patch heads, graphs: their block forms are not priced), or None."""
-    for layer in layers:
-        if any(_moved_bytes(layer, r, itemsize) for r in range(len(layer.rows_in))):
-            return (
-                f"{layer.path} ({layer.kind}) moves data in transposes, whose cost on blocks "
-                f"is not priced; price its bands (a domain of N ranks)"
-            )
-    if graphs:
-        return "the model's graphs exchange nodes, not priced on blocks; price its bands"
-    return None

@@ -20,10 +20,14 @@ over ``P_lat`` ranks and along the longitude over ``P_lon``), as mpidp.ops.block
 them: the latitude rows, as wide as the block; the rows beyond a pole, whose columns come from
 half a circle away (the polar fold); then the longitude columns, as tall as the latitude-
 extended block, which carry the corners. Bands are the grid ``(P, 1)``: the same pricing, no
-columns move. The dry run's simulated ranks check the latitude cut; spectral layers, windows,
-patch heads and graphs (transposes, not halos) are priced on bands only, and a plan of blocks
-for a model with them is refused. Every plan also prices the halo bytes of every grid of as
-many ranks (:func:`compare_shapes`) and says whether bands or blocks move the fewest.
+columns move. The dry run's simulated ranks check the latitude cut. Transposes on blocks are
+priced by each layer's form as its block code moves them (``block_transpose_bytes``): a
+spectral layer's pencil transpose along the longitude row (each rank given its sub-cut of the
+block's rows, every column) then the band all-to-all over the whole domain group, each way in
+rfft2 and irfft2; windows and patch heads along the latitude column on the block's columns,
+then along the longitude row. Graphs are priced on bands only (a plan of blocks for a model
+with them is refused). Every plan also prices the bytes (halos and transposes) of every grid
+of as many ranks (:func:`compare_shapes`) and says whether bands or blocks move the fewest.
 
 Activation memory is what autograd saves for the backward pass on the rank: the model's forward
 runs on meta tensors of the global shape with every saved tensor's storage counted once
@@ -55,11 +59,10 @@ from mpidp.preflight.grids import (
     ShapeCost,
     _cut,
     _halo_bytes,
-    _moved_bytes,
-    _unpriced,
     best_blocks,
     block_shapes,
     compare_shapes,
+    transpose_bytes,
 )
 from mpidp.preflight.validate import (
     LayerSharding,
@@ -140,7 +143,7 @@ class ModelPlan:
     grid: tuple[int, int] = (1, 1)
     #: the spatial layers cut along the longitude (``report.layers``: along the latitude)
     across: tuple[LayerSharding, ...] = ()
-    #: the halo bytes of every grid of ``parts`` ranks (:func:`compare_shapes`)
+    #: the bytes (halos and transposes) of every grid of ``parts`` ranks (:func:`compare_shapes`)
     shapes: tuple[ShapeCost, ...] = ()
     #: why a grid of ``parts`` ranks could not be priced
     unpriced: tuple[str, ...] = ()
@@ -244,13 +247,14 @@ class ModelPlan:
         )
 
     def _shapes_text(self) -> list[str]:
-        """The halo bytes of bands and of every block shape of as many ranks, and which moves
-        the fewest."""
+        """The bytes (halos and transposes) of bands and of every block shape of as many
+        ranks, and which moves the fewest."""
         if not self.shapes and not self.unpriced:
             return []
         lines = [
             "",
-            f"bands or blocks for {self.parts} ranks: halo MB per training step",
+            f"bands or blocks for {self.parts} ranks: MB moved per training step (halos and "
+            f"transposes)",
             f"{'grid':<16}{'busiest rank':>14}{'mean rank':>11}",
         ]
         for c in self.shapes:
@@ -267,14 +271,14 @@ class ModelPlan:
             elif best.busiest_bytes < bands.busiest_bytes:
                 ratio = bands.busiest_bytes / max(best.busiest_bytes, 1)
                 lines.append(
-                    f"blocks {shape} move the fewest halo bytes: "
+                    f"blocks {shape} move the fewest bytes: "
                     f"{best.busiest_bytes / 1e6:.3f} MB per step on the busiest rank, "
                     f"{ratio:.2f}x fewer than bands ({self.parts} x 1)"
                 )
             else:
                 ratio = best.busiest_bytes / max(bands.busiest_bytes, 1)
                 lines.append(
-                    f"bands ({self.parts} x 1) move the fewest halo bytes: "
+                    f"bands ({self.parts} x 1) move the fewest bytes: "
                     f"{bands.busiest_bytes / 1e6:.3f} MB per step on the busiest rank; the best "
                     f"blocks, {shape}, move {ratio:.2f}x more"
                 )
@@ -443,7 +447,8 @@ def plan_model(
     balanced): an int P (latitude bands, the grid ``(P, 1)``) or a ``(P_lat, P_lon)`` pair
     (blocks, rank ``i_lat * P_lon + i_lon``; the latitude cut is the one the dry run checks,
     the longitude cut is priced from each layer's halo geometry along it). ``compare``: also
-    price the halo bytes of every other grid of as many ranks (:func:`compare_shapes`).
+    price the bytes (halos and transposes) of every other grid of as many ranks
+    (:func:`compare_shapes`).
     ``progress`` is called with the name of each of its stages as it begins (``mpidp plan``
     shows them on big models); ``input_dim`` and ``simulate`` as for
     :func:`~mpidp.validate_sharding_constraints`. Local: no communication, no data."""
@@ -462,7 +467,9 @@ def plan_model(
         simulate=simulate,
     )
     itemsize = torch.empty((), dtype=dtype).element_size()
-    refused = _unpriced(report.layers, bool(report.graph_exchanges), itemsize)
+    refused = None
+    if report.graph_exchanges:
+        refused = "the model's graphs exchange nodes, not priced on blocks; price its bands"
     if grid[1] > 1 and refused:
         raise ConfigError(f"pricing {grid[0]} x {grid[1]} blocks: {refused}")
     lat, lon, problems = _cut(model, report.layers, grid, policy, shard_dim)
@@ -479,11 +486,12 @@ def plan_model(
         progress("counting the activation memory")
     saved, serial = _saved_bytes(model, inputs, (lat, lon), grid, itemsize, report.ok)
     recv, send = _halo_bytes(lat, lon, grid, itemsize)
+    transposes = transpose_bytes(lat, lon, grid, itemsize, policy)
     ranks = []
     w_dim = len(global_shape) + shard_dim + 1
     for d in range(count):
         i, j = divmod(d, grid[1])
-        moved = sum(_moved_bytes(layer, i, itemsize) for layer in lat)
+        moved = transposes[d]
         graph = got = 0
         for x in report.graph_exchanges:
             if x.rank == i:

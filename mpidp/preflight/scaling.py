@@ -13,9 +13,10 @@ For each P, the busiest rank's step is
 - **communication**: every message it sends or receives costs the latency ``alpha`` plus its
   bytes over the bandwidth ``beta``: the halo exchanges of each layer, forward and backward
   (one message per neighbour that holds needed rows), the transposes of spectral layers
-  ((P - 1) messages), the statistics of each norm layer (an all-reduce: 2 log2 P latencies,
-  forward and backward) and the gradient all-reduce of the parameters (ring: 2 (P - 1) / P of
-  their bytes, 2 log2 P latencies);
+  ((P - 1) messages; on blocks the pencil transposes along the longitude row, (P_lon - 1)),
+  the statistics of each norm layer (an all-reduce: 2 log2 P latencies, forward and backward)
+  and the gradient all-reduce of the parameters (ring: 2 (P - 1) / P of their bytes, 2 log2 P
+  latencies);
 - **calls**: the fixed cost of a converted layer's call over torch's (``per_call``, measured by
   ``bench/percall.py``) for each spatial layer, forward and backward, when P > 1;
 - **fixed**: what the front end adds to a step whatever P (``fixed``: the converted model's
@@ -23,8 +24,9 @@ For each P, the busiest rank's step is
   dispatch of the model's own code, the loss's and the gradients' reductions).
 
 On blocks (``predict_scaling(..., blocks=True)``: each P's block shape that moves the fewest
-halo bytes) a layer's share is its rows times its columns, and its halo messages are those of
-the latitude fetch, the polar fold and the longitude fetch (corners ride on the last).
+bytes, halos and transposes) a layer's share is its rows times its columns, and its halo
+messages are those of the latitude fetch, the polar fold and the longitude fetch (corners ride
+on the last).
 
 Nothing overlaps in the model (mpidp's exchanges block on CPU): the sum is the step. Memory per
 rank: parameters and gradients (and ``optimizer_states`` copies of the parameters) plus the
@@ -63,13 +65,27 @@ class Network:
         return messages * self.alpha + nbytes / self.beta
 
 
-#: Networks to price a cluster with (assumed figures, not measured here: typical one-way MPI
-#: latency and achievable bandwidth of each interconnect between nodes).
+#: Networks to price a cluster with (not measured here). Bandwidths are the vendors' link rates
+#: one way (or a little under, for what MPI achieves); latencies are assumed typical one-way
+#: figures of a small message, not measured.
 NETWORKS = {
-    "infiniband-hdr": Network("infiniband-hdr", 2e-6, 2.0e10, "HDR 200 Gb/s, typical MPI"),
-    "slingshot": Network("slingshot", 2.5e-6, 2.0e10, "Slingshot-11 200 Gb/s, typical MPI"),
-    "ethernet-25g": Network("ethernet-25g", 2e-5, 2.5e9, "25 GbE, TCP"),
-}
+    "infiniband-hdr": Network(
+        "infiniband-hdr", 2e-6, 2.0e10, "HDR 200 Gb/s (25 GB/s) a port; latency assumed"
+    ),
+    "infiniband-ndr": Network(
+        "infiniband-ndr", 2e-6, 5.0e10,
+        "NDR 400 Gb/s (50 GB/s) a port, ConnectX-7 (H100 clusters); latency assumed",
+    ),
+    "nvlink-h100": Network(
+        "nvlink-h100", 5e-6, 4.5e11,
+        "NVLink 4 in one H100 node: 900 GB/s both ways a GPU (NVIDIA's H100 datasheet), "
+        "450 one way; latency assumed",
+    ),
+    "slingshot": Network(
+        "slingshot", 2.5e-6, 2.0e10, "Slingshot-11 200 Gb/s (25 GB/s); latency assumed"
+    ),
+    "ethernet-25g": Network("ethernet-25g", 2e-5, 2.5e9, "25 GbE, TCP; latency assumed"),
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +102,15 @@ class ScalingPoint:
     #: ``(P_lat, P_lon)``: bands are ``(parts, 1)``
     grid: tuple[int, int] = (1, 1)
     cols: int = 0  #: the busiest rank's input columns
+    activations: int = 0  #: of ``memory``: the busiest rank's saved activations (bytes)
+    messages: float = 0.0  #: the busiest rank's messages in a step (``comm``'s latencies)
+    comm_bytes: float = 0.0  #: and the bytes over the bandwidth
+
+    def on(self, network: Network) -> ScalingPoint:
+        """The same rank's step priced on another ``network`` (its messages and bytes are
+        the grid's; the rank stays the one that was busiest)."""
+        comm = network.seconds(self.messages, self.comm_bytes)
+        return dataclasses.replace(self, step=self.step - self.comm + comm, comm=comm)
 
     @property
     def comm_fraction(self) -> float:
@@ -167,20 +192,23 @@ def _point(
             if fold is not None and fold_rows(a, i):  # the polar fold's column messages
                 got, sent = got + fold[j][2], sent + fold[j][3]
             messages += 2 * max(got, sent)  # forward, and the adjoint in the backward
-            if a.modes:  # the spectral transposes: an all-to-all each way, twice
-                messages += 4 * (parts - 1)
+            if a.modes:  # the spectral transposes: an all-to-all each way, twice (on blocks
+                # after the pencil transpose along the longitude row)
+                messages += 4 * (parts - 1) + 4 * (grid[1] - 1)
         compute = serial_step * share / total
         cost = priced.ranks[r]
-        nbytes = max(cost.send_bytes, cost.recv_bytes)
-        comm = network.seconds(messages, nbytes)
-        comm += network.seconds(4 * log_p * norms, 0)  # statistics: forward and backward
+        nbytes = float(max(cost.send_bytes, cost.recv_bytes))
+        messages += 4 * log_p * norms  # the norms' statistics: forward and backward
         if parts > 1:  # the gradient all-reduce (ring)
-            comm += network.seconds(2 * log_p, 2 * (parts - 1) / parts * params)
+            messages += 2 * log_p
+            nbytes += 2 * (parts - 1) / parts * params
+        comm = network.seconds(messages, nbytes)
         calls = 2 * len(lat) * per_call if parts > 1 else 0.0
         memory = (2 + optimizer_states) * params + cost.activation_bytes
         step = compute + comm + calls + fixed
         point = ScalingPoint(
-            parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols
+            parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols,
+            cost.activation_bytes, messages, nbytes,
         )  # fmt: skip
         if best is None or point.step > best.step:
             best = point
@@ -199,7 +227,7 @@ def _fraction(cut: LayerSharding, k: int) -> float:
 def predict_scaling(
     model: nn.Module,
     global_shape: Sequence[int],
-    parts: Sequence[int],
+    parts: Sequence[int | tuple[int, int]],
     *,
     serial_step: float,
     network: Network,
@@ -213,7 +241,8 @@ def predict_scaling(
     """The predicted step of ``model`` on inputs of ``global_shape`` at each rank count in
     ``parts`` (those the grid can be cut into), its busiest rank's: on bands, or with
     ``blocks`` on the block shape of each rank count (``P_lon > 1``) whose busiest rank moves
-    the fewest halo bytes (:func:`~mpidp.preflight.plan.best_blocks`). ``serial_step``:
+    the fewest bytes (:func:`~mpidp.preflight.plan.best_blocks`); an entry ``(P_lat, P_lon)``
+    prices that grid itself. ``serial_step``:
     seconds of one forward and backward on one process (:func:`serial_step_seconds`);
     ``per_call``: seconds a converted layer's call costs over torch's (``bench/percall.py``'s
     conv figure); ``optimizer_states``: copies of the parameters the optimizer keeps (Adam:
@@ -228,7 +257,9 @@ def predict_scaling(
         ).layers
     out = []
     for p in parts:
-        if blocks:
+        if isinstance(p, tuple):
+            grid = p
+        elif blocks:
             found = best_blocks(compare_shapes(model, layers, global_shape, p, policy, itemsize)[0])
             if found is None:  # one rank, or no block shape cuts the grid
                 continue

@@ -76,7 +76,30 @@ def test_square_blocks_beat_bands_on_a_wide_field():
     assert bands.grid == (16, 1) and best is not None
     assert best.busiest_bytes == min(c.busiest_bytes for c in res.shapes if c.grid[1] > 1)
     assert best.busiest_bytes < bands.busiest_bytes / 2
-    assert f"blocks {best.grid[0]} x {best.grid[1]} move the fewest halo bytes" in str(res)
+    assert f"blocks {best.grid[0]} x {best.grid[1]} move the fewest bytes" in str(res)
+
+
+def test_spectral_transposes_on_blocks_are_the_pencils_then_the_band_all_to_all():
+    """A spectral convolution (2 channels, float32) on 6 x 8 over 2 x 2 blocks of 3 rows by 4
+    columns. Block (0, 0) sub-cuts its 3 rows over its longitude row (2 and 1): its pencil
+    transpose sends 1 row x 4 columns and gets 2 rows x 4 columns, real values; then the band
+    all-to-all over the 4 ranks on the pencils' rows (2, 1, 2, 1) with the 5 modes cut
+    (2, 1, 1, 1): it sends its 2 rows of the 3 modes it does not hold and gets the other 4
+    rows of its 2 modes, complex values. rfft2 and irfft2 each, forward and backward."""
+    from mpidp.models import SpectralConv2d
+
+    res = plan_model(SpectralConv2d(2, 2, 1, 2), (1, 2, 6, 8), (2, 2), simulate=False)
+    point = 2 * 4  # channels x bytes
+    pencil = 2 * (1 * 4 + 2 * 4) * point
+    band = 2 * (2 * 3 + 4 * 2) * point * 2  # complex
+    assert res.ranks[0].transpose_bytes == pencil + band
+    assert res.ranks[0].send_bytes == pencil + band  # no halo
+    # on bands (2 x 1) no pencil: the band all-to-all of 3 rows, 5 modes cut (3, 2)
+    bands = plan_model(SpectralConv2d(2, 2, 1, 2), (1, 2, 6, 8), (2, 1), simulate=False)
+    assert bands.ranks[0].transpose_bytes == 2 * (3 * 2 + 3 * 3) * point * 2
+    # the comparison of grids counts the transposes too
+    two = next(c for c in res.shapes if c.grid == (2, 2))
+    assert two.busiest_bytes == max(r.send_bytes for r in res.ranks)
 
 
 def test_blocks_in_the_scaling_model_follow_the_formula():

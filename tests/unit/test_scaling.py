@@ -42,3 +42,38 @@ def test_rank_counts_beyond_the_rows_are_left_out():
         network=Network("test", 0.0, 1e9),
     )  # fmt: skip
     assert [p.parts for p in points] == [1, 2, 4]
+
+
+def test_a_grid_is_priced_as_given_and_its_activations_are_the_plans():
+    """An entry (P_lat, P_lon) prices that grid (the validation measures 1 x 2 and 2 x 2), and
+    the point's activations are the plan's for its busiest rank, inside its memory."""
+    model = nn.Conv2d(2, 2, 3, padding=1)
+    shape = (1, 2, 8, 8)
+    net = Network("test", alpha=1e-3, beta=1e6)
+    bands, blocks = predict_scaling(model, shape, [2, (1, 2)], serial_step=1.0, network=net)
+    assert (bands.grid, blocks.grid) == ((2, 1), (1, 2))
+    priced = plan_model(model, shape, (1, 2), simulate=False)
+    assert blocks.activations == priced.ranks[0].activation_bytes > 0
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert blocks.memory == 4 * params + blocks.activations
+
+
+def test_the_command_offers_every_network_preset():
+    from mpidp.cli import build_parser
+    from mpidp.preflight.scaling import NETWORKS
+
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]  # type: ignore[union-attr]
+    network = next(a for a in plan._actions if a.dest == "network")
+    assert tuple(network.choices) == tuple(NETWORKS)
+    assert all(n.source and n.beta > 0 and n.alpha > 0 for n in NETWORKS.values())
+
+
+def test_a_point_repriced_on_another_network_is_that_networks_prediction():
+    model = nn.Conv2d(2, 2, 3, padding=1)
+    shape = (1, 2, 9, 8)
+    slow, fast = Network("slow", 1e-3, 1e6), Network("fast", 1e-6, 1e10)
+    (two,) = predict_scaling(model, shape, [2], serial_step=1.0, network=slow)
+    (want,) = predict_scaling(model, shape, [2], serial_step=1.0, network=fast)
+    got = two.on(fast)
+    assert (got.step, got.comm) == (pytest.approx(want.step), pytest.approx(want.comm))
+    assert two.comm == pytest.approx(slow.seconds(two.messages, two.comm_bytes))

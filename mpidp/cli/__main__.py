@@ -1,0 +1,3 @@
+from mpidp.cli import main
+
+raise SystemExit(main())
