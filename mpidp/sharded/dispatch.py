@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import blocks_refused
-from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local, block_batch_local
+from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -316,13 +316,13 @@ def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    out = batch_local(func, args, kwargs)  # bands and blocks alike
+    if out is not NOT_LOCAL:
+        return out
     if GRID_SEEN:  # (no block was ever made: nothing to look for)
         block = next((a for a in leaves((args, kwargs)) if _is_block(a)), None)
         if block is not None:
             return _grid_dispatch(func, args, kwargs, block)
-    out = batch_local(func, args, kwargs)
-    if out is not NOT_LOCAL:
-        return out
     handler = _HANDLERS.get(key(func))
     if handler is not None:
         if handler not in _BLOCKS_OK and _has_blocks(args, kwargs):
@@ -356,11 +356,9 @@ def _is_block(a: Any) -> bool:
 def _grid_dispatch(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block: ShardedTensor
 ) -> Any:
-    """A call with a latitude x longitude block: its block handler, a band handler that takes
-    blocks, the gathering fallback, or refused on every rank alike (before any message)."""
-    out = block_batch_local(func, args, kwargs)
-    if out is not NOT_LOCAL:
-        return out
+    """A call with a latitude x longitude block that the batch rule does not take: its block
+    handler, a band handler that takes blocks, the gathering fallback, or refused on every
+    rank alike (before any message)."""
     k = key(func)
     handler = _GRID.get(k)
     if handler is None:
