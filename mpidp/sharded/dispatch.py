@@ -41,7 +41,7 @@ from mpidp.sharded.tensor import (
     replicated,
     shard,
 )
-from mpidp.sharded.walk import leaves
+from mpidp.sharded.walk import first
 from mpidp.sharded.where import relocated
 
 __all__ = [
@@ -190,7 +190,7 @@ def allow_fallback(on: bool = True) -> None:
 
 
 def first_sharded(args: Any, kwargs: Any = None) -> ShardedTensor:
-    return next(a for a in leaves((args, kwargs or {})) if isinstance(a, ShardedTensor))
+    return first((args, kwargs or {}), _is_sharded)
 
 
 def name_of(func: Any) -> str:
@@ -281,7 +281,7 @@ def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     attribute read on the common path: a ShardedTensor among the positional arguments)."""
     ref = next((a for a in args if isinstance(a, ShardedTensor)), None)
     if ref is None:
-        ref = next((a for a in leaves((args, kwargs)) if isinstance(a, ShardedTensor)), None)
+        ref = first((args, kwargs), _is_sharded)
     return ref is not None and ref.manager.gradients == "whole" and torch.is_grad_enabled()
 
 
@@ -320,7 +320,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if out is not NOT_LOCAL:
         return out
     if GRID_SEEN:  # (no block was ever made: nothing to look for)
-        block = next((a for a in leaves((args, kwargs)) if _is_block(a)), None)
+        block = first((args, kwargs), _is_block)
         if block is not None:
             return _grid_dispatch(func, args, kwargs, block)
     handler = _HANDLERS.get(key(func))
@@ -349,8 +349,16 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
+def _is_sharded(a: Any) -> bool:
+    return isinstance(a, ShardedTensor)
+
+
 def _is_block(a: Any) -> bool:
-    return isinstance(a, ShardedTensor) and a.grid is not None
+    return isinstance(a, ShardedTensor) and a._grid is not None
+
+
+def _is_merged(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and a._blocks > 1
 
 
 def _grid_dispatch(
@@ -374,7 +382,7 @@ def _grid_dispatch(
 
 
 def _has_blocks(args: Any, kwargs: Any) -> bool:
-    return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves((args, kwargs)))
+    return first((args, kwargs), _is_merged) is not None
 
 
 def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

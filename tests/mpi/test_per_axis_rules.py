@@ -91,7 +91,9 @@ def run(m, name):
     index[d[0]], index[d[1]] = rows, cols
     found = [("shape", tuple(y.shape) == tuple(want.shape))]
     found += [("forward", torch.allclose(got, want, rtol=TOL, atol=TOL))]
-    found += [("input grad", torch.allclose(x.local.grad, xr.grad[tuple(index)], rtol=TOL, atol=TOL))]
+    found += [
+        ("input grad", torch.allclose(x.local.grad, xr.grad[tuple(index)], rtol=TOL, atol=TOL))
+    ]
     found += [
         (f"grad {n}", torch.allclose(p.grad, dict(serial.named_parameters())[n].grad, TOL, TOL))
         for n, p in model.named_parameters()
