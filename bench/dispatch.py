@@ -8,7 +8,8 @@ At P = 1 every layer computes what torch computes, so the difference between the
 and the converted one is the front end alone: wrapping the input, one dispatch per torch call
 in the model's own forward, the converted layers' entry. The per-op rows time ``x + y`` and
 ``F.gelu(x)`` on a small (1, 8, 16, 16) tensor, plain and as a ShardedTensor (microseconds per
-call). Interleaved in one process (bench/common.py), median of the rounds. Not a test.
+call: the median over batches of 20 calls, interleaved, :func:`per_call`). The steps are
+interleaved in one process (bench/common.py), median of the rounds. Not a test.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -57,21 +60,15 @@ def worker(args: argparse.Namespace) -> None:
     )
     a, b = torch.randn(1, 8, 16, 16), torch.randn(1, 8, 16, 16)
     sa, sb = mpidp.shard(a, manager=m), mpidp.shard(b, manager=m)
-
-    def per_call(fn, *xs: object) -> float:
-        for _ in range(50):
-            fn(*xs)
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn(*xs)
-        return (time.perf_counter() - t0) / args.calls * 1e6
-
-    ops = {
-        "add_plain_us": per_call(torch.add, a, b),
-        "add_sharded_us": per_call(torch.add, sa, sb),
-        "gelu_plain_us": per_call(F.gelu, a),
-        "gelu_sharded_us": per_call(F.gelu, sa),
-    }
+    ops = per_call(
+        {
+            "add_plain_us": lambda: torch.add(a, b),
+            "add_sharded_us": lambda: torch.add(sa, sb),
+            "gelu_plain_us": lambda: F.gelu(a),
+            "gelu_sharded_us": lambda: F.gelu(sa),
+        },
+        args.calls,
+    )
     if world.Get_rank() == 0:
         row = {"ranks": world.Get_size(), "grid": [h, w], **{f"{k}_ms": v for k, v in ms.items()}}
         row["converted_over_plain"] = ms["converted"] / ms["plain"]
@@ -79,6 +76,24 @@ def worker(args: argparse.Namespace) -> None:
         row.update(ops)
         print(json.dumps(row))
     m.shutdown()
+
+
+def per_call(fns: dict[str, Any], calls: int, batch: int = 20) -> dict[str, float]:
+    """Microseconds per call of each function: the median over batches of ``batch`` calls,
+    the functions interleaved batch by batch. A batch takes well under a scheduler's time
+    slice, so on a shared machine most batches run uninterrupted and the median is the
+    call's own cost (a mean over one long loop measures the machine's load as well)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(3):  # warm-up
+        for fn in fns.values():
+            fn()
+    for _ in range(max(calls // batch, 1)):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / batch * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def main() -> None:

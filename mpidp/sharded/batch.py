@@ -1,21 +1,23 @@
-"""The batch rule: a function that does not read across the sharded dim runs on each rank's
-part, with no communication.
+"""The batch rule: a function that does not read across a cut dim runs on each rank's part,
+with no communication.
 
 For every function it knows, :data:`READS` says which dims of its input the function reads
 across (mixes entries of) or indexes by another argument (a weight's channels), from the
 call's own arguments: a convolution reads its channels and spatial dims, so a band of windows
 folded into the batch (dim 0) is a batch; a softmax reads its ``dim``; a layer norm its
-normalised dims. When the sharded dim is not among them, the function is applied to the local
-part and the result keeps the input's layout (partition and blocks), whatever layout that is.
-One rule, consulted before the registry, for every such function; the functions that do read
-across the sharded dim go on to their handlers (halos, reductions, transposes) or are refused.
+normalised dims. When none of the input's cut dims (:func:`mpidp.sharded.cuts.cuts`: a band's
+sharded dim, a latitude x longitude block's two) is among them, the function is applied to the
+local part and the result keeps the input's layout (partition, blocks, grid), whatever layout
+that is: one rule per cut axis, bands and blocks alike, consulted before the registry; the
+functions that do read across a cut dim go on to their handlers (halos, reductions,
+transposes) or are refused.
 
 Other tensor arguments: weights (a plain tensor holds this rank's gradient share;
 ``sync_gradients`` sums them; a Replicated one enters through ``copy_to``); for the functions
 whose other inputs are batched like the input (attention's key, value and mask), a
-ShardedTensor of the same layout gives its part, and a plain tensor that broadcasts along the
-sharded dim (length 1, or right-aligned short of it) is used whole, one of the global length
-cut to this rank's rows. Anything else leaves the call to its handler.
+ShardedTensor of the same layout gives its part, and a plain tensor that broadcasts along a
+cut dim (length 1, or right-aligned short of it) is used whole along it, one of the global
+length cut to this rank's entries. Anything else leaves the call to its handler.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpidp.errors import MpidpError
 from mpidp.ops.collectives import copy_to
-from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.rng import band_stream
+from mpidp.sharded.cuts import Cut, cuts, part, placed, same_cuts
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
-__all__ = ["READS", "NOT_LOCAL", "batch_local", "block_batch_local", "reads"]
+__all__ = ["READS", "NOT_LOCAL", "batch_local", "reads"]
 
 #: (dims read, dims the result drops) of the input, or None when the call does not say
 Said = tuple[Collection[int], Collection[int]]
@@ -262,8 +264,8 @@ _SDPA_NAMES = {1: "key", 2: "value", 3: "attn_mask"}
 
 
 def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``func`` on each rank's part when the batch rule applies to the call, else
-    :data:`NOT_LOCAL`."""
+    """``func`` on each rank's part when the batch rule applies to the call (it reads across
+    none of the input's cut dims: a band's one, a block's two), else :data:`NOT_LOCAL`."""
     found = READS.get(func)
     if found is None:
         return NOT_LOCAL
@@ -271,13 +273,13 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     if not isinstance(x, ShardedTensor):
         return NOT_LOCAL
     rule, batched = found
-    nd, d = x.dim(), x.shard_dim
-    said = rule(args, kwargs, nd)
-    if said is None or d in said[0]:
+    said = rule(args, kwargs, x.dim())
+    cs = cuts(x)
+    if said is None or any(c.dim in said[0] for c in cs):
         return NOT_LOCAL
     drops = said[1]
-    rows = x.local.size(d)
-    local_args = _local_args(x, args, kwargs, batched, rows == 0)
+    sizes = [x.local.size(c.dim) for c in cs]
+    local_args = _local_args(x, cs, args, kwargs, batched, 0 in sizes)
     if local_args is None:
         return NOT_LOCAL
     draws = func is F.scaled_dot_product_attention and bool(_arg(args, kwargs, 4, "dropout_p", 0))
@@ -285,26 +287,21 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         x.rank, x.local.device, draws
     ):  # the generators stay in step (mpidp.runtime.rng)
         out = func(*local_args[0], **local_args[1])
-    axis = d - sum(1 for r in drops if r < d)
-    if rows == 0:  # ran on one zero row (torch refuses some empty inputs): keep none
-        out = tree_unflatten(
-            [
-                o.narrow(axis, 0, 0) if isinstance(o, torch.Tensor) else o
-                for o in tree_flatten(out)[0]
-            ],
-            tree_flatten(out)[1],
-        )
+    dims = tuple(c.dim - sum(1 for r in drops if r < c.dim) for c in cs)
 
     def wrap(o: Any) -> Any:
         if not isinstance(o, torch.Tensor):
             return o
-        if o.dim() <= axis or o.size(axis) != rows:
+        if 0 in sizes:  # ran on one zero entry along each empty cut (torch refuses some
+            for d, n in zip(dims, sizes, strict=True):  # empty inputs): keep none
+                o = o.narrow(d, 0, n) if n == 0 and o.dim() > d else o
+        if o.dim() <= max(dims) or [o.size(d) for d in dims] != sizes:
             raise MpidpError(
                 f"rank {x.rank}: internal error: {getattr(func, '__name__', func)} on the "
-                f"local part {tuple(x.local.shape)} gave {tuple(o.shape)}, not {rows} rows "
-                f"along dim {axis}; report it with the call"
+                f"local part {tuple(x.local.shape)} gave {tuple(o.shape)}, not {sizes} "
+                f"entries along dims {list(dims)}; report it with the call"
             )
-        return x.like(o, axis)
+        return placed(x, o, dims)
 
     if isinstance(out, torch.Tensor):
         return wrap(out)
@@ -314,46 +311,46 @@ def batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
 
 def _local_args(
     x: ShardedTensor,
+    cs: tuple[Cut, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     batched: tuple[int, ...],
     grow: bool,
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The call's arguments with each rank's part in place of the input (and of batched
-    arguments), or None when an argument does not fit the rule. ``grow``: the parts are
-    empty; each gets one zero row (the caller drops its result)."""
+    arguments), or None when an argument does not fit the rule. ``grow``: a part is empty
+    along a cut; each gets one zero entry there (the caller drops its result's)."""
     names = {_SDPA_NAMES[i] for i in batched if i in _SDPA_NAMES}
-    t = x.transport
-    tail = x.dim() - x.shard_dim  # the sharded dim, counted from the end
+    tails = [x.dim() - c.dim for c in cs]  # the cut dims, counted from the end
 
-    def part(local: torch.Tensor) -> torch.Tensor:
+    def grown(local: torch.Tensor) -> torch.Tensor:
         if not grow:
             return local
-        at = local.dim() - tail
-        row = local.new_zeros((*local.shape[:at], 1, *local.shape[at + 1 :]))
-        return torch.cat([local, row], at)
+        for tail in tails:
+            at = local.dim() - tail
+            if at >= 0 and local.size(at) == 0:
+                row = local.new_zeros((*local.shape[:at], 1, *local.shape[at + 1 :]))
+                local = torch.cat([local, row], at)
+        return local
 
     def one(a: Any, is_batched: bool) -> Any:
         if a is x:
-            return part(x.local)
+            return grown(x.local)
         if isinstance(a, ShardedTensor):
-            same = (
-                is_batched
-                and a.dim() - a.shard_dim == tail
-                and a.spec == x.spec
-                and a.blocks == x.blocks
-            )
-            return part(a.local) if same else NOT_LOCAL
+            return grown(a.local) if is_batched and same_cuts(a, x) else NOT_LOCAL
         if not isinstance(a, torch.Tensor):
             return a
-        if isinstance(a, Replicated):
-            if is_batched and a.dim() >= tail and a.size(a.dim() - tail) != 1:
+        if not is_batched:  # a weight
+            return copy_to(a.as_subclass(torch.Tensor), x.transport) if _is_rep(a) else a
+        reaching = [(c, a.dim() - t) for c, t in zip(cs, tails, strict=True) if a.dim() >= t]
+        reaching = [(c, i) for c, i in reaching if a.size(i) != 1]  # others broadcast
+        if _is_rep(a):
+            return NOT_LOCAL if reaching else copy_to(a.as_subclass(torch.Tensor), x.transport)
+        for c, i in reaching:
+            if a.size(i) != c.total:
                 return NOT_LOCAL
-            return copy_to(a.as_subclass(torch.Tensor), t)
-        if is_batched and a.dim() >= tail and a.size(a.dim() - tail) != 1:
-            i = a.dim() - tail
-            return part(x.rows_of(a, i)) if a.size(i) == x.size(x.shard_dim) else NOT_LOCAL
-        return a
+            a = part(x, c, a, i)
+        return grown(a) if reaching else a
 
     new_args = tuple(
         one(a, i in batched) if isinstance(a, torch.Tensor) else _deep(a, x)
@@ -368,6 +365,10 @@ def _local_args(
     return new_args, new_kwargs
 
 
+def _is_rep(a: torch.Tensor) -> bool:
+    return isinstance(a, Replicated)
+
+
 def _deep(a: Any, x: ShardedTensor) -> Any:
     """A container argument holding a ShardedTensor does not fit the rule."""
     if isinstance(a, list | tuple | dict):
@@ -375,61 +376,3 @@ def _deep(a: Any, x: ShardedTensor) -> Any:
         if any(isinstance(v, torch.Tensor) for v in leaves):
             return NOT_LOCAL
     return a
-
-
-def block_batch_local(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The batch rule on a latitude x longitude block: ``func`` on each rank's block when the
-    rule says it reads across neither cut dim (a linear layer over the channels of (B, h, w,
-    C) tokens, a layer norm, an activation's dim), else :data:`NOT_LOCAL`. Weights are used as
-    on bands (a plain one holds this rank's gradient share, a Replicated one enters through
-    ``copy_to``); a batched argument must be a block of the same cut, or a plain tensor that
-    does not reach the cut dims."""
-    found = READS.get(func)
-    x = args[0] if args else kwargs.get("input")
-    if found is None or not isinstance(x, ShardedTensor) or x.grid is None:
-        return NOT_LOCAL
-    rule, batched = found
-    g, nd = x.grid, x.dim()
-    said = rule(args, kwargs, nd)
-    if said is None or any(d in said[0] or d in said[1] for d in g.dims):
-        return NOT_LOCAL
-    names = {_SDPA_NAMES[i] for i in batched if i in _SDPA_NAMES}
-    reach = nd - min(g.dims)  # a batched tensor of fewer dims does not reach the cut dims
-
-    def one(a: Any, is_batched: bool) -> Any:
-        if a is x:
-            return x.local
-        if isinstance(a, ShardedTensor):
-            return a.local if is_batched and a.grid == g and a.dim() == nd else NOT_LOCAL
-        if not isinstance(a, torch.Tensor):
-            return _deep(a, x)
-        if is_batched and a.dim() >= reach:
-            return NOT_LOCAL
-        if isinstance(a, Replicated):
-            return copy_to(a.as_subclass(torch.Tensor), x.transport)
-        return a
-
-    new_args = tuple(one(a, i in batched) for i, a in enumerate(args))
-    new_kwargs = {k: one(v, k in names) for k, v in kwargs.items()}
-    if any(v is NOT_LOCAL for v in (*new_args, *new_kwargs.values())):
-        return NOT_LOCAL
-    draws = func is F.scaled_dot_product_attention and bool(_arg(args, kwargs, 4, "dropout_p", 0))
-    with band_stream(x.rank, x.local.device, draws):
-        out = func(*new_args, **new_kwargs)
-    dims = tuple(d - sum(1 for r in said[1] if r < d) for d in g.dims)
-    block = BlockSpec(g.lat, g.lon, dims)  # type: ignore[arg-type]
-    want = (x.local.size(g.dims[0]), x.local.size(g.dims[1]))
-
-    def wrap(o: Any) -> Any:
-        if not isinstance(o, torch.Tensor):
-            return o
-        if o.dim() <= max(dims) or (o.size(dims[0]), o.size(dims[1])) != want:
-            raise MpidpError(
-                f"rank {x.rank}: internal error: {getattr(func, '__name__', func)} on the "
-                f"block {tuple(x.local.shape)} gave {tuple(o.shape)}, not {want} along dims "
-                f"{dims}; report it with the call"
-            )
-        return ShardedTensor(o, g.lat, dims[0], x.manager, grid=block)
-
-    leaves, tree = tree_flatten(out)
-    return tree_unflatten([wrap(o) for o in leaves], tree)

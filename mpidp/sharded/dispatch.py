@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import blocks_refused
-from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local, block_batch_local
+from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
 from mpidp.sharded.block_layout import spectral_call
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
@@ -42,7 +42,7 @@ from mpidp.sharded.tensor import (
     replicated,
     shard,
 )
-from mpidp.sharded.walk import leaves
+from mpidp.sharded.walk import first
 from mpidp.sharded.where import relocated
 
 __all__ = [
@@ -191,7 +191,7 @@ def allow_fallback(on: bool = True) -> None:
 
 
 def first_sharded(args: Any, kwargs: Any = None) -> ShardedTensor:
-    return next(a for a in leaves((args, kwargs or {})) if isinstance(a, ShardedTensor))
+    return first((args, kwargs or {}), _is_sharded)
 
 
 def name_of(func: Any) -> str:
@@ -284,7 +284,7 @@ def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     attribute read on the common path: a ShardedTensor among the positional arguments)."""
     ref = next((a for a in args if isinstance(a, ShardedTensor)), None)
     if ref is None:
-        ref = next((a for a in leaves((args, kwargs)) if isinstance(a, ShardedTensor)), None)
+        ref = first((args, kwargs), _is_sharded)
     return ref is not None and ref.manager.gradients == "whole" and torch.is_grad_enabled()
 
 
@@ -320,12 +320,20 @@ def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if GRID_SEEN:  # (no block was ever made: nothing to look for, no spectrum of one)
-        found = [a for a in leaves((args, kwargs)) if isinstance(a, ShardedTensor)]
-        block = next((a for a in found if a.grid is not None), None)
-        if block is not None:
-            return _grid_dispatch(func, args, kwargs, block)
-        if any(a.spectral for a in found):  # the band rules, over the domain group
-            with spectral_call():
+        spectrum = first((args, kwargs), _is_spectrum)
+        if spectrum is not None:
+            if first((args, kwargs), _is_block) is not None:
+                raise refuse(
+                    func,
+                    args,
+                    kwargs,
+                    "a spectrum of blocks (its modes cut over the whole domain group) meets a "
+                    "block (a field cut into rows x columns): no rank holds matching parts of "
+                    "both",
+                    "transform the spectrum back to blocks first (torch.fft.irfft2 / ifft2), "
+                    "or gather one of them (.full_tensor())",
+                )
+            with spectral_call():  # the band rules, over the domain group
                 return _band_dispatch(func, args, kwargs, spectral=True)
     return _band_dispatch(func, args, kwargs)
 
@@ -333,12 +341,17 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _band_dispatch(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], spectral: bool = False
 ) -> Any:
-    """A call on bands: the batch rule, the handler, the gathering fallback, or refused. On a
-    spectrum of blocks (``spectral``) the handlers that run a layer refuse it themselves
+    """A call on bands or blocks: the batch rule (bands and blocks alike), a block's rules,
+    the band handler, the gathering fallback, or refused. On a spectrum of blocks
+    (``spectral``) the handlers that run a layer refuse it themselves
     (:func:`mpidp.sharded.layer_calls.register`), and there is no fallback."""
     out = batch_local(func, args, kwargs)
     if out is not NOT_LOCAL:
         return out
+    if GRID_SEEN and not spectral:  # (no block was ever made: nothing to look for)
+        block = first((args, kwargs), _is_block)
+        if block is not None:
+            return _grid_dispatch(func, args, kwargs, block)
     handler = _HANDLERS.get(key(func))
     if handler is not None:
         if handler not in _BLOCKS_OK and _has_blocks(args, kwargs):
@@ -375,24 +388,28 @@ def _band_dispatch(
     )
 
 
+def _is_sharded(a: Any) -> bool:
+    return isinstance(a, ShardedTensor)
+
+
+def _is_block(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and a._grid is not None
+
+
+def _is_spectrum(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and a._spectral
+
+
+def _is_merged(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and a._blocks > 1
+
+
 def _grid_dispatch(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block: ShardedTensor
 ) -> Any:
-    """A call with a latitude x longitude block: its block handler, a band handler that takes
-    blocks, the gathering fallback, or refused on every rank alike (before any message)."""
-    if any(isinstance(a, ShardedTensor) and a.spectral for a in leaves((args, kwargs))):
-        raise refuse(
-            func,
-            args,
-            kwargs,
-            "a spectrum of blocks (its modes cut over the whole domain group) meets a block "
-            "(a field cut into rows x columns): no rank holds matching parts of both",
-            "transform the spectrum back to blocks first (torch.fft.irfft2 / ifft2), or "
-            "gather one of them (.full_tensor())",
-        )
-    out = block_batch_local(func, args, kwargs)
-    if out is not NOT_LOCAL:
-        return out
+    """A call with a latitude x longitude block that the batch rule does not take: its block
+    handler, a band handler that takes blocks, the gathering fallback, or refused on every
+    rank alike (before any message)."""
     k = key(func)
     handler = _GRID.get(k)
     if handler is None:
@@ -408,7 +425,7 @@ def _grid_dispatch(
 
 
 def _has_blocks(args: Any, kwargs: Any) -> bool:
-    return any(isinstance(a, ShardedTensor) and a.blocks > 1 for a in leaves((args, kwargs)))
+    return first((args, kwargs), _is_merged) is not None
 
 
 def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1,5 +1,7 @@
-"""Handlers of calls with a latitude x longitude block (``ShardedTensor.grid``): element-wise
-functions, the views and joins that leave both cut dims whole, and reductions over them.
+"""Handlers of calls with a latitude x longitude block (``ShardedTensor.grid``): the views and
+joins that leave both cut dims whole, and reductions over them (the element-wise and batch
+rules are the bands' own, per cut axis: :mod:`mpidp.sharded.pointwise`,
+:mod:`mpidp.sharded.batch`).
 
 A block is cut along its latitude dim over the latitude column and along its longitude dim over
 the longitude row (:mod:`mpidp.runtime.grid`). Each rule here is the band rule once per cut
@@ -14,17 +16,15 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
-from mpidp.ops.collectives import copy_to, repartition
-from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.partition import ShardSpec
-from mpidp.runtime.rng import band_stream
+from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
-from mpidp.sharded.pointwise import POINTWISE, draws
+from mpidp.sharded.pointwise import to_blocks
 from mpidp.sharded.select import index_parts, kept
 from mpidp.sharded.shapes import _aligned, _groups, plan_cut
-from mpidp.sharded.tensor import Replicated, ShardedTensor
+from mpidp.sharded.tensor import ShardedTensor
 
 __all__: list[str] = []
 
@@ -33,83 +33,6 @@ def _block_of(x: ShardedTensor) -> BlockSpec:
     g = x.grid
     assert g is not None
     return g
-
-
-@register_grid(*POINTWISE)
-def _pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An element-wise function on the blocks. Other block arguments must share the blocks; a
-    plain tensor broadcasts as in serial (one of the global length along a cut dim is cut to
-    this rank's rows or columns, one of length 1 or without that dim is used whole); a
-    Replicated value enters through ``copy_to``."""
-    if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
-        raise refuse(func, args, kwargs, "the global indices of a block's entries", "gather")
-    every = tree_flatten((args, kwargs))[0]
-    ref = next(a for a in every if isinstance(a, ShardedTensor) and a.grid is not None)
-    g, nd, m = _block_of(ref), ref.dim(), ref.manager
-    cuts = tuple(zip(g.dims, (g.lat, g.lon), m.grid_coords, strict=True))
-    if any(isinstance(a, torch.Tensor) and a.dim() > nd for a in every):
-        raise refuse(func, args, kwargs, "an argument of more dims than the block", "gather")
-
-    def local(a: Any) -> Any:
-        if isinstance(a, ShardedTensor):
-            if a.dim() != nd or a.grid is None:
-                raise refuse(
-                    func, args, kwargs, "ShardedTensors of different blocks meet", "cut alike"
-                )
-            return to_blocks(a, g, (func, args, kwargs)).local
-        if not isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, Replicated):
-            a = copy_to(a.as_subclass(torch.Tensor), ref.transport)
-        for d, spec, i in cuts:
-            at = a.dim() - (nd - d)
-            if at < 0 or a.size(at) == 1:
-                continue
-            if a.size(at) != spec.total:
-                raise refuse(
-                    func,
-                    args,
-                    kwargs,
-                    f"a tensor of shape {tuple(a.shape)} has {a.size(at)} entries along cut dim "
-                    f"{d}, neither its global length {spec.total} nor 1",
-                    "pass a tensor of the global shape or one that broadcasts",
-                )
-            a = a.narrow(at, spec.start(i), spec.sizes[i])
-        return a
-
-    local_args, local_kwargs = tree_map(local, (args, kwargs))
-    with band_stream(ref.rank, ref.local.device, draws(func, args, kwargs)):
-        out = func(*local_args, **local_kwargs)
-    first = args[0] if args else None
-    if isinstance(first, ShardedTensor) and out is local_args[0]:
-        return first  # in place on the block
-    return tree_map(lambda o: ref.like(o) if isinstance(o, torch.Tensor) else o, out)
-
-
-def _moved(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, int]) -> ShardedTensor:
-    """``local``, this rank's block of a result whose cut dims are ``dims`` (the same cuts)."""
-    g = _block_of(x)
-    return ShardedTensor(local, g.lat, dims[0], x.manager, grid=BlockSpec(g.lat, g.lon, dims))
-
-
-def to_blocks(x: ShardedTensor, g: BlockSpec, call: tuple[Any, Any, Any]) -> ShardedTensor:
-    """``x`` on the blocks ``g`` (the same global field, cut along the same dims): along each
-    axis whose cut differs (a slice kept each rank's own columns, the other operand did not)
-    only the rows or columns that change owner move, in one repartition over that axis group,
-    as a band meeting another band's cut does. ``call`` names the op in a refusal."""
-    have = _block_of(x)
-    if have == g:
-        return x
-    if have.dims != g.dims or have.shape != g.shape:
-        raise refuse(
-            *call, f"blocks of {have!r} meet blocks of {g!r}", "give them one global shape"
-        )
-    local = x.local
-    for axis, d, a, b in zip(AXES, g.dims, (have.lat, have.lon), (g.lat, g.lon), strict=True):
-        if a != b:  # the same on every rank: every rank of the axis group takes part
-            t = axis_transport(x.manager, axis, local.device)
-            local = repartition(local, a.sizes, b.sizes, d, group=t)
-    return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
 
 
 # -- selecting ----------------------------------------------------------------------------------
@@ -205,7 +128,7 @@ def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     local = func(x.local, *args[1:], **kwargs)
     if keepdim:
         return x.like(local)
-    return _moved(x, local, tuple(d - sum(1 for r in dims if r < d) for d in g.dims))  # type: ignore[arg-type]
+    return placed(x, local, tuple(d - sum(1 for r in dims if r < d) for d in g.dims))
 
 
 # -- views and joins that leave both cut dims whole ---------------------------------------------
@@ -244,7 +167,7 @@ def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if min(g.shape) == 1 or any(shape.count(k) != 1 for k in _MARKS):
         raise refuse(func, args, kwargs, "it could move a cut dim out of sight", "gather first")
     dims = (shape.index(_MARKS[0]), shape.index(_MARKS[1]))
-    return _moved(x, func(x.local, *args[1:], **kwargs), dims)
+    return placed(x, func(x.local, *args[1:], **kwargs), dims)
 
 
 @register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
@@ -333,4 +256,4 @@ def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )
     local = func([to_blocks(t, g, (func, args, kwargs)).local for t in tensors], d)
     dims = tuple(c + 1 if stack and c >= d else c for c in g.dims)
-    return _moved(ref, local, dims)  # type: ignore[arg-type]
+    return placed(ref, local, dims)

@@ -1,6 +1,7 @@
 """The layout words a ShardedTensor is built from, below the tensor type itself: the manager
 of a device mesh, the one placement of a 1-D domain mesh, ``torch.chunk``'s cut, the partition
-``from_local`` is told or learns, and the checks of a partition against the domain group.
+``from_local`` is told or learns, the checks of a partition against the domain group, and one
+cut dim of a layout (:class:`Cut`: a band has one, a latitude x longitude block two).
 
 These need no ShardedTensor, so :mod:`mpidp.sharded.tensor` imports them and
 :mod:`mpidp.sharded.placements` (which builds ShardedTensors) re-exports the public ones.
@@ -9,7 +10,7 @@ These need no ShardedTensor, so :mod:`mpidp.sharded.tensor` imports them and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -24,6 +25,7 @@ from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded.rows import move_to_dim, to_spec
 
 __all__ = [
+    "Cut",
     "check_spec",
     "chunk_spec",
     "contiguous_strides",
@@ -34,6 +36,30 @@ __all__ = [
     "spec_from_shapes",
     "spec_of_band",
 ]
+
+
+class Cut(NamedTuple):
+    """One cut dim of a layout: ``dim`` (non-negative) holds ``blocks`` blocks of ``spec``'s
+    global rows, of which this rank holds part ``own`` of each."""
+
+    dim: int
+    spec: ShardSpec
+    own: int
+    blocks: int
+
+    @property
+    def total(self) -> int:
+        """The global length along :attr:`dim`."""
+        return self.blocks * self.spec.total
+
+    def part(self, t: torch.Tensor, at: int) -> torch.Tensor:
+        """This rank's entries of ``t`` along its dim ``at``, which runs along this cut (the
+        global length there): the rows this rank holds, of every block."""
+        start, size = self.spec.start(self.own), self.spec.sizes[self.own]
+        if self.blocks == 1:
+            return t.narrow(at, start, size)
+        blocks = t.unflatten(at, (self.blocks, self.spec.total))
+        return blocks.narrow(at + 1, start, size).flatten(at, at + 1)
 
 
 def manager_of(

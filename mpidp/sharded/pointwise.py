@@ -1,11 +1,13 @@
 """Handlers: a ShardedTensor's metadata and autograd methods, and element-wise functions.
 
-Element-wise functions run on the bands. Their other tensor arguments broadcast as in serial:
-a ShardedTensor of the same global shape (moved to this one's partition when its partition
-differs: only boundary rows travel); a plain tensor whose length along the sharded dim is the
-global length (latitude weights of shape (H, 1)) is cut to this rank's rows, one of length 1 or
-without that dim is used whole; a Replicated value enters through ``copy_to`` (its gradient
-is the sum of the ranks' shares). Anything else along the sharded dim is an error.
+Element-wise functions run on the bands or blocks, one rule per cut axis (a band has one cut
+dim, a latitude x longitude block two: :mod:`mpidp.sharded.cuts`). Their other tensor
+arguments broadcast as in serial: a ShardedTensor of the same global shape (moved to this one's
+cut when its cut differs: only boundary rows or columns travel); a plain tensor whose length
+along a cut dim is the global length (latitude weights of shape (H, 1)) is cut to this rank's
+entries along it, one of length 1 or without that dim is used whole along it; a Replicated
+value enters through ``copy_to`` (its gradient is the sum of the ranks' shares). Anything else
+along a cut dim is an error.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.errors import ConfigError
-from mpidp.ops.collectives import copy_to
+from mpidp.ops.collectives import copy_to, repartition
+from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.batch import NOT_LOCAL
+from mpidp.sharded.cuts import cuts, part, placed
 from mpidp.sharded.dispatch import fast_path, refuse, register
 from mpidp.sharded.rows import along, to_spec
 from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor
 
-__all__ = ["POINTWISE", "home", "pointwise", "local_like"]
+__all__ = ["POINTWISE", "home", "pointwise", "local_like", "to_blocks", "to_layout"]
 
 
 def local_like(x: ShardedTensor, local: torch.Tensor) -> ShardedTensor:
@@ -344,9 +348,10 @@ def draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(train) and float(p) > 0
 
 
-@register(*POINTWISE, blocks=True)
+@register(*POINTWISE, blocks=True, grid=True)
 def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An element-wise function on the bands (see the module doc for its arguments)."""
+    """An element-wise function on the bands or blocks, one rule per cut axis (see the module
+    doc for its arguments)."""
     if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
         raise refuse(
             func,
@@ -360,67 +365,98 @@ def pointwise(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     flat = not kwargs and not any(isinstance(a, list | tuple | dict) for a in args)
     every = args if flat else tree_flatten((args, kwargs))[0]
     leaves = [a for a in every if isinstance(a, torch.Tensor)]
-    # the band that sets the rows: a ShardedTensor of global length 1 broadcasts (as in serial)
+    # the layout that sets the parts: a ShardedTensor of global length 1 broadcasts (as in serial)
     ref = home(leaves)
     out_ndim = max(a.dim() for a in leaves)
-    axis = out_ndim - ref.dim() + ref.shard_dim  # the sharded dim, counted in the result
-    spec, t = ref.spec, ref.transport
-    n = ref.blocks * spec.total  # the global length along the sharded dim
+    shift = out_ndim - ref.dim()  # the cut dims, counted in the result, are the ref's + shift
+    cs = cuts(ref)
+    call = (func, args, kwargs)
 
-    def band_of(a: Any) -> Any:
-        if isinstance(a, ShardedTensor) and a.blocks * a.spec.total == 1 < n:
+    def part_of(a: Any) -> Any:
+        if isinstance(a, ShardedTensor) and a.blocks * a.spec.total == 1 < cs[0].total:
             a = a.full_tensor()  # a length-1 dim broadcasts: its one row, whole on every rank
         if isinstance(a, ShardedTensor):
-            want = a.dim() - (out_ndim - axis)
-            if want != a.shard_dim and want >= 0 and a.blocks == 1 == ref.blocks:
-                a = along(a, want)  # cut along another dim: the distributed transpose
-            if (
-                a.dim() - (out_ndim - axis) != a.shard_dim
-                or a.spec.total != spec.total
-                or a.blocks != ref.blocks
-            ):
-                raise refuse(
-                    func,
-                    args,
-                    kwargs,
-                    "two ShardedTensors sharded along different dims (or of different global "
-                    "lengths along it) meet",
-                    "redistribute one of them (x.redistribute(dim=...))",
-                )
-            if a.spec != spec:
-                a = to_spec(a, spec)
-            return a.local
+            return to_layout(a, ref, call).local
         if not isinstance(a, torch.Tensor):
             return a
         if isinstance(a, Replicated):
-            a = copy_to(a.as_subclass(torch.Tensor), t)
-        i = a.dim() - (out_ndim - axis)
-        if i < 0 or a.size(i) == 1:
-            return a
-        if a.size(i) == n:
-            return ref.rows_of(a, i)
-        raise refuse(
-            func,
-            args,
-            kwargs,
-            f"a tensor of shape {tuple(a.shape)} has {a.size(i)} entries along the sharded "
-            f"dim, which is neither the global length {n} nor 1",
-            "pass a tensor of the global shape (it is cut to each rank's rows) or one that "
-            "broadcasts along the sharded dim",
-        )
+            a = copy_to(a.as_subclass(torch.Tensor), ref.transport)
+        for c in cs:
+            i = a.dim() - (ref.dim() - c.dim)
+            if i < 0 or a.size(i) == 1:
+                continue
+            if a.size(i) != c.total:
+                raise refuse(
+                    *call,
+                    f"a tensor of shape {tuple(a.shape)} has {a.size(i)} entries along the "
+                    f"sharded dim {c.dim + shift}, which is neither the global length "
+                    f"{c.total} nor 1",
+                    "pass a tensor of the global shape (it is cut to each rank's rows) or one "
+                    "that broadcasts along the sharded dim",
+                )
+            a = part(ref, c, a, i)
+        return a
 
     if flat:
-        local_args, local_kwargs = tuple(band_of(a) for a in args), {}
+        local_args, local_kwargs = tuple(part_of(a) for a in args), {}
     else:
-        local_args, local_kwargs = tree_map(band_of, (args, kwargs))
+        local_args, local_kwargs = tree_map(part_of, (args, kwargs))
     with band_stream(ref.rank, ref.local.device, draws(func, args, kwargs)):
         out = func(*local_args, **local_kwargs)
     first = args[0] if args else None
     if isinstance(first, ShardedTensor) and out is local_args[0]:
         return first  # in place on the band
+    dims = tuple(c.dim + shift for c in cs)
     if isinstance(out, torch.Tensor):
-        return _wrap_out(out, out_ndim, axis, ref)
-    return tree_map(lambda o: _wrap_out(o, out_ndim, axis, ref), out)
+        return _wrap_out(out, out_ndim, dims, ref)
+    return tree_map(lambda o: _wrap_out(o, out_ndim, dims, ref), out)
+
+
+def to_layout(a: ShardedTensor, ref: ShardedTensor, call: tuple[Any, Any, Any]) -> ShardedTensor:
+    """``a`` cut as ``ref`` (the same global length along each cut dim, counted from the
+    end): a band cut along another dim moves there (the distributed transpose), and along each
+    cut only the rows or columns that change owner travel. ``call`` names the op in a
+    refusal."""
+    if a._grid is not None or ref._grid is not None:
+        if a._grid is None or ref._grid is None or a.dim() != ref.dim():
+            raise refuse(*call, "ShardedTensors of different blocks meet", "cut alike")
+        return to_blocks(a, ref._grid, call)
+    want = a.dim() - (ref.dim() - ref.shard_dim)
+    if want != a.shard_dim and want >= 0 and a.blocks == 1 == ref.blocks:
+        a = along(a, want)  # cut along another dim: the distributed transpose
+    if (
+        a.dim() - a.shard_dim != ref.dim() - ref.shard_dim
+        or a.spec.total != ref.spec.total
+        or a.blocks != ref.blocks
+    ):
+        raise refuse(
+            *call,
+            "two ShardedTensors sharded along different dims (or of different global "
+            "lengths along it) meet",
+            "redistribute one of them (x.redistribute(dim=...))",
+        )
+    return a if a.spec == ref.spec else to_spec(a, ref.spec)
+
+
+def to_blocks(x: ShardedTensor, g: BlockSpec, call: tuple[Any, Any, Any]) -> ShardedTensor:
+    """``x`` on the blocks ``g`` (the same global field, cut along the same dims): along each
+    axis whose cut differs (a slice kept each rank's own columns, the other operand did not)
+    only the rows or columns that change owner move, in one repartition over that axis group,
+    as a band meeting another band's cut does. ``call`` names the op in a refusal."""
+    have = x.grid
+    assert have is not None
+    if have == g:
+        return x
+    if have.dims != g.dims or have.shape != g.shape:
+        raise refuse(
+            *call, f"blocks of {have!r} meet blocks of {g!r}", "give them one global shape"
+        )
+    local = x.local
+    for axis, d, a, b in zip(AXES, g.dims, (have.lat, have.lon), (g.lat, g.lon), strict=True):
+        if a != b:  # the same on every rank: every rank of the axis group takes part
+            t = axis_transport(x.manager, axis, local.device)
+            local = repartition(local, a.sizes, b.sizes, d, group=t)
+    return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
 
 
 def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
@@ -452,24 +488,27 @@ def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
         return args[0]  # in place on the band
     if isinstance(out, torch.Tensor) and out.shape == ref._local.shape:
         return ref.same_layout(out)
-    nd = ref._local.dim()
+    nd, dims = ref._local.dim(), tuple(c.dim for c in cuts(ref))
     if isinstance(out, torch.Tensor):
-        return _wrap_out(out, nd, ref._dim, ref)
-    return tree_map(lambda o: _wrap_out(o, nd, ref._dim, ref), out)
+        return _wrap_out(out, nd, dims, ref)
+    return tree_map(lambda o: _wrap_out(o, nd, dims, ref), out)
 
 
 _NUMBERS = (int, float, bool, complex)
 
 
-def _wrap_out(o: Any, ndim: int, axis: int, ref: ShardedTensor) -> Any:
+def _wrap_out(o: Any, ndim: int, dims: tuple[int, ...], ref: ShardedTensor) -> Any:
+    """An element-wise result of ``ndim`` dims: ``ref``'s cuts at ``dims``."""
     if isinstance(o, torch.Tensor) and o.dim() == ndim:
-        if o.size(axis) != ref.local.size(ref.shard_dim):
+        have = [o.size(d) for d in dims]
+        want = [ref.local.size(c.dim) for c in cuts(ref)]
+        if have != want:
             raise ConfigError(
                 f"rank {ref.manager.rank}: internal error: an element-wise result of shape "
-                f"{tuple(o.shape)} does not have this rank's {ref.local.size(ref.shard_dim)} "
-                f"rows along dim {axis}"
+                f"{tuple(o.shape)} does not have this rank's {want} entries along dims "
+                f"{list(dims)}"
             )
-        return ref.like(o, axis)
+        return placed(ref, o, dims)
     return o
 
 

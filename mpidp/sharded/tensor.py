@@ -252,14 +252,10 @@ class ShardedTensor(torch.Tensor):
 
     def rows_of(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a plain tensor ``t`` whose ``dim`` runs along this tensor's
-        sharded dim (its global length there): the same rows this rank holds."""
-        r = self.rank
-        if self._blocks == 1:
-            return t.narrow(dim, self._spec.start(r), self._spec.sizes[r])
-        blocks = t.unflatten(dim, (self._blocks, self._spec.total))
-        return blocks.narrow(dim + 1, self._spec.start(r), self._spec.sizes[r]).flatten(
-            dim, dim + 1
-        )
+        sharded dim (its global length there; a block's latitude): the same rows this rank
+        holds."""
+        i = self.rank if self._grid is None else self._manager.grid_coords[0]
+        return pl.Cut(self._dim, self._spec, i, self._blocks).part(t, dim)
 
     def unblocked(self) -> tuple[torch.Tensor, int]:
         """The band with its blocks as a dim of their own: (local, sharded dim), the sharded

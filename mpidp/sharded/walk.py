@@ -5,30 +5,38 @@ containers it visits what ``torch.utils._pytree.tree_flatten`` visits, in the sa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["holds", "leaves"]
+__all__ = ["first", "holds"]
 
 
-def leaves(tree: Any) -> Iterator[Any]:
-    """The leaves of ``tree`` in pytree's order."""
-    if isinstance(tree, (tuple, list)):
-        for a in tree:
-            yield from leaves(a)
-    elif isinstance(tree, dict):
-        for a in tree.values():
-            yield from leaves(a)
-    else:
-        yield tree
+def first(tree: Any, test: Callable[[Any], bool]) -> Any:
+    """The first leaf of ``tree``, in pytree's order, that passes ``test``, or None."""
+    if isinstance(tree, dict):
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return tree if test(tree) else None
+    for a in tree:
+        found = first(a, test) if isinstance(a, _CONTAINERS) else (a if test(a) else None)
+        if found is not None:
+            return found
+    return None
 
 
 def holds(tree: Any, kind: type | tuple[type, ...]) -> bool:
-    """Whether a leaf of ``tree`` is a ``kind``."""
+    """Whether a leaf of ``tree`` is a ``kind``. A loop over each container, recursing only
+    into nested containers (a call's arguments are nearly always flat)."""
     if isinstance(tree, kind):
         return True
-    if isinstance(tree, (tuple, list)):
-        return any(holds(a, kind) for a in tree)
     if isinstance(tree, dict):
-        return any(holds(a, kind) for a in tree.values())
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return False
+    for a in tree:
+        if isinstance(a, kind) or (isinstance(a, _CONTAINERS) and holds(a, kind)):
+            return True
     return False
+
+
+_CONTAINERS = (tuple, list, dict)
