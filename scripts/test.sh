@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2030,SC2031  # start_beside: its subshell records its own times and bad, by design
 # The whole test suite: lint, type check, unit tests, MPI tests at 1-4 ranks, launch tests
 # (examples and launchers run for real), real launchers (a SLURM started on loopback, Open
 # MPI's mpirun; their setup installs what they need or fails loudly), and, with

@@ -82,7 +82,9 @@ class SpectralBands(DomainParallel):
         p_lat, p_lon = len(lat.rows_in), len(lon.rows_in)
         d = len(lat.shape_in) + lat.dim_in
         w, cols = lat.shape_in[d + 1], lon.rows_in[j]
-        subs = [partition.derived(n, p_lon).sizes for n in lat.rows_in]
+        # (bands: the row is one rank, which holds its rows whole, whatever the policy's
+        # weights; a policy of per-rank weights cuts no group of another size)
+        subs = [partition.derived(n, p_lon).sizes if p_lon > 1 else (n,) for n in lat.rows_in]
         sub = subs[i][j]
         other = lat.row_elements("in") // w  # the values of one point (batch, channels)
         pencil = 2 * ((lat.rows_in[i] - sub) * cols + sub * (w - cols)) * other * itemsize
