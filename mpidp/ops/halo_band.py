@@ -143,34 +143,19 @@ def _finish_fetch(op: _Op, x: torch.Tensor, started: _Started) -> list[torch.Ten
 def _accumulate(
     op: _Op, gs: Sequence[torch.Tensor], x_shape: torch.Size, number: int = 0
 ) -> torch.Tensor:
-    plan, lay, g0 = op.plan, op.layout, gs[0]
-    back = [
-        gs[d[0]].narrow(op.dim, d[1], hi - lo)  # a plain piece: its gradient as it is
-        if d is not None
-        else g0.new_zeros(op.rows(g0.shape, hi - lo))
-        for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
-    ]
-    for m, i, p in lay.arrive:
-        back[m].narrow(op.dim, p.lo - plan.recv[m][1], p.rows).add_(op.unplace(gs[i], p))
-    bufs = [g0.new_empty(op.rows(g0.shape, hi - lo)) for _, lo, hi in plan.send]
-    pending = op.t.start_exchange(
-        [(peer, b) for (peer, _, _), b in zip(plan.recv, back, strict=True)],
-        [(peer, b) for (peer, _, _), b in zip(plan.send, bufs, strict=True)],
-        number + 1 if number else 0,
-    )
-    n = x_shape[op.dim]
-    local = list(lay.local)
+    """The halo's backward whole: :func:`start_accumulate`, then the band's gradient (the
+    piece that is the band itself copied once instead of zeros + add) and the rest of
+    :func:`finish_accumulate`."""
+    pending, bufs, _ = start_accumulate(op, gs, number)
+    n, g0 = x_shape[op.dim], gs[0]
+    local = list(op.layout.local)
     band = next((k for k, (_, p) in enumerate(local) if _is_band(p, n)), None)
-    if band is not None:  # the band's own gradient, copied once instead of zeros + add
+    if band is not None:
         i, p = local.pop(band)
         out = op.unplace(gs[i], p).clone(memory_format=torch.contiguous_format)
     else:
         out = g0.new_zeros(op.rows(g0.shape, n))
-    for i, p in local:
-        out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
-    pending.wait()
-    for (_, lo, hi), buf in zip(plan.send, bufs, strict=True):
-        out.narrow(op.dim, lo, hi - lo).add_(buf)
+    _add_arrived(op, local, (pending, bufs, gs), out)
     return out
 
 
@@ -180,13 +165,13 @@ Accumulating = tuple[PendingExchange, list[torch.Tensor], Sequence[torch.Tensor]
 
 
 def start_accumulate(op: _Op, gs: Sequence[torch.Tensor], number: int = 0) -> Accumulating:
-    """The first half of :func:`_accumulate` split around the caller's compute: post the
+    """The first half of the halo's backward, split around the caller's compute: post the
     messages that send every halo row's gradient (``gs``: the gradients of the fetch's
     outputs) to the rank that owns the row. ``number``: the fetch's (its messages carry one
     more). :func:`finish_accumulate` completes it."""
     plan, lay, g0 = op.plan, op.layout, gs[0]
     back = [
-        gs[d[0]].narrow(op.dim, d[1], hi - lo)
+        gs[d[0]].narrow(op.dim, d[1], hi - lo)  # a plain piece: its gradient as it is
         if d is not None
         else g0.new_zeros(op.rows(g0.shape, hi - lo))
         for (_, lo, hi), d in zip(plan.recv, lay.direct, strict=True)
@@ -206,8 +191,15 @@ def finish_accumulate(op: _Op, started: Accumulating, out: torch.Tensor) -> None
     """The second half: add to ``out`` (the gradient of this rank's band, owned by the
     caller) the halo rows taken from the band itself (a boundary's mirror), wait for the
     peers' rows and add them where they live."""
+    _add_arrived(op, op.layout.local, started, out)
+
+
+def _add_arrived(
+    op: _Op, local: Sequence[tuple[int, Piece]], started: Accumulating, out: torch.Tensor
+) -> None:
+    """Add the ``local`` pieces' gradients to ``out``, wait, add the peers' rows."""
     pending, bufs, gs = started
-    for i, p in op.layout.local:
+    for i, p in local:
         out.narrow(op.dim, p.lo, p.rows).add_(op.unplace(gs[i], p))
     pending.wait()
     for (_, lo, hi), buf in zip(op.plan.send, bufs, strict=True):

@@ -82,7 +82,9 @@ NAMES = [
     (
         "physicsnemo.domain_parallel",
         "ShardTensor.from_local",
-        "local_tensor, device_mesh=None, placements=None, sharding_shapes='infer'",
+        # the published four, and the fifth that PhysicsNeMo 2.2 added (positional there too)
+        "local_tensor, device_mesh=None, placements=None, sharding_shapes='infer', "
+        "global_shape=None",
     ),
     ("physicsnemo.domain_parallel", "ShardTensor.from_dtensor", "dtensor"),
     ("physicsnemo.domain_parallel", "ShardTensor.full_tensor", "self, *, grad_placements=None"),

@@ -88,7 +88,6 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
         device_mesh: Any = None,
         placements: Sequence[Any] | None = None,
         sharding_shapes: str | dict[int, list[tuple[int, ...]]] = "infer",
-        *,
         global_shape: Sequence[int] | None = None,
     ) -> Any:
         """``local_tensor`` on ``device_mesh`` (None: the current mesh, else PhysicsNeMo's
