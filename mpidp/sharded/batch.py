@@ -219,8 +219,8 @@ def _interpolate(a: tuple[Any, ...], k: dict[str, Any], nd: int) -> Any:
 
 @reads(F.pad, torch._C._nn.pad)
 def _pad(a: tuple[Any, ...], k: dict[str, Any], nd: int) -> Any:
-    pad = _arg(a, k, 1, "pad", ())
-    return _last(len(pad) // 2, nd), ()
+    pad = _arg(a, k, 1, "pad", ())  # a dim padded by (0, 0) is not read (any mode)
+    return {nd - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}, ()
 
 
 @reads(F.pixel_shuffle, F.pixel_unshuffle)

@@ -7,25 +7,30 @@ and along its longitude dim by ``grid.lon`` over the longitude row (a
 :class:`~mpidp.runtime.grid.BlockSpec` with non-negative dims). Bands are the grid ``(P, 1)``:
 on a manager whose longitude is not cut, these give no block (the caller makes a band).
 The spectrum of blocks is a band of modes over the domain group (:func:`spectral_call`).
+A block's rows x columns flattened into one dim are tokens (:class:`TokenSpec`).
 Below :mod:`mpidp.sharded.tensor`: it builds no ShardedTensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from mpidp.errors import ConfigError
 from mpidp.ops.blocks import as_block_spec, block_dims, gather_blocks, shard_blocks
+from mpidp.ops.collectives import all_gather_v_replicated
 from mpidp.runtime.grid import BlockSpec, axis_transport
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = [
     "SPECTRAL_CALL",
+    "TokenSpec",
     "block_of",
     "blocks_of_parts",
     "check_block",
@@ -123,6 +128,74 @@ def blocks_of_parts(local: torch.Tensor, dim: Any, m: DistributedManager, spec: 
     return bs
 
 
-def whole_of(local: torch.Tensor, bs: BlockSpec, m: DistributedManager) -> torch.Tensor:
-    """The whole tensor on every domain rank (replicated downstream). Collective."""
-    return gather_blocks(local, bs.dims, m, bs)
+def whole_of(local: torch.Tensor, bs: BlockSpec | TokenSpec, m: DistributedManager) -> torch.Tensor:
+    """The whole tensor on every domain rank (replicated downstream): blocks gathered along
+    each axis group, tokens over the domain group and put in their global order. Collective."""
+    if isinstance(bs, BlockSpec):
+        return gather_blocks(local, bs.dims, m, bs)
+    t = m.transport(None, local.device)
+    ranks = range(bs.counts.parts)
+    order = torch.cat([bs.index(r, local.device) for r in ranks])  # the gathered tokens' ids
+    whole = all_gather_v_replicated(local, bs.counts, bs.dim, group=t)
+    return whole.index_select(bs.dim, torch.argsort(order))
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """Tokens of blocks: dim :attr:`dim` holds ``lead`` x H x W entries (``lead`` blocks of
+    the field's rows x columns, global order row-major: (l, row, column)) and each domain rank
+    its block's ``lead`` x h x w (row-major within the block), ``lat`` cutting the H rows over
+    the latitude column and ``lon`` the W columns over the longitude row as a
+    :class:`~mpidp.runtime.grid.BlockSpec` does. A patch or cube embedding's ``flatten(2)``
+    makes it, a window partition folding the window grid into the batch too (``lead`` then
+    holds the batch); a reshape back into (..., H, W) gives the block again. The entries a
+    rank holds are not consecutive: an op that mixes tokens in their global order is refused
+    (:mod:`mpidp.sharded.tokens`)."""
+
+    lat: ShardSpec
+    lon: ShardSpec
+    lead: int
+    dim: int
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """The token dim, twice (where a block names its latitude and longitude dims)."""
+        return self.dim, self.dim
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The field's ``(H, W)``."""
+        return self.lat.total, self.lon.total
+
+    @property
+    def counts(self) -> ShardSpec:
+        """Every domain rank's number of tokens (domain rank = i_lat * P_lon + i_lon)."""
+        return ShardSpec(tuple(self.lead * h * w for h in self.lat.sizes for w in self.lon.sizes))
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(i_lat, i_lon)`` of domain rank ``rank``'s block."""
+        i_lat, i_lon = divmod(rank, self.lon.parts)
+        return i_lat, i_lon
+
+    def at(self, dim: int) -> TokenSpec:
+        """The same tokens along ``dim``."""
+        return self if dim == self.dim else replace(self, dim=dim)
+
+    def index(self, rank: int, device: torch.device) -> torch.Tensor:
+        """The global ids of domain rank ``rank``'s tokens, in its local order."""
+        return _token_ids(self.lat, self.lon, self.lead, rank).to(device)
+
+    def part(self, t: torch.Tensor, at: int, rank: int) -> torch.Tensor:
+        """Domain rank ``rank``'s tokens of ``t``, whose dim ``at`` holds all of them (a
+        position embedding): a gather by index (its gradient reaches those entries)."""
+        return t.index_select(at, self.index(rank, t.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _token_ids(lat: ShardSpec, lon: ShardSpec, lead: int, rank: int) -> torch.Tensor:
+    i, j = divmod(rank, lon.parts)  # TokenSpec.coords
+    rows = torch.arange(lat.start(i), lat.start(i) + lat.sizes[i])
+    cols = torch.arange(lon.start(j), lon.start(j) + lon.sizes[j])
+    blocks = torch.arange(lead) * (lat.total * lon.total)
+    ids = blocks[:, None, None] + rows[None, :, None] * lon.total + cols[None, None, :]
+    return ids.flatten()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mpidp.runtime.grid import BlockSpec
+from mpidp.sharded.block_layout import TokenSpec
 from mpidp.sharded.layout import Cut
 from mpidp.sharded.tensor import ShardedTensor
 
@@ -21,10 +22,12 @@ __all__ = ["Cut", "cuts", "part", "placed", "same_cuts"]
 
 
 def cuts(x: ShardedTensor) -> tuple[Cut, ...]:
-    """``x``'s cuts: one for a band, latitude then longitude for a block."""
+    """``x``'s cuts: one for a band or tokens, latitude then longitude for a block."""
     g = x._grid
     if g is None:
         return (Cut(x._dim, x._spec, x.rank, x._blocks),)
+    if isinstance(g, TokenSpec):
+        return (Cut(g.dim, x._spec, x.rank, 1, g),)
     i_lat, i_lon = x._manager.grid_coords
     return Cut(g.dims[0], g.lat, i_lat, 1), Cut(g.dims[1], g.lon, i_lon, 1)
 
@@ -32,7 +35,7 @@ def cuts(x: ShardedTensor) -> tuple[Cut, ...]:
 def part(x: ShardedTensor, cut: Cut, t: torch.Tensor, at: int) -> torch.Tensor:
     """This rank's entries of the plain ``t`` along its dim ``at``, which runs along ``cut``
     of ``x`` (the global length there); along the sharded dim, ``x.rows_of``."""
-    return x.rows_of(t, at) if cut.dim == x._dim else cut.part(t, at)
+    return x.rows_of(t, at) if cut.dim == x._dim and x._grid is None else cut.part(t, at)
 
 
 def placed(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, ...]) -> ShardedTensor:
@@ -40,6 +43,8 @@ def placed(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, ...]) -> Shar
     g = x._grid
     if g is None:
         return x.like(local, dims[0])
+    if isinstance(g, TokenSpec):
+        return ShardedTensor(local, x._spec, dims[0], x._manager, grid=g.at(dims[0]))
     grid = BlockSpec(g.lat, g.lon, (dims[0], dims[1]))
     return ShardedTensor(local, g.lat, dims[0], x._manager, grid=grid)
 

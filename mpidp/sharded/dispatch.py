@@ -30,9 +30,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import copy_to
-from mpidp.runtime.grid import blocks_refused
+from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
-from mpidp.sharded.block_layout import spectral_call
+from mpidp.sharded.block_layout import TokenSpec, spectral_call
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -64,6 +64,9 @@ _BLOCKS_OK: set[Handler] = set()
 #: (``register(..., grid=True)``); any other call with a block is refused
 _GRID: dict[Any, Handler] = {}
 _GRID_OK: set[Handler] = set()
+#: on tokens of blocks (``ShardedTensor.grid`` a TokenSpec): their handlers alone
+#: (:mod:`mpidp.sharded.tokens`); any other call with tokens is refused
+_TOKENS: dict[Any, Handler] = {}
 #: functions with a fast path beside their handler (:func:`fast_path`): tried first on calls
 #: without keyword arguments; it answers :data:`NOT_LOCAL` when the call is not its kind
 _FAST: dict[Any, Callable[[Any, tuple[Any, ...]], Any]] = {}
@@ -126,13 +129,14 @@ def register(*funcs: Any, blocks: bool = False, grid: bool = False) -> Callable[
     return deco
 
 
-def register_grid(*funcs: Any) -> Callable[[Handler], Handler]:
+def register_grid(*funcs: Any, tokens: bool = False) -> Callable[[Handler], Handler]:
     """Decorator: the handler of ``funcs`` when a call has a latitude x longitude block among
-    its arguments (the band handler, if any, keeps the calls without one)."""
+    its arguments (the band handler, if any, keeps the calls without one); ``tokens=True``:
+    when it has tokens of blocks."""
 
     def deco(handler: Handler) -> Handler:
         for f in funcs:
-            _GRID[key(f)] = handler
+            (_TOKENS if tokens else _GRID)[key(f)] = handler
         return handler
 
     return deco
@@ -411,6 +415,11 @@ def _grid_dispatch(
     handler, a band handler that takes blocks, the gathering fallback, or refused on every
     rank alike (before any message)."""
     k = key(func)
+    if isinstance(block.grid, TokenSpec):
+        handler = _TOKENS.get(k)  # (no gathering fallback: tokens are no block to cut back)
+        if handler is None:
+            raise refuse(func, args, kwargs, TOKENS_MIX, TOKENS_FIX)
+        return handler(func, args, kwargs)
     handler = _GRID.get(k)
     if handler is None:
         band = _HANDLERS.get(k)
@@ -422,6 +431,17 @@ def _grid_dispatch(
     raise blocks_refused(
         block.manager, f"{name_of(func)}({describe(args, kwargs)}) on a block ShardedTensor"
     )
+
+
+TOKENS_MIX = (
+    "its argument holds tokens of blocks (a block's rows x columns flattened into one dim, "
+    "each rank's in block order, not the global one) and this function mixes tokens or "
+    "indexes them by position (attention over every token, a convolution over tokens)"
+)
+TOKENS_FIX = (
+    "reshape the tokens back into (..., H, W) before it; for attention use windows, or bands "
+    "(mpidp.init(domain_parallel_size=P): the tokens are a band), or gather (.full_tensor())"
+)
 
 
 def _has_blocks(args: Any, kwargs: Any) -> bool:
@@ -451,7 +471,7 @@ def _gather_fallback(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     d, n, g = ref.shard_dim, ref.spec.total, ref.grid
 
     def back(o: Any) -> Any:
-        if g is not None and isinstance(o, torch.Tensor) and o.dim() == ref.dim():
+        if isinstance(g, BlockSpec) and isinstance(o, torch.Tensor) and o.dim() == ref.dim():
             if (o.size(g.dims[0]), o.size(g.dims[1])) == g.shape:
                 return shard(o, g.dims, ref.manager, g)
         elif isinstance(o, torch.Tensor) and o.dim() == ref.dim() and o.size(d) == n:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from mpidp.runtime.grid import BlockSpec
+from mpidp.ops.collectives import fetch_global_rows
+from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
@@ -25,13 +26,14 @@ from mpidp.sharded.pointwise import to_blocks
 from mpidp.sharded.select import index_parts, kept
 from mpidp.sharded.shapes import _aligned, _groups, plan_cut
 from mpidp.sharded.tensor import ShardedTensor
+from mpidp.sharded.tokens import block_to_tokens
 
 __all__: list[str] = []
 
 
 def _block_of(x: ShardedTensor) -> BlockSpec:
     g = x.grid
-    assert g is not None
+    assert isinstance(g, BlockSpec)
     return g
 
 
@@ -131,6 +133,43 @@ def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return placed(x, local, tuple(d - sum(1 for r in dims if r < d) for d in g.dims))
 
 
+@register_grid(torch.roll, torch.Tensor.roll)
+def _roll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A roll (a shifted window's cyclic shift): along a cut dim the band rule over that
+    axis's group (each rank fetches the rows or columns that roll into its block, one
+    all-to-all per axis); along other dims, on the block."""
+    x = args[0]
+    g, nd = _block_of(x), x.dim()
+    shifts = args[1] if len(args) > 1 else kwargs["shifts"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims")
+    if dims is None:
+        raise refuse(func, args, kwargs, "roll of the flattened tensor", "pass dims")
+    pairs = list(
+        zip(
+            [shifts] if isinstance(shifts, int) else shifts,
+            [int(d) % nd for d in ([dims] if isinstance(dims, int) else dims)],
+            strict=True,
+        )
+    )
+    rest = [(s, d) for s, d in pairs if d not in g.dims]
+    local = x.local.roll(*map(list, zip(*rest, strict=True))) if rest else x.local
+    for axis, d, spec in zip(AXES, g.dims, (g.lat, g.lon), strict=True):
+        n = spec.total
+        shift = sum(s for s, e in pairs if e == d) % n
+        if shift:  # rows [a, b) come from [a - shift, b - shift) mod n
+            wanted = [_rolled(spec.start(q), spec.stop(q), shift, n) for q in range(spec.parts)]
+            t = axis_transport(x.manager, axis, local.device)
+            local = fetch_global_rows(local, spec, d, wanted, t)
+    return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
+
+
+def _rolled(a: int, b: int, shift: int, n: int) -> list[tuple[int, int]]:
+    lo, hi = (a - shift) % n, (b - shift) % n
+    if b <= a:
+        return []
+    return [(lo, hi)] if lo < hi else [(lo, n), (0, hi)] if hi else [(lo, n)]
+
+
 # -- views and joins that leave both cut dims whole ---------------------------------------------
 
 _MOVES = (
@@ -176,8 +215,8 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     merged with the dims after it (a pixel shuffle's (H, r) -> H r) or split (a patch's
     H -> (H / p, p)) stays cut, each rank's rows becoming its entries of the new dim; where a
     boundary falls off the new unit, the rows that change owner move first, along that axis
-    alone. The two cut dims must stay in runs of their own with nothing merged before them
-    (tokens of rows x columns would be no block)."""
+    alone. The two cut dims merged into one dim are tokens (:mod:`mpidp.sharded.tokens`);
+    kept apart, nothing may be merged before them."""
     x = args[0]
     g = _block_of(x)
     raw = args[1:] if len(args) > 1 else (kwargs.get("shape"),)
@@ -189,18 +228,10 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         new[i] = math.prod(old) // max(rest, 1)
     call = (func, args, kwargs)
     runs = [next(r for r in _groups(old, new) if r[0] <= d < r[1]) for d in g.dims]
-    if math.prod(new) != math.prod(old) or runs[0] == runs[1] or 0 in old:
-        raise refuse(
-            *call,
-            "a reshape that merges the two cut dims, or a dim of none (H and W flattened into "
-            "tokens give this rank its rows x columns, tokens in neither band nor block "
-            "order, so attention over every token, nn.MultiheadAttention or "
-            "F.scaled_dot_product_attention, is not computed on blocks)",
-            "keep the latitude and the longitude in dims of their own; for attention use "
-            "windows (a converted SwinBlock or window attention, exact on blocks), bands "
-            "(mpidp.init(domain_parallel_size=P): the tokens are a band and attention is "
-            "exact), or gather (.full_tensor())",
-        )
+    if math.prod(new) != math.prod(old) or 0 in old:
+        raise refuse(*call, "a reshape to another number of entries", "give a valid shape")
+    if runs[0] == runs[1]:  # rows x columns flattened: tokens (mpidp.sharded.tokens)
+        return block_to_tokens(x, new, call)
     plans = [
         plan_cut(old, new, d, spec, 1, "reshape", call)
         for d, spec in zip(g.dims, (g.lat, g.lon), strict=True)

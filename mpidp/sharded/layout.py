@@ -26,6 +26,7 @@ from mpidp.sharded.rows import move_to_dim, to_spec
 
 __all__ = [
     "Cut",
+    "band_of",
     "check_spec",
     "chunk_spec",
     "contiguous_strides",
@@ -40,12 +41,15 @@ __all__ = [
 
 class Cut(NamedTuple):
     """One cut dim of a layout: ``dim`` (non-negative) holds ``blocks`` blocks of ``spec``'s
-    global rows, of which this rank holds part ``own`` of each."""
+    global rows, of which this rank holds part ``own`` of each; or, with ``tokens`` (a
+    :class:`~mpidp.sharded.block_layout.TokenSpec`), domain rank ``own``'s tokens of a block,
+    ``spec`` every rank's count."""
 
     dim: int
     spec: ShardSpec
     own: int
     blocks: int
+    tokens: Any = None
 
     @property
     def total(self) -> int:
@@ -54,12 +58,45 @@ class Cut(NamedTuple):
 
     def part(self, t: torch.Tensor, at: int) -> torch.Tensor:
         """This rank's entries of ``t`` along its dim ``at``, which runs along this cut (the
-        global length there): the rows this rank holds, of every block."""
+        global length there): the rows this rank holds, of every block (its tokens)."""
+        if self.tokens is not None:
+            return self.tokens.part(t, at, self.own)
         start, size = self.spec.start(self.own), self.spec.sizes[self.own]
         if self.blocks == 1:
             return t.narrow(at, start, size)
         blocks = t.unflatten(at, (self.blocks, self.spec.total))
         return blocks.narrow(at + 1, start, size).flatten(at, at + 1)
+
+
+def band_of(
+    x: torch.Tensor, dim: Any, m: DistributedManager, spec: Any, whole: bool
+) -> tuple[torch.Tensor, ShardSpec, int]:
+    """This rank's band of the full tensor ``x`` along ``dim`` (a pair: its latitude, bands
+    being the grid (P, 1)), its partition (``spec`` default: the manager's policy) and the
+    dim: :func:`mpidp.shard`'s band. No communication. A ``whole`` (Replicated) ``x`` gets its
+    whole gradient back; a plain one that requires grad keeps the band attached, else a new
+    leaf."""
+    if isinstance(dim, Sequence):
+        dim = dim[0]
+    d = normal_dim(x, -2 if dim is None else cast(int, dim))
+    n = x.size(d)
+    if spec is None:
+        s = m.partition.spec(n, m.domain_world_size)
+    elif isinstance(spec, BlockSpec):
+        s = spec.lat
+    else:
+        s = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
+    check_spec(s, m, None, "shard")
+    if s.total != n:
+        raise ConfigError(
+            f"rank {m.rank}: shard: spec {list(s.sizes)} covers {s.total} rows, the tensor has "
+            f"{n} along dim {d} (shape {tuple(x.shape)}); pass a spec that adds up to {n}"
+        )
+    if whole:
+        return _call(_Shard, x, m.transport(None, x.device), list(s.sizes), d), s, d
+    band = x.narrow(d, s.start(m.domain_rank), s.sizes[m.domain_rank])
+    band = band if x.requires_grad else band.clone(memory_format=torch.contiguous_format)
+    return band, s, d
 
 
 def manager_of(

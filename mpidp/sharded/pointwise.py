@@ -420,6 +420,10 @@ def to_layout(a: ShardedTensor, ref: ShardedTensor, call: tuple[Any, Any, Any]) 
     if a._grid is not None or ref._grid is not None:
         if a._grid is None or ref._grid is None or a.dim() != ref.dim():
             raise refuse(*call, "ShardedTensors of different blocks meet", "cut alike")
+        if a._grid == ref._grid:
+            return a
+        if not isinstance(a._grid, BlockSpec) or not isinstance(ref._grid, BlockSpec):
+            raise refuse(*call, "tokens of blocks cut otherwise meet", "reshape to (..., H, W)")
         return to_blocks(a, ref._grid, call)
     want = a.dim() - (ref.dim() - ref.shard_dim)
     if want != a.shard_dim and want >= 0 and a.blocks == 1 == ref.blocks:

@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_map
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.ops.collectives import all_gather_v_replicated
-from mpidp.ops.functions import _call, _Shard
 from mpidp.runtime.adopt import mesh_ndim
 from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, get_manager
@@ -115,7 +114,7 @@ class ShardedTensor(torch.Tensor):
     _manager: DistributedManager
     _blocks: int
     _shape: torch.Size
-    _grid: BlockSpec | None = None  # a band, unless __new__ (or a copy of a block) sets it
+    _grid: BlockSpec | bl.TokenSpec | None = None  # a band, unless __new__ (or a copy) sets it
     _spectral: bool = False  # a band of modes of a spectrum of blocks (see :attr:`spectral`)
 
     @staticmethod
@@ -126,12 +125,15 @@ class ShardedTensor(torch.Tensor):
         dim: int,
         manager: DistributedManager,
         blocks: int = 1,
-        grid: BlockSpec | None = None,
+        grid: BlockSpec | bl.TokenSpec | None = None,
         spectral: bool = False,
     ) -> ShardedTensor:
         shape = list(local.shape)
-        if grid is not None:  # a block: spec and dim are its latitude's
-            spec, dim = grid.lat, grid.dims[0]
+        if grid is not None:  # a block: spec and dim are its latitude's; tokens: their counts'
+            if isinstance(grid, bl.TokenSpec):
+                spec, dim = grid.counts, grid.dim
+            else:
+                spec, dim = grid.lat, grid.dims[0]
             shape[grid.dims[1]] = grid.lon.total
             spectral = False
             if not GRID_SEEN:
@@ -208,9 +210,9 @@ class ShardedTensor(torch.Tensor):
         return self._manager
 
     @property
-    def grid(self) -> BlockSpec | None:
-        """A block's cut of both dims (``lat`` is :attr:`spec`, ``dims[0]`` :attr:`shard_dim`);
-        None for a band."""
+    def grid(self) -> BlockSpec | bl.TokenSpec | None:
+        """A block's cut of both dims (``lat`` is :attr:`spec`, ``dims[0]`` :attr:`shard_dim`),
+        or tokens of blocks (:class:`~mpidp.sharded.block_layout.TokenSpec`); None for a band."""
         return self._grid
 
     @property
@@ -587,27 +589,5 @@ def shard(
     if m._blocks:
         block, bs = bl.block_of(x, (-2, -1) if dim is None else dim, m, spec, whole)
         return ShardedTensor(block, bs.lat, bs.dims[0], m, grid=bs)
-    if bl.is_pair(dim):  # bands are the grid (P, 1): the latitude alone is cut
-        dim = cast(Any, dim)[0]
-    d = pl.normal_dim(x, -2 if dim is None else cast(int, dim))
-    n = x.size(d)
-    if spec is None:
-        s = m.partition.spec(n, m.domain_world_size)
-    elif isinstance(spec, BlockSpec):
-        s = spec.lat
-    else:
-        s = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-    pl.check_spec(s, m, None, "shard")
-    if s.total != n:
-        raise ConfigError(
-            f"rank {m.rank}: shard: spec {list(s.sizes)} covers {s.total} rows, the tensor has "
-            f"{n} along dim {d} (shape {tuple(x.shape)}); pass a spec that adds up to {n}"
-        )
-    r = m.domain_rank
-    if whole:
-        t = m.transport(None, x.device)
-        band = _call(_Shard, x, t, list(s.sizes), d)
-    else:
-        band = x.narrow(d, s.start(r), s.sizes[r])
-        band = band if x.requires_grad else band.clone(memory_format=torch.contiguous_format)
+    band, s, d = pl.band_of(x, dim, m, spec, whole)
     return ShardedTensor(band, s, d, m)

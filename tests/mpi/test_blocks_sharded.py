@@ -194,9 +194,9 @@ def test_refusals(gm):
     x = mpidp.shard(rand(SHAPE, 0), dim=(-2, -1), manager=gm)
     calls = [
         lambda: torch.cumsum(x, -1),  # no rule on blocks
-        lambda: torch.roll(x, 1, -1),  # a band rule that does not know blocks
+        lambda: torch.flip(x, (-1,)),  # a band rule that does not know blocks
         lambda: x.sum(-2),  # over one cut dim alone
-        lambda: x.reshape(2, 3, 260),  # merges the cut dims
+        lambda: x.transpose(-2, -1).reshape(2, 3, 260),  # merges the cut dims, columns first
         lambda: mpidp.shard(rand(SHAPE, 0), dim=-2, manager=gm),  # a band of a grid
     ]
     found = [refusal(c) for c in calls]

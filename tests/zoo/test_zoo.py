@@ -41,10 +41,12 @@ ON_BLOCKS = {
     "pnm_UNet3D": "match",
     "pnm_Pix2Pix": "match",
     "pnm_SRResNet": "match",
-    "pnm_AFNO": "reshape",  # the patch embedding flattens the block's rows x columns to tokens
-    "pnm_SwinRNN": "reshape",  # its cube embedding flattens time x rows x columns to tokens
+    "pnm_AFNO": "match",  # its patch embedding's tokens of blocks (mpidp.sharded.tokens)
+    # its deepest level's one window holds every token: attention over tokens of blocks
+    "pnm_SwinRNN": "matmul",
+    # windows cut across by the latitude (fewer window rows than ranks): q, k, v of a block
+    "credit_FuXi": "unbind",
     "credit_UNet": "match",
-    "credit_FuXi": "reshape",  # the same cube embedding
 }
 CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
 if BLOCKS:

@@ -1,0 +1,257 @@
+"""Handlers of calls with tokens of blocks: a ShardedTensor dim that holds this rank's block's
+rows x columns flattened (:class:`~mpidp.sharded.block_layout.TokenSpec`; DESIGN.md, "Blocks").
+
+A patch or cube embedding flattens a block's (..., h, w) into one token dim (``flatten(2)``,
+``reshape(B, C, -1)``), and a window partition folds the window grid into the batch the same
+way. Each rank then holds ``lead`` x h x w tokens, row-major within its block: not a run of the
+global order (a band's tokens are one), so the rules on them are:
+
+* ops that act per token run on the local tokens: the element-wise rule and the batch rule
+  (:mod:`mpidp.sharded.pointwise`, :mod:`mpidp.sharded.batch`: a linear, a layer norm over the
+  channels, a window's attention or product with the token dim in the batch), dim moves and
+  reshapes of the other dims; a plain tensor holding every token (a (1, H W, C) position
+  embedding) is cut to this rank's tokens by index (its gradient reaches those entries);
+* a reduction over the token dim is the domain group's (the band rule: the tokens of all
+  ranks are every token once);
+* a reshape of the token dim into (..., H, W) gives the block again, into (..., L H W) (a
+  batch split off or merged in) tokens with another ``lead``;
+* anything that mixes tokens in their global order or indexes them by position (attention
+  over every token, a convolution over tokens, ``x[:, 5]``) is refused on every rank
+  (:data:`mpidp.sharded.dispatch.TOKENS_MIX`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mpidp.runtime.grid import BlockSpec
+from mpidp.sharded import pointwise as _pointwise
+from mpidp.sharded.block_layout import TokenSpec
+from mpidp.sharded.cuts import placed
+from mpidp.sharded.dispatch import _GRID_OK, _HANDLERS, _TOKENS, key, refuse, register_grid
+from mpidp.sharded.select import index_parts
+from mpidp.sharded.shapes import _MOVES, _groups, _infer, _shape_arg
+from mpidp.sharded.tensor import ShardedTensor
+
+__all__ = ["block_to_tokens"]
+
+
+def _tokens(x: ShardedTensor) -> TokenSpec:
+    g = x.grid
+    assert isinstance(g, TokenSpec)
+    return g
+
+
+def _made(x: ShardedTensor, local: torch.Tensor, g: TokenSpec | BlockSpec) -> ShardedTensor:
+    spec = g.counts if isinstance(g, TokenSpec) else g.lat
+    return ShardedTensor(local, spec, g.dims[0], x.manager, grid=g)
+
+
+# -- reshapes -------------------------------------------------------------------------------------
+
+
+def block_to_tokens(x: ShardedTensor, new: list[int], call: tuple[Any, Any, Any]) -> ShardedTensor:
+    """The reshape of a block ``x`` to ``new`` that merges its two cut dims (latitude then
+    longitude, adjacent) with the dims before them: the block's rows x columns flattened (row-
+    major, as the serial tensor's), then :func:`_reshaped` as tokens."""
+    g = x.grid
+    assert isinstance(g, BlockSpec)
+    d0, d1 = g.dims
+    if d1 != d0 + 1:
+        raise refuse(
+            *call,
+            f"a reshape that merges the cut dims {g.dims} when the longitude does not follow "
+            f"the latitude (the tokens would run down the columns)",
+            "move the longitude dim right after the latitude first (permute)",
+        )
+    old = list(x.shape)
+    virtual = [*old[:d0], old[d0] * old[d1], *old[d1 + 1 :]]
+    tokens = TokenSpec(g.lat, g.lon, 1, d0)
+    return _reshaped(x, x.local.flatten(d0, d1), virtual, new, tokens, call)
+
+
+def _reshaped(
+    x: ShardedTensor,
+    local: torch.Tensor,
+    old: list[int],
+    new: list[int],
+    g: TokenSpec,
+    call: tuple[Any, Any, Any],
+) -> ShardedTensor:
+    """Tokens ``local`` (global shape ``old``, tokens ``g``) reshaped to ``new``. The run of
+    dims that holds the token dim must end with it; its global entries are then ``before``
+    (the dims merged before it, times ``lead``) blocks of H x W, and the new run must end with
+    (H, W) (a block again) or with one dim of L x H x W (tokens, ``lead`` L). Each rank's
+    entries keep their order: the local reshape is the same with h x w in place of H x W."""
+    k, (n_h, n_w) = g.dim, g.shape
+    a, b, c, e = next(r for r in _groups(old, new) if r[0] <= k < r[1])
+    before = math.prod(old[a:k]) * g.lead
+    h, w = (s.sizes[i] for s, i in zip((g.lat, g.lon), x.manager.grid_coords, strict=True))
+    local_new = list(new)
+    if k == b - 1 and e - c >= 2 and new[e - 2 : e] == [n_h, n_w]:
+        if math.prod(new[c : e - 2]) == before:
+            local_new[e - 2 : e] = [h, w]
+            return _made(x, local.reshape(local_new), BlockSpec(g.lat, g.lon, (e - 2, e - 1)))
+    if k == b - 1 and new[e - 1] % (n_h * n_w) == 0:
+        lead = new[e - 1] // (n_h * n_w)
+        local_new[e - 1] = lead * h * w
+        return _made(x, local.reshape(local_new), TokenSpec(g.lat, g.lon, lead, e - 1))
+    raise refuse(
+        *call,
+        f"a reshape of {tuple(old)} to {tuple(new)} that splits the tokens of dim {k} "
+        f"({before} block(s) of {n_h} x {n_w} rows x columns) other than into (..., {n_h}, "
+        f"{n_w}) or (..., L * {n_h * n_w}), or merges dims after them into them: no rank's part "
+        f"of the result is a block or its tokens",
+        f"reshape the token dim into (..., {n_h}, {n_w}) (the block) first",
+    )
+
+
+@register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, tokens=True)
+def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    rest = list(args[1:]) or [kwargs.get("shape", kwargs.get("size"))]
+    if len(rest) == 1 and isinstance(rest[0], torch.dtype):
+        raise refuse(func, args, kwargs, "a view of tokens as another dtype", "use .to(dtype)")
+    new = _infer(list(x.shape), _shape_arg(rest))
+    return _reshaped(x, x.local, list(x.shape), new, _tokens(x), (func, args, kwargs))
+
+
+@register_grid(torch.flatten, torch.Tensor.flatten, tokens=True)
+def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, nd = args[0], max(args[0].dim(), 1)
+    start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % nd
+    end = int(args[2] if len(args) > 2 else kwargs.get("end_dim", -1)) % nd
+    shape = list(x.shape)
+    new = [*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]]
+    return _reshaped(x, x.local, shape, new, _tokens(x), (func, args, kwargs))
+
+
+@register_grid(torch.unflatten, torch.Tensor.unflatten, tokens=True)
+def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.dim()
+    sizes = list(args[2] if len(args) > 2 else kwargs["sizes"])
+    shape = list(x.shape)
+    new = _infer(shape, shape[:dim] + sizes + shape[dim + 1 :])
+    return _reshaped(x, x.local, shape, new, _tokens(x), (func, args, kwargs))
+
+
+#: the size that marks the token dim in :func:`_move`'s probe (a meta tensor: nothing allocated)
+_MARK = 1_000_003
+
+
+@register_grid(*_MOVES, torch.unsqueeze, torch.Tensor.unsqueeze, tokens=True)
+@register_grid(torch.squeeze, torch.Tensor.squeeze, tokens=True)
+def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where the token dim goes: the op applied to a meta tensor of the global shape whose
+    token dim is marked by a size no other dim has."""
+    x = args[0]
+    g = _tokens(x)
+    marker = list(x.shape)
+    marker[g.dim] = _MARK
+    shape = list(func(torch.empty(marker, device="meta"), *args[1:], **kwargs).shape)
+    if shape.count(_MARK) != 1 or x.shape[g.dim] == 1:
+        raise refuse(func, args, kwargs, "it could move the token dim out of sight", "gather")
+    return placed(x, func(x.local, *args[1:], **kwargs), (shape.index(_MARK),))
+
+
+# -- selecting, reducing, products ----------------------------------------------------------------
+
+
+@register_grid(torch.Tensor.__getitem__, tokens=True)
+def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Ints and slices of the other dims (``qkv[0]``); the token dim taken whole."""
+    x = args[0]
+    if not isinstance(x, ShardedTensor):
+        raise refuse(func, args, kwargs, "indexing by tokens", "index with ints and slices")
+    k, parts = _tokens(x).dim, index_parts(x, args[1])
+    dim = out = 0
+    at = None
+    for p in parts:
+        if p is not None and not isinstance(p, int | slice):
+            raise refuse(func, args, kwargs, "tensor, list or boolean indexing", "use slices")
+        if p is not None and dim == k:
+            if p != slice(None):
+                raise refuse(
+                    func, args, kwargs, "an index of tokens by position", "take the dim whole"
+                )
+            at = out
+        out += 0 if isinstance(p, int) else 1
+        dim += 0 if p is None else 1
+    assert at is not None
+    return placed(x, x.local[tuple(parts)], (at,))
+
+
+@register_grid(torch.unbind, torch.Tensor.unbind, tokens=True)
+def _unbind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Along another dim (``q, k, v = qkv.unbind(0)``): on the local tokens."""
+    x = args[0]
+    k, dim = _tokens(x).dim, int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % x.dim()
+    if dim == k:
+        raise refuse(func, args, kwargs, "tokens taken one by one", "reshape to (..., H, W)")
+    return tuple(placed(x, t, (k - (dim < k),)) for t in x.local.unbind(dim))
+
+
+_REDUCE = {
+    f: default
+    for fs, default in (
+        ((torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum), None),
+        ((torch.mean, torch.Tensor.mean, torch.nanmean, torch.Tensor.nanmean), None),
+        ((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin), ()),
+    )
+    for f in fs
+}
+
+
+@register_grid(*_REDUCE, tokens=True)
+def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Over the token dim: the band rule's exact global value over the domain group (every
+    token once, Replicated); over other dims, on the local tokens."""
+    x = args[0]
+    k, nd = _tokens(x).dim, x.dim()
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", _REDUCE[func])
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        dims = set(range(nd))
+    else:
+        dims = {int(d) % nd for d in ([dim] if isinstance(dim, int) else dim)}
+    if k in dims:
+        return _HANDLERS[key(func)](func, args, kwargs)
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    local = func(x.local, *args[1:], **kwargs)
+    return placed(x, local, (k if keepdim else k - sum(1 for r in dims if r < k),))
+
+
+@register_grid(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, tokens=True)
+def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A product batched over the token dim (a window's ``q @ k.transpose(-2, -1)``): on the
+    local tokens when every ShardedTensor operand holds the same tokens at the same place
+    (counted from the end) among the batch dims, and a plain one does not reach that dim."""
+    ref = next(a for a in args if isinstance(a, ShardedTensor) and a.grid is not None)
+    g, tail = _tokens(ref), ref.dim() - _tokens(ref).dim
+    if tail <= 2:
+        raise refuse(func, args, kwargs, "a product over tokens", "reshape to (..., H, W) first")
+    local = []
+    for a in args[:2]:
+        if isinstance(a, ShardedTensor):
+            at = a.grid
+            if not isinstance(at, TokenSpec) or at.at(g.dim) != g or a.dim() - at.dim != tail:
+                raise refuse(
+                    func, args, kwargs, "a product over tokens", "reshape to (..., H, W) first"
+                )
+            local.append(a.local)
+        elif isinstance(a, torch.Tensor) and a.dim() >= tail:
+            raise refuse(func, args, kwargs, "a plain operand along the tokens", "shard it")
+        else:
+            local.append(a)
+    out = func(*local, *args[2:], **kwargs)
+    return placed(ref, out, (out.dim() - tail,))
+
+
+# every rule of the element-wise and metadata handlers reads no field: they take tokens as
+# they take blocks (their cuts, :func:`mpidp.sharded.cuts.cuts`, are the tokens' one)
+for _k, _h in list(_HANDLERS.items()):
+    if _h in _GRID_OK and _h.__module__ == _pointwise.__name__:
+        _TOKENS.setdefault(_k, _h)
