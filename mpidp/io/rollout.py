@@ -24,12 +24,12 @@ from mpidp.io._common import (
     ensure_space,
     explain_os_error,
     io_transport,
-    manager_or_default,
     shared_token,
     temporary_name,
 )
 from mpidp.io.write_paths import (
     COORDINATE_ATTRS,
+    WriteGrid,
     as_numpy,
     choose_method,
     consolidated,
@@ -37,7 +37,7 @@ from mpidp.io.write_paths import (
     whose_band,
     writes_zarr,
 )
-from mpidp.runtime.grid import blocks_refused
+from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
 
 __all__ = ["RolloutWriter"]
@@ -56,12 +56,17 @@ class RolloutWriter:
     the forecast carries the source data's). The coordinates carry their CF ``units``,
     ``standard_name`` and ``long_name``.
 
+    Each rank writes its own block of the domain grid (``domain_parallel_size=(P_lat,
+    P_lon)``): its rows x columns of every channel; on bands (``P_lon = 1``, or another
+    ``group``: its ranks in a column) its rows of every longitude. The ranks' blocks are
+    learned at each step from their sizes and checked to tile the grid.
+
     A ``path`` ending in ``.zarr`` (or ``format="zarr"``) is written as a Zarr store (format
     ``zarr_format``), chunked one step by ``chunk_rows`` rows (default: the first step's
-    tallest band) by every longitude; every rank writes its chunks at once (the rows of a
-    chunk that starts in another rank's band go to that rank first: no two ranks ever write
-    one chunk), and
-    ``xarray.open_zarr`` opens it. Use as a context manager::
+    tallest block) by the first step's widest block's columns (bands: every longitude); every
+    rank writes its chunks at once (the entries of a chunk that starts in another rank's block
+    go to that rank first: no two ranks ever write one chunk), and ``xarray.open_zarr`` opens
+    it. Use as a context manager::
 
         with RolloutWriter("forecast.nc", ["t2m", "z500"], lat, lon,
                            variable_attrs=dataset.attributes) as out:
@@ -70,7 +75,7 @@ class RolloutWriter:
                 out.write(x[0], time=6 * (step + 1))
 
     The partition may change between steps (``manager.set_partition``, rebalancing): each
-    step is written with the bands it is given (the file's chunks stay as they were made);
+    step is written with the blocks it is given (the file's chunks stay as they were made);
     move the rollout's state to the new cut with :func:`mpidp.repartition`, which sends only
     the rows that change owner.
 
@@ -95,10 +100,8 @@ class RolloutWriter:
         chunk_rows: int | None = None,
         zarr_format: int = 3,
     ) -> None:
-        m = manager_or_default(manager) if group is None else None
-        if m is not None and m._blocks:  # each rank's block would be written as a band
-            raise blocks_refused(m, "RolloutWriter (it writes latitude bands)")
         self.t = io_transport(manager, group)
+        self.grid = WriteGrid(manager, group, self.t)
         self.path = Path(path)
         self.channels = list(channels)
         problems: list[str] = []
@@ -136,12 +139,14 @@ class RolloutWriter:
         self.variable_attrs = {c: dict((variable_attrs or {}).get(c, {})) for c in self.channels}
         self.tmp = temporary_name(self.path, shared_token(self.t))
         self.steps = 0
-        self.sizes: list[int] | None = None
+        self.blocks: BlockSpec | None = None
+        self.chunks: tuple[int, int] | None = None
         self._closed = False
 
     def write(self, x_local: torch.Tensor | np.ndarray, time: float | None = None) -> None:
-        """Append one time step: ``x_local`` is this rank's band, ``(channels, rows, lon)``
-        (a leading batch dimension of 1 is accepted). Collective."""
+        """Append one time step: ``x_local`` is this rank's block, ``(channels, rows,
+        columns)`` (on bands every column; a leading batch dimension of 1 is accepted).
+        Collective."""
         x = as_numpy(x_local)
         if x.ndim == 4 and x.shape[0] == 1:
             x = x[0]
@@ -150,49 +155,27 @@ class RolloutWriter:
             problems.append("the writer is closed")
         if x.ndim != 3 or x.shape[0] != len(self.channels):
             problems.append(
-                f"a step of shape {x.shape}; expected ({len(self.channels)} channels, rows, lon)"
+                f"a step of shape {x.shape}; expected ({len(self.channels)} channels, rows, "
+                f"columns)"
             )
-        facts = {
-            "shape without rows": (x.shape[0], x.shape[-1]) if x.ndim == 3 else x.shape,
-            "time": time,
-            "step": self.steps,
-        }
+        facts = {"channels": x.shape[0] if x.ndim == 3 else x.shape, "time": time}
+        step, me = self.steps, 0 if self.t is None else self.t.rank
+        where = f"RolloutWriter({str(self.path)!r}).write, step {step}"
         table = check_everywhere(
             self.t,
             problems,
             facts,
-            f"RolloutWriter({str(self.path)!r}).write, step {self.steps}",
-            "every rank writes its own band of every channel at each step",
-            [x.shape[1] if x.ndim == 3 else 0],
+            where,
+            "every rank writes its own block (band) of every channel at each step",
+            list(x.shape[1:]) if x.ndim == 3 else [0, 0],
         )
-        sizes = [row[0] for row in table]
-        if self.sizes is not None and sum(sizes) != sum(self.sizes):
-            raise DataError(
-                f"rank {0 if self.t is None else self.t.rank}: step {self.steps} has bands of "
-                f"{sizes} rows ({sum(sizes)} in all), earlier steps {self.sizes} "
-                f"({sum(self.sizes)}); fix: write bands of the same grid at every step"
-            )
-        self.sizes = sizes  # a new cut of the same grid (manager.set_partition) is written as is
-        h, w = sum(sizes), x.shape[-1]
-        step = self.steps
-        me = 0 if self.t is None else self.t.rank
-        grid = tuple(
-            len(self.coords[k]) if k in self.coords else n
-            for k, n in (("latitude", h), ("longitude", w))
-        )
-        if grid != (h, w):
-            raise DataError(
-                f"rank {me}: RolloutWriter({str(self.path)!r}).write, step {step}: the ranks' "
-                f"bands have {sizes} rows ({h} in all) of {w} longitudes, but the coordinates "
-                f"give a {grid[0]} x {grid[1]} grid{whose_band(sizes, grid[0])}; fix: pass "
-                f"each rank its own band of that grid (manager.spec({grid[0]}).sizes gives "
-                f"each rank's rows), or the coordinates of the grid the bands come from"
-            )
-        lo = sum(sizes[:me])
+        bs = self.grid.blocks(table, where, me)
+        self._check_grid(bs, step, me)
+        self.blocks = bs  # a new cut of the same grid (manager.set_partition) is written as is
         if self.zarr:
-            error = self._write_zarr(x, step, time, sizes, w)
+            error = self._write_zarr(x, step, time, bs)
         else:
-            error = self._write_hdf5(x, step, time, sizes, lo, w)
+            error = self._write_hdf5(x, step, time, bs, bs.block(me))
         problem = [] if error is None else [explain_os_error(error, self.path)]
         try:
             check_everywhere(
@@ -207,12 +190,52 @@ class RolloutWriter:
             raise
         self.steps += 1
 
+    def _check_grid(self, bs: BlockSpec, step: int, me: int) -> None:
+        """That the blocks ``bs`` of step ``step`` tile the grid of the coordinates and of the
+        earlier steps (the same :class:`~mpidp.DataError` on every rank: ``bs`` is agreed)."""
+        (h, w), bands = bs.shape, bs.lon.parts == 1
+        lat, lon = list(bs.lat.sizes), list(bs.lon.sizes)
+        kind = "bands" if bands else "blocks"
+        if self.blocks is not None and bs.shape != self.blocks.shape:
+            before = self.blocks.shape
+            raise DataError(
+                f"rank {me}: step {step} has {kind} of {lat} rows ({h} in all) by {lon} "
+                f"columns ({w}), earlier steps a {before[0]} x {before[1]} grid; fix: write "
+                f"{kind} of the same grid at every step"
+            )
+        grid = tuple(
+            len(self.coords[k]) if k in self.coords else n
+            for k, n in (("latitude", h), ("longitude", w))
+        )
+        if grid == (h, w):
+            return
+        if bands:
+            held = f"bands have {lat} rows ({h} in all) of {w} longitudes"
+            which = whose_band(lat, grid[0])
+            fix = f"band of that grid (manager.spec({grid[0]}).sizes gives each rank's rows)"
+        else:
+            held, which = f"blocks have {lat} rows ({h} in all) by {lon} columns ({w})", ""
+            fix = (
+                f"block of that grid (manager.block_spec(({grid[0]}, {grid[1]})) gives each "
+                f"rank's rows and columns)"
+            )
+        raise DataError(
+            f"rank {me}: RolloutWriter({str(self.path)!r}).write, step {step}: the ranks' "
+            f"{held}, but the coordinates give a {grid[0]} x {grid[1]} grid{which}; fix: pass "
+            f"each rank its own {fix}, or the coordinates of the grid the {kind} come from"
+        )
+
     def _write_hdf5(
-        self, x: np.ndarray, step: int, time: float | None, sizes: list[int], lo: int, w: int
+        self,
+        x: np.ndarray,
+        step: int,
+        time: float | None,
+        bs: BlockSpec,
+        block: tuple[slice, slice],
     ) -> BaseException | None:
-        """Step ``step`` into the temporary HDF5 file, the ranks in turn (or collectively).
-        Returns this rank's error."""
-        h = sum(sizes)
+        """Step ``step`` into the temporary HDF5 file at this rank's ``block`` (rows,
+        columns), the ranks in turn (or collectively). Returns this rank's error."""
+        h, w = bs.shape
 
         def create(f: h5py.File) -> None:
             if step == 0:
@@ -223,13 +246,10 @@ class RolloutWriter:
                 for k in self.coords:
                     f[k].attrs.update(COORDINATE_ATTRS[k])
                 f["time"].attrs.update(self._time_attrs())
+                chunk = (1, max(1, *bs.lat.sizes), max(1, *bs.lon.sizes))  # about a block each
                 for c in self.channels:
                     ds = f.create_dataset(
-                        c,
-                        shape=(0, h, w),
-                        maxshape=(None, h, w),
-                        chunks=(1, max(1, max(sizes)), w),  # about one band per chunk
-                        dtype=self.dtype,
+                        c, shape=(0, h, w), maxshape=(None, h, w), chunks=chunk, dtype=self.dtype
                     )
                     attach_dims(ds, scales)
                     ds.attrs.update({**self.attrs, **self.variable_attrs[c]})
@@ -245,23 +265,25 @@ class RolloutWriter:
                 for i, ds in enumerate(targets):
                     if self.method == "mpio":
                         with ds.collective:
-                            ds[step, lo : lo + x.shape[1]] = x[i]
-                    elif x.shape[1]:
-                        ds[step, lo : lo + x.shape[1]] = x[i]
+                            ds[(step, *block)] = x[i]
+                    elif x[i].size:
+                        ds[(step, *block)] = x[i]
 
             return run
 
         return in_turns(self.t, self.method, self.tmp, create, prepare, x.nbytes)
 
     def _write_zarr(
-        self, x: np.ndarray, step: int, time: float | None, sizes: list[int], w: int
+        self, x: np.ndarray, step: int, time: float | None, bs: BlockSpec
     ) -> BaseException | None:
         """Step ``step`` into the temporary Zarr store: rank 0 creates or grows the arrays,
-        then every rank writes its chunks. Returns this rank's error. Collective."""
-        h = sum(sizes)
-        if self.chunk_rows is None:  # the store's chunks, kept when the cut changes
-            self.chunk_rows = max(1, *sizes)
-        rows = self.chunk_rows
+        then every rank writes its chunks (the entries of a chunk that starts in another
+        rank's block moved to that rank first: rows within the grid column, then columns
+        within the grid row). Returns this rank's error. Collective."""
+        h, w = bs.shape
+        if self.chunks is None:  # the store's chunks, kept when the cut changes
+            self.chunks = (self.chunk_rows or max(1, *bs.lat.sizes), max(1, *bs.lon.sizes))
+        rows, cols = self.chunks
         dims = ("time", "latitude", "longitude")
 
         def create() -> None:
@@ -277,18 +299,20 @@ class RolloutWriter:
                 zw.create_array(root, "time", (0,), np.float64, ("time",), (512,), when)
                 for c in self.channels:
                     attrs = {**self.attrs, **self.variable_attrs[c]}
-                    zw.create_array(root, c, (0, h, w), self.dtype, dims, (1, rows, w), attrs)
+                    zw.create_array(root, c, (0, h, w), self.dtype, dims, (1, rows, cols), attrs)
             root["time"].resize((step + 1,))
             root["time"][step] = step if time is None else time
             for c in self.channels:
                 root[c].resize((step + 1, h, w))
 
-        moved, lo = zw.to_owners(x.astype(self.dtype, copy=False), 1, sizes, rows, self.t)
+        x = x.astype(self.dtype, copy=False)
+        moved, lo = zw.to_owners(x, 1, bs.lat.sizes, rows, self.grid.lat)
+        moved, c0 = zw.to_owners(moved, 2, bs.lon.sizes, cols, self.grid.lon)
 
         def write() -> None:
             ensure_space(self.tmp, moved.nbytes)
             for i, c in enumerate(self.channels):
-                zw.write_rows(zw.open_rows(self.tmp, c), moved[i], 0, lo, (step,))
+                zw.write_rows(zw.open_rows(self.tmp, c), moved[i], 0, lo, (step,), (1, c0))
 
         return zw.in_parallel(self.t, create, write)
 

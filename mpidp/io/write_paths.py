@@ -1,7 +1,8 @@
 """The write paths that :func:`~mpidp.io.writer.write_sharded` and
-:class:`~mpidp.io.rollout.RolloutWriter` share: the checks of the method and format asked
-for, ranks taking turns on one HDF5 file (or writing it at once through MPI-IO), a Zarr
-store's metadata consolidated, and the CF attributes of the coordinates written.
+:class:`~mpidp.io.rollout.RolloutWriter` share: the grid of blocks the ranks write (bands are
+the grid ``(P, 1)``), the checks of the method and format asked for, ranks taking turns on one
+HDF5 file (or writing it at once through MPI-IO), a Zarr store's metadata consolidated, and
+the CF attributes of the coordinates written.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ import numpy as np
 import torch
 
 from mpidp.comm import Transport
+from mpidp.errors import DataError
 from mpidp.io import zarr_writer as zw
 from mpidp.io._common import (
     ensure_space,
 )
-from mpidp.runtime.partition import balanced_sizes
+from mpidp.io.source import LON_NAMES
+from mpidp.runtime.grid import BlockSpec, axis_transport
+from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.partition import ShardSpec, balanced_sizes
 
 __all__ = [
     "COORDINATE_ATTRS",
     "METHODS",
+    "WriteGrid",
     "as_numpy",
     "choose_method",
     "consolidated",
@@ -46,6 +52,76 @@ COORDINATE_ATTRS = {
         "long_name": "longitude",
     },
 }
+
+
+class WriteGrid:
+    """The grid the ranks of a write form and the transports along its axes: the domain grid
+    for the domain group (bands: ``(P, 1)``), ``(size, 1)`` for another group."""
+
+    def __init__(self, manager: DistributedManager | None, group: Any, t: Transport | None):
+        self.shape: tuple[int, int] = (1, 1)
+        self.lat, self.lon = t, None
+        if t is None:
+            return
+        m = None if isinstance(group, Transport) else manager or get_manager()
+        if m is not None and (group is None or group == "domain" or group is m.domain_group):
+            self.shape = m.grid
+            self.lat, self.lon = axis_transport(m, "lat", "cpu"), axis_transport(m, "lon", "cpu")
+        else:
+            self.shape = (t.size, 1)
+
+    def dims(
+        self, x: np.ndarray, dim: Any, names: Sequence[str], problems: list[str]
+    ) -> tuple[int, int | None]:
+        """``(latitude, longitude)`` dims of ``x``: ``dim`` as a pair; or the int ``dim`` and,
+        when the grid cuts the longitude, the dim ``names`` calls a longitude (None on bands:
+        every column). What is wrong goes to ``problems``."""
+        n = x.ndim
+        pair = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        if not n or len(pair) > 2 or not all(isinstance(d, int) and -n <= d < n for d in pair):
+            problems.append(
+                f"dim {dim} is not a dimension (or a (lat, lon) pair) of a tensor of shape "
+                f"{x.shape}"
+            )
+            return 0, None
+        lat = pair[0] % n
+        lon = pair[1] % n if len(pair) == 2 else None
+        if lon is None and self.shape[1] > 1:
+            named = [i for i, k in enumerate(names) if k in LON_NAMES]
+            if not named:
+                problems.append(
+                    f"the domain grid {self.shape} cuts the longitude but no dim of "
+                    f"{list(names)} is a longitude ({', '.join(LON_NAMES)}): a variable without "
+                    f"the longitude dim cannot be written from blocks; pass dim=(lat_dim, "
+                    f"lon_dim), or gather it along the longitude first"
+                )
+                return lat, None
+            lon = named[0]
+        if lon == lat:
+            problems.append(f"dim {dim}: the latitude and longitude dims are both {lat}")
+            return lat, None
+        return lat, lon
+
+    def blocks(self, table: list[list[int]], where: str, rank: int) -> BlockSpec:
+        """The blocks the ranks hold (``table``: each rank's rows and columns), checked to
+        tile the grid: the ranks of a grid row hold the same rows, of a column the same
+        columns."""
+        p_lat, p_lon = self.shape
+        lat = [table[i * p_lon][0] for i in range(p_lat)]
+        lon = [table[j][1] for j in range(p_lon)]
+        off = [
+            f"rank {r} holds {row[0]} x {row[1]} where its grid row and column give "
+            f"{lat[r // p_lon]} x {lon[r % p_lon]}"
+            for r, row in enumerate(table)
+            if row != [lat[r // p_lon], lon[r % p_lon]]
+        ]
+        if off:
+            raise DataError(
+                f"rank {rank}: {where}: the ranks' blocks do not tile the {p_lat} x {p_lon} "
+                f"grid ({'; '.join(off)}); pass each rank its own block "
+                f"(mpidp.shard_tensor(x, dim=(-2, -1)))"
+            )
+        return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon))
 
 
 def parallel_hdf5_available() -> bool:

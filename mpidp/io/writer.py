@@ -56,10 +56,10 @@ from mpidp.io._common import (
     temporary_name,
 )
 from mpidp.io.rollout import RolloutWriter
-from mpidp.io.source import LON_NAMES
 from mpidp.io.write_paths import (
     COORDINATE_ATTRS,
     METHODS,
+    WriteGrid,
     as_numpy,
     choose_method,
     consolidated,
@@ -67,8 +67,8 @@ from mpidp.io.write_paths import (
     parallel_hdf5_available,
     writes_zarr,
 )
-from mpidp.runtime.grid import BlockSpec, axis_transport
-from mpidp.runtime.manager import DistributedManager, get_manager
+from mpidp.runtime.grid import BlockSpec
+from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
@@ -85,76 +85,6 @@ def _rows_slab(ndim: int, cuts: Sequence[tuple[int | None, int, int]]) -> tuple[
         if d is not None:
             out[d] = slice(lo, hi)
     return tuple(out)
-
-
-class _Grid:
-    """The grid the ranks of a write form and the transports along its axes: the domain grid
-    for the domain group (bands: ``(P, 1)``), ``(size, 1)`` for another group."""
-
-    def __init__(self, manager: DistributedManager | None, group: Any, t: Transport | None):
-        self.shape: tuple[int, int] = (1, 1)
-        self.lat, self.lon = t, None
-        if t is None:
-            return
-        m = None if isinstance(group, Transport) else manager or get_manager()
-        if m is not None and (group is None or group == "domain" or group is m.domain_group):
-            self.shape = m.grid
-            self.lat, self.lon = axis_transport(m, "lat", "cpu"), axis_transport(m, "lon", "cpu")
-        else:
-            self.shape = (t.size, 1)
-
-    def dims(
-        self, x: np.ndarray, dim: Any, names: Sequence[str], problems: list[str]
-    ) -> tuple[int, int | None]:
-        """``(latitude, longitude)`` dims of ``x``: ``dim`` as a pair; or the int ``dim`` and,
-        when the grid cuts the longitude, the dim ``names`` calls a longitude (None on bands:
-        every column). What is wrong goes to ``problems``."""
-        n = x.ndim
-        pair = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
-        if not n or len(pair) > 2 or not all(isinstance(d, int) and -n <= d < n for d in pair):
-            problems.append(
-                f"dim {dim} is not a dimension (or a (lat, lon) pair) of a tensor of shape "
-                f"{x.shape}"
-            )
-            return 0, None
-        lat = pair[0] % n
-        lon = pair[1] % n if len(pair) == 2 else None
-        if lon is None and self.shape[1] > 1:
-            named = [i for i, k in enumerate(names) if k in LON_NAMES]
-            if not named:
-                problems.append(
-                    f"the domain grid {self.shape} cuts the longitude but no dim of "
-                    f"{list(names)} is a longitude ({', '.join(LON_NAMES)}): a variable without "
-                    f"the longitude dim cannot be written from blocks; pass dim=(lat_dim, "
-                    f"lon_dim), or gather it along the longitude first"
-                )
-                return lat, None
-            lon = named[0]
-        if lon == lat:
-            problems.append(f"dim {dim}: the latitude and longitude dims are both {lat}")
-            return lat, None
-        return lat, lon
-
-    def blocks(self, table: list[list[int]], where: str, rank: int) -> BlockSpec:
-        """The blocks the ranks hold (``table``: each rank's rows and columns), checked to
-        tile the grid: the ranks of a grid row hold the same rows, of a column the same
-        columns."""
-        p_lat, p_lon = self.shape
-        lat = [table[i * p_lon][0] for i in range(p_lat)]
-        lon = [table[j][1] for j in range(p_lon)]
-        off = [
-            f"rank {r} holds {row[0]} x {row[1]} where its grid row and column give "
-            f"{lat[r // p_lon]} x {lon[r % p_lon]}"
-            for r, row in enumerate(table)
-            if row != [lat[r // p_lon], lon[r % p_lon]]
-        ]
-        if off:
-            raise DataError(
-                f"rank {rank}: {where}: the ranks' blocks do not tile the {p_lat} x {p_lon} "
-                f"grid ({'; '.join(off)}); pass each rank its own block "
-                f"(mpidp.shard_tensor(x, dim=(-2, -1)))"
-            )
-        return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon))
 
 
 def _check_spec(
@@ -229,7 +159,7 @@ def write_sharded(
     success). Bad arguments on any rank raise the same :class:`~mpidp.DataError` everywhere.
     """
     t = io_transport(manager, group)
-    grid = _Grid(manager, group, t)
+    grid = WriteGrid(manager, group, t)
     path = Path(path)
     x = as_numpy(x_local)
     problems: list[str] = []
@@ -387,7 +317,7 @@ class _ZarrField:
         zw.create_array(root, self.name, self.shape, self.x.dtype, self.names, chunks, self.attrs)
 
     def write(
-        self, t: Transport | None, grid: _Grid, bs: BlockSpec, mode: str, zarr_format: int
+        self, t: Transport | None, grid: WriteGrid, bs: BlockSpec, mode: str, zarr_format: int
     ) -> BaseException | None:
         """Create (rank 0), move the boundary entries to their chunk's owner (rows within the
         grid column, then columns within the grid row), write every rank's chunks,

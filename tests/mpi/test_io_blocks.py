@@ -23,7 +23,6 @@ from mpi4py import MPI
 import mpidp
 from mpidp.errors import DataError
 from mpidp.io import (
-    RolloutWriter,
     ShardedH5Dataset,
     ShardedZarrDataset,
     load_checkpoint,
@@ -444,18 +443,3 @@ def test_computed_statistics_on_blocks(gm, sample):
     )
     failures = [] if ok else [f"rank {ME}: computed statistics {ds.mean} {ds.std}"]
     assert not agreed(failures), agreed(failures)
-
-
-def test_rollout_writer_refuses_blocks(gm, shared):
-    """The rollout writer writes latitude bands: on a grid that cuts the longitude it refuses
-    on every rank before it makes a file (it would write each block as a band)."""
-    if gm.grid[1] == 1:
-        pytest.skip("bands: tests/mpi/test_io.py tests the writer")
-    path = shared / f"rollout-{gm.grid[0]}x{gm.grid[1]}.nc"
-    try:
-        RolloutWriter(path, ["a"], manager=gm)
-        got = None
-    except mpidp.ConfigError as err:
-        got = str(err)
-    assert got is not None and "RolloutWriter (it writes latitude bands)" in got, got
-    assert not path.exists()

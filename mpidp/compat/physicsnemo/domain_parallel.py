@@ -14,7 +14,7 @@ mpidp's :class:`~mpidp.ShardedTensor`, which speaks the same DTensor vocabulary 
   (PhysicsNeMo's reduction of weight gradients over the mesh, and ``full_tensor()``'s plain
   result);
 * the cut of ``scatter_tensor`` and ``from_dtensor`` is torch.chunk's (``ceil(n / P)`` rows,
-  the last ranks short), as PhysicsNeMo's;
+  the last ranks short; on a 2-D mesh, of each dim), as PhysicsNeMo's;
 * ``from_local`` without placements means ``Replicate()``; handlers are registered in
   ShardTensor's three ways. ``isinstance(x, ShardTensor)`` holds for every ShardedTensor
   (``isinstance(x, DTensor)`` does not: docs/migration.md).
@@ -104,14 +104,27 @@ class ShardTensor(ShardedTensor, metaclass=_ShardTensorMeta):
         )
 
     @classmethod
-    def from_dtensor(cls, dtensor: Any) -> ShardedTensor:  # type: ignore[override]
+    def from_dtensor(cls, dtensor: Any) -> Any:  # type: ignore[override]
         """A DTensor ``Shard(d)`` as a ShardedTensor with the same local parts (torch.chunk's
-        cut; no rows move)."""
+        cut; no rows move). On a 2-D mesh, the placements :meth:`from_local` takes there (e.g.
+        ``(Shard(2), Shard(3))``), the cut of each dim learned from the parts (one small
+        all-gather along each mesh dim: a DTensor's ``from_local`` parts need not be
+        torch.chunk's) and checked against the DTensor's shape. Differentiable."""
         from torch.distributed.tensor import Shard
 
+        m = _mesh(dtensor.device_mesh)
+        if mesh_ndim(m) == 2:
+            out = _mesh2d.from_local(dtensor.to_local(), m, dtensor.placements, "infer", None)
+            if tuple(out.shape) != tuple(dtensor.shape):
+                raise ConfigError(
+                    f"rank {m.rank}: from_dtensor: the DTensor's parts make a tensor of shape "
+                    f"{tuple(out.shape)} but the DTensor says {tuple(dtensor.shape)}; pass a "
+                    f"DTensor whose parts are its own (distribute_tensor, or from_local with "
+                    f"its shape and stride)"
+                )
+            return out
         place = dtensor.placements[0]
         n = dtensor.shape[place.dim % dtensor.dim()] if isinstance(place, Shard) else 0
-        m = _mesh(dtensor.device_mesh)
         return ShardedTensor.from_dtensor(
             dtensor, manager=m, spec=chunk_spec(n, m.domain_world_size) if n else None
         )
