@@ -16,6 +16,7 @@ dim and cuts its own output rows out of the result (rows nothing reaches hold th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from mpidp.layers.registry import register_layer
 from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.ops.halo import halo_exchange
-from mpidp.ops.halo_overlap import start_overlapped
+from mpidp.ops.halo_overlap import Overlapped, start_overlapped_axes
 from mpidp.runtime.partition import ShardSpec, known_for
 
 __all__ = [
@@ -146,7 +147,7 @@ class _Conv(DomainParallel):
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
         boundary = _BOUNDARY[conv.padding_mode]
         axes = self._axes(x)  # the sharded dim, and on blocks the longitude too
-        overlap = len(axes) == 1 and self._manager().overlap
+        overlap = self._manager().overlap
         ext, guess = None, None
         if (
             len(axes) == 1
@@ -172,23 +173,25 @@ class _Conv(DomainParallel):
             out_spec, halo = self._geometry(spec, k, pads[k], axis.transport)
             cuts.append((axis, spec, halo))
             kernel, dil = conv.kernel_size[k], conv.dilation[k]
-            outs.append((axis, out_spec.sizes[axis.transport.rank], dil * (kernel - 1) + 1))
+            outs.append((axis, out_spec, dil * (kernel - 1) + 1))
             pads[k] = (0, 0)
-            if overlap and _overlappable(spec, out_spec):
-                return self._overlapped(x, cuts[0], out_spec, k, pads, boundary)
+        if overlap and all(_overlappable(c[1], o[1]) for c, o in zip(cuts, outs, strict=True)):
+            return self._overlapped(x, cuts, [o for _, o, _ in outs], pads, boundary)
         if ext is None or guess != (set(cuts[0][2].before), set(cuts[0][2].after)):
             ext = fetch_halo(self, x, cuts, boundary)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         y = self._run(ext, pads)
-        for axis, rows, _ in outs:
-            y = y.narrow(axis.dim, 0, rows)
+        for axis, out_spec, _ in outs:
+            y = y.narrow(axis.dim, 0, out_spec.sizes[axis.transport.rank])
         return y
 
-    def _run(self, x: torch.Tensor, pads: list[tuple[int, int]], k: int = 0, zeros: int = 0):
+    def _run(
+        self, x: torch.Tensor, pads: list[tuple[int, int]], zeros: dict[int, int] | None = None
+    ) -> torch.Tensor:
         """The torch convolution of ``x`` padded by ``pads`` (per spatial dim, as torch pads),
-        and along spatial dim ``k`` by ``zeros`` zero rows at each end (the convolution's own
-        padding: no copy of ``x``)."""
+        and along each spatial dim ``k`` of ``zeros`` by ``zeros[k]`` zero rows at each end
+        (the convolution's own padding: no copy of ``x``)."""
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
         if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
             padding = [lo for lo, _ in pads]
@@ -197,7 +200,8 @@ class _Conv(DomainParallel):
             if any(flat):
                 x = F.pad(x, flat, mode=_FPAD[conv.padding_mode])
             padding = [0] * self._n
-        padding[k] += zeros
+        for k, rows in (zeros or {}).items():
+            padding[k] += rows
         return _CONV[self._n](
             x, conv.weight, conv.bias, conv.stride, tuple(padding), conv.dilation, conv.groups
         )
@@ -205,54 +209,120 @@ class _Conv(DomainParallel):
     def _overlapped(
         self,
         x: torch.Tensor,
-        cut: tuple[Axis, ShardSpec, HaloSpec],
-        out_spec: ShardSpec,
-        k: int,
+        cuts: list[tuple[Axis, ShardSpec, HaloSpec]],
+        out_specs: list[ShardSpec],
         pads: list[tuple[int, int]],
         boundary: str,
     ) -> torch.Tensor:
-        """The forward with the halo in flight while the interior rows are computed: output
-        rows whose window lies inside the band come from one convolution of the band itself
-        (zero rows beyond it: the rows those reach are recomputed), then the edge rows from
-        the windows of the extended band that :mod:`mpidp.ops.halo_overlap` returns once the
-        halo has arrived, written over the first and last rows."""
-        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
-        axis, spec, halo = cut
-        d, s, me = axis.dim, conv.stride[k], axis.transport.rank
-        span = conv.dilation[k] * (conv.kernel_size[k] - 1) + 1
-        n, m = x.size(d), out_spec.sizes[me]
-        b, a = halo.before[me], halo.after[me]  # negative: rows the outputs do not read
-        band, record = start_overlapped(
-            x,
-            tuple(max(w, 0) for w in halo.before),  # a trimming width fetches no row
-            tuple(max(w, 0) for w in halo.after),
-            d,
-            spec,
-            boundary,
-            axis.transport,
+        """The forward with the halo in flight while the interior is computed.
+
+        Outputs whose window lies inside the band (rows and, on blocks, columns) come from
+        one convolution of the band itself (zero rows beyond it: the outputs those reach are
+        recomputed). Once the halo has arrived (:mod:`mpidp.ops.halo_overlap`), the first and
+        last output rows come from windows of the extended band (on blocks extended along the
+        longitude too, corners included), and on blocks the first and last columns of the
+        interior rows from windows of the band extended along the longitude; each is written
+        over the interior's result."""
+        cut = [_Cut.of(self, x, c, o) for c, o in zip(cuts, out_specs, strict=True)]
+        band, records = start_overlapped_axes(
+            x, [(c.fetch[0], c.fetch[1], c.d, c.spec, boundary, c.t) for c in cut]
         )
-        # output row i reads the band's rows [i s - b, i s - b + span); the fetched rows start
-        # record.before rows above the band, so they are rows [o + i s, o + i s + span) there
-        o = record.before - b
-        first = min(m, max(0, -(-b // s)))  # the first output row that reads no low halo row
-        stop = max(first, min(m, (b + n - span) // s + 1))  # ... and after the last
+        lat, lon = cut[0], cut[1] if len(cut) > 1 else None
         y = None
-        if stop > first:  # the interior: the band with zero rows padded, the same row offsets
-            lift = -(-max(0, a - b, -b) // s)  # output rows more above: m rows from the band
-            y = self._run(band, pads, k, b + lift * s).narrow(d, lift, m)
-        spans = []
-        if first > 0:
-            spans.append((o, o + (first - 1) * s + span))
-        if stop < m:
-            spans.append((o + stop * s, o + (m - 1) * s + span))
-        edges = [self._run(w, pads) for w in record.windows(band, spans)]
-        if y is None:
-            return edges[0] if len(edges) == 1 else torch.cat(edges, d)
-        if first > 0:
-            y.narrow(d, 0, first).copy_(edges.pop(0))
-        if stop < m:
-            y.narrow(d, stop, m - stop).copy_(edges[0])
+        if all(c.stop > c.first for c in cut):  # the interior: the same row offsets
+            y = self._run(band, pads, {c.k: c.b + c.lift * c.s for c in cut})
+            for c in cut:
+                y = y.narrow(c.d, c.lift, c.m)
+        rows = records[0].windows(band, lat.spans(records[0]))
+        if lon is not None and rows:  # their columns beyond the block: the corners
+            w = torch.cat(rows, lat.d) if len(rows) > 1 else rows[0]
+            w = records[1].across(w, lon.window(records[1], 0, lon.m))
+            rows = list(w.split([r.size(lat.d) for r in rows], lat.d))
+        edges = [self._run(r, pads) for r in rows]  # the first and last output rows
+        sides: list[torch.Tensor] = []  # the first and last columns of the interior rows
+        if lon is not None:
+            mid = lat.stop > lat.first
+            cols = records[1].windows(band, lon.spans(records[1]) if mid else [])
+            lo = lat.first * lat.s - lat.b  # the band rows the interior rows read
+            n = (lat.stop - lat.first - 1) * lat.s + lat.span
+            sides = [self._run(c.narrow(lat.d, lo, n), pads) for c in cols]
+        if y is None:  # no interior along some dim: the edges laid end to end
+            if sides:
+                edges.insert(1 if lat.first > 0 else 0, torch.cat(sides, lon.d))  # type: ignore[union-attr]
+            return edges[0] if len(edges) == 1 else torch.cat(edges, lat.d)
+        if lon is not None:
+            inner = y.narrow(lat.d, lat.first, lat.stop - lat.first)
+            lon.write(inner, sides)
+        lat.write(y, edges)
         return y
+
+
+@dataclasses.dataclass
+class _Cut:
+    """The overlapped convolution's geometry along one cut dim ``d`` (spatial dim ``k``):
+    output rows ``[first, stop)`` read no halo row; the edge rows before and after them read
+    the extended band. ``b``, ``a``: this rank's halo widths (negative: rows the outputs do
+    not read); ``fetch``: every rank's widths fetched."""
+
+    d: int
+    k: int
+    s: int
+    span: int
+    n: int
+    m: int
+    b: int
+    a: int
+    spec: ShardSpec
+    t: Transport
+    fetch: tuple[tuple[int, ...], tuple[int, ...]]
+
+    @classmethod
+    def of(
+        cls, conv: Any, x: torch.Tensor, cut: tuple[Axis, ShardSpec, HaloSpec], out: ShardSpec
+    ) -> _Cut:
+        axis, spec, halo = cut
+        d, me = axis.dim, axis.transport.rank
+        k = d - (x.dim() - conv._n)
+        span = conv.dilation[k] * (conv.kernel_size[k] - 1) + 1
+        # a trimming width fetches no row
+        fetch = (tuple(max(w, 0) for w in halo.before), tuple(max(w, 0) for w in halo.after))
+        b, a = halo.before[me], halo.after[me]
+        m = out.sizes[me]
+        return cls(d, k, conv.stride[k], span, x.size(d), m, b, a, spec, axis.transport, fetch)
+
+    @property
+    def first(self) -> int:
+        """The first output row that reads no low halo row."""
+        return min(self.m, max(0, -(-self.b // self.s)))
+
+    @property
+    def stop(self) -> int:
+        """The output row after the last that reads no high halo row (>= first)."""
+        return max(self.first, min(self.m, (self.b + self.n - self.span) // self.s + 1))
+
+    @property
+    def lift(self) -> int:
+        """Output rows more above the interior's convolution of the band (zero rows padded:
+        ``b + lift * s`` each end) gives, so that ``m`` rows follow them."""
+        return -(-max(0, self.a - self.b, -self.b) // self.s)
+
+    def window(self, record: Overlapped, lo: int, hi: int) -> tuple[int, int]:
+        """The rows of the extended band (row 0: the first fetched) output rows ``[lo, hi)``
+        read: output row i reads the band's rows ``[i s - b, i s - b + span)``."""
+        o = record.before - self.b
+        return o + lo * self.s, o + (hi - 1) * self.s + self.span
+
+    def spans(self, record: Overlapped) -> list[tuple[int, int]]:
+        """The windows of the edge output rows: before ``first``, from ``stop``."""
+        out = [self.window(record, 0, self.first)] if self.first > 0 else []
+        return out + ([self.window(record, self.stop, self.m)] if self.stop < self.m else [])
+
+    def write(self, y: torch.Tensor, edges: list[torch.Tensor]) -> None:
+        """The edge rows' results over the interior's (``edges`` in the order of :meth:`spans`)."""
+        if self.first > 0:
+            y.narrow(self.d, 0, self.first).copy_(edges[0])
+        if self.stop < self.m:
+            y.narrow(self.d, self.stop, self.m - self.stop).copy_(edges[-1])
 
 
 def _overlappable(spec: ShardSpec, out_spec: ShardSpec) -> bool:

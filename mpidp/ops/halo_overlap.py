@@ -17,6 +17,13 @@ band (the interior's backward included), adds those and the peers' rows to the b
 halves of :class:`~mpidp.ops.halo_band.PendingHalo` do. Every message and its tag are those of
 :func:`mpidp.halo_strips`, so the result is the blocking exchange's, sum for sum.
 
+On latitude x longitude blocks (:func:`start_overlapped_axes`) one node posts the fetch along
+each cut dim; the windows along the latitude then take their columns beyond the block in a
+second phase, after the rows arrived (:meth:`Overlapped.across`: the longitude's exchange of
+the windows, as the blocking block halo's second phase, :mod:`mpidp.ops.block_halo`, fetches
+the corners); the windows along the longitude are the band's own rows. The polar fold is not
+served (the blocking exchange is: no converted convolution pads with it).
+
 The backward is once differentiable (double backward raises; the blocking exchange's is not
 limited). Seconds spent waiting for messages are added to
 :data:`mpidp.comm.timing.HALO_WAIT` (the forward's and the backward's waits: the communication
@@ -49,7 +56,7 @@ from mpidp.ops.halo_band import (
 )
 from mpidp.runtime.partition import ShardSpec
 
-__all__ = ["Overlapped", "start_overlapped"]
+__all__ = ["Overlapped", "start_overlapped", "start_overlapped_axes"]
 
 
 def _timed_wait(wait: Any, *args: Any) -> Any:
@@ -87,6 +94,16 @@ class Overlapped:
             return []
         return list(_call(_Arrived, band, self, tuple(spans)))
 
+    def across(self, x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+        """Columns ``[lo, hi)`` (this record's dim; column 0: the first halo column) of ``x``
+        extended by this record's exchange, made now: ``x`` holds this rank's columns and any
+        rows (the windows of another dim's record: their corners come from here). The op was
+        agreed when this record was started; every rank of its group passes a tensor of the
+        same shape. Differentiable (the backward waits for the peers' gradients)."""
+        record = Overlapped(self.op, x.size(self.op.dim), self.before, self.after)
+        band = _call(_Posted, x, (record,))
+        return record.windows(band, [span])[0]
+
 
 def start_overlapped(
     x: torch.Tensor,
@@ -101,36 +118,54 @@ def start_overlapped(
     widths >= 0) and return ``(band, record)``: compute from ``band`` (``x`` itself, through
     the node that completes the backward's exchange), then :meth:`Overlapped.windows`.
     Collective over the group; every rank must call ``windows`` once."""
-    op = _resolve(x, before, after, dim, spec, None, boundary, group, -1, True)
-    low, high = op.layout.rows  # this rank's widths: the strips' rows
-    record = Overlapped(op, x.size(op.dim), low, high)
-    return _call(_Posted, x, record), record
+    band, (record,) = start_overlapped_axes(x, [(before, after, dim, spec, boundary, group)])
+    return band, record
+
+
+def start_overlapped_axes(
+    x: torch.Tensor, axes: Sequence[tuple[Widths, Widths, int, Any, Any, Any]]
+) -> tuple[torch.Tensor, list[Overlapped]]:
+    """:func:`start_overlapped` along each cut dim of a block at once: ``axes`` holds the
+    arguments ``(before, after, dim, spec, boundary, group)`` of each (every fetch is agreed,
+    then all are posted). ``band`` carries one node for all of them: its backward, which runs
+    after every use of the band, completes each dim's accumulate. Collective over each group;
+    every rank calls ``windows`` once on each record."""
+    records = []
+    for before, after, dim, spec, boundary, group in axes:
+        op = _resolve(x, before, after, dim, spec, None, boundary, group, -1, True)
+        low, high = op.layout.rows  # this rank's widths: the strips' rows
+        records.append(Overlapped(op, x.size(op.dim), low, high))
+    return _call(_Posted, x, tuple(records)), records
 
 
 class _Posted(torch.autograd.Function):
-    """Posts the fetch; identity on the band. Backward: the band's gradient, plus the rows the
-    windows read from it, plus the peers' halo gradients (waited for here, last)."""
+    """Posts the fetch of each record; identity on the band. Backward: the band's gradient,
+    plus the rows the windows read from it, plus the peers' halo gradients (waited for here,
+    last, dim after dim)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, record: Overlapped) -> torch.Tensor:
-        record.started = _start_fetch(record.op, x)
-        record.number = record.started[3]
-        ctx.record = record
+    def forward(ctx: Any, x: torch.Tensor, records: tuple[Overlapped, ...]) -> torch.Tensor:
+        for record in records:
+            record.started = _start_fetch(record.op, x)
+            record.number = record.started[3]
+        ctx.records = records
         return x.view_as(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        record: Overlapped = ctx.record
-        if record.accumulating is None:  # no window (or none used): the strips' gradients are 0
-            zero = [g.new_zeros(record.op.rows(g.shape, r)) for r in (record.before, record.after)]
-            record.accumulating = start_accumulate(record.op, zero, record.number)
         out = g.clone(memory_format=torch.contiguous_format)
-        d = record.op.dim
-        for row, ge in record.edges:
-            out.narrow(d, row, ge.size(d)).add_(ge)
-        _timed_wait(finish_accumulate, record.op, record.accumulating, out)
-        record.accumulating, record.edges = None, []
+        for record in ctx.records:
+            if record.accumulating is None:  # no window used: the strips' gradients are 0
+                widths = (record.before, record.after)
+                zero = [g.new_zeros(record.op.rows(g.shape, r)) for r in widths]
+                record.accumulating = start_accumulate(record.op, zero, record.number)
+        for record in ctx.records:
+            d = record.op.dim
+            for row, ge in record.edges:
+                out.narrow(d, row, ge.size(d)).add_(ge)
+            _timed_wait(finish_accumulate, record.op, record.accumulating, out)
+            record.accumulating, record.edges = None, []
         return out, None
 
 
