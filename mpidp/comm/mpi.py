@@ -6,9 +6,10 @@ tensors; any dtype, bfloat16 included). Reductions use the matching MPI datatype
 Always on, for every collective: a fingerprint of what each rank passed (the operation, its
 sizes, dtype and row shape) is all-reduced (two int64) before the operation, so ranks that
 disagree (sizes, a dtype of the same width, a frozen parameter) get one clear error on every
-rank, and no data moves, instead of garbage or a bare MPI abort; and every wait has a
-deadline (``timeout``, ``MPIDP_TIMEOUT``), after which the job aborts with a message naming the
-call instead of hanging.
+rank, and no data moves, instead of garbage or a bare MPI abort (``all_gather_v`` on two ranks
+carries it in a header beside its rows instead: :meth:`MPITransport._pair_gather`); and every
+wait has a deadline (``timeout``, ``MPIDP_TIMEOUT``, :mod:`mpidp.comm.deadline`), after which
+the job aborts with a message naming the call instead of hanging.
 Point-to-point receives check the byte count each message brought.
 """
 
@@ -16,10 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,8 +24,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidp.comm import alarm
 from mpidp.comm.base import (
+    EXCHANGE_NUMBERS,
     TAGS_PER_EXCHANGE,
     PendingExchange,
     PreparedExchange,
@@ -38,121 +35,11 @@ from mpidp.comm.base import (
     pair_weight,
 )
 from mpidp.comm.buffers import BufferCache
+from mpidp.comm.deadline import deadline, deadline_seconds
 from mpidp.comm.prepared import WaitingFor, _Prepared
 from mpidp.errors import CommError
 
 __all__ = ["MPITransport", "deadline_seconds"]
-
-#: Seconds a blocking call waits before the job is aborted, unless the manager or env says.
-DEFAULT_DEADLINE = 600.0
-
-
-def deadline_seconds(default: float = DEFAULT_DEADLINE) -> float:
-    """``MPIDP_TIMEOUT`` (seconds) when set, else ``default``."""
-    raw = os.environ.get("MPIDP_TIMEOUT", "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CommError(f"MPIDP_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise CommError(f"MPIDP_TIMEOUT={raw!r} must be positive")
-    return value
-
-
-class _Watchdog:
-    """One daemon thread per process that ends the job when a blocking MPI call outlives its
-    deadline. A blocked MPI call cannot be interrupted, so the thread prints what the call was
-    and aborts the job (``MPI_Abort``), like an uncaught error under ``python -m mpi4py``.
-    A call costs two attribute writes; the thread looks twice a second."""
-
-    def __init__(self) -> None:
-        #: thread -> (began, deadline, what, transport, kind, number, needs): the kind of call
-        #: (``collective``, ``exchange``: ``number`` is its tags' number; ``other``) and the
-        #: ranks of the group it waits for (None: all), for :mod:`mpidp.comm.alarm`
-        self.waits: dict[int, tuple[float, float, object, MPITransport, str, int, Any]] = {}
-        self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="mpidp-deadline", daemon=True)
-                self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.5)
-            now = time.monotonic()
-            waits = list(self.waits.values())
-            for began, limit, what, t, _, _, _ in waits:
-                if now - began > limit:
-                    self._fire(
-                        f"mpidp CommTimeout: {t._where()} (MPI group of {t.size}): {what} did not "
-                        f"complete after {now - began:.1f} s (deadline {limit:g} s): another "
-                        f"rank of the group has not entered the same call (it skipped it, is "
-                        f"stuck, or died). Aborting the job. Raise the limit with MPIDP_TIMEOUT "
-                        f"or the manager's timeout if such a wait is expected"
-                    )
-            listener = alarm.installed()
-            if listener is not None:
-                calls = [(w[0], w[1], _call_of(*w[2:])) for w in waits]
-                verdict = listener.poll(calls)
-                if verdict is not None:
-                    t = next(w[3] for w in waits)
-                    self._fire(
-                        f"mpidp CommDeadlock: {t._where()} (MPI group of {t.size}): {verdict}"
-                    )
-
-    @staticmethod
-    def _fire(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-        time.sleep(1.0)  # let the launcher forward the message before it kills the job
-        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            MPI.COMM_WORLD.Abort(75)
-        os._exit(75)
-
-
-_WATCHDOG = _Watchdog()
-
-
-def start_watchdog() -> None:
-    """Start the deadline's thread now (it also listens for :mod:`.alarm`'s messages)."""
-    _WATCHDOG.start()
-
-
-def _call_of(what: object, t: MPITransport, kind: str, number: int, needs: Any) -> alarm.Call:
-    """A wait as a peer's report carries it (made only for the watchdog, never per call)."""
-    ranks = t.world_ranks if needs is None else tuple(t.world_ranks[r] for r in needs)
-    return alarm.Call(t.world_ranks, kind, number, str(what), ranks)
-
-
-class deadline:
-    """``with deadline(t, what):`` runs a blocking MPI wait under ``t``'s deadline (see
-    :class:`_Watchdog`). A class, not a generator: it is entered on every call."""
-
-    __slots__ = ("key",)
-
-    def __init__(
-        self,
-        t: MPITransport,
-        what: object,
-        kind: str = "other",
-        number: int = 0,
-        needs: Any = None,
-    ) -> None:
-        if _WATCHDOG.thread is None:
-            _WATCHDOG.start()
-        self.key = threading.get_ident()
-        _WATCHDOG.waits[self.key] = (time.monotonic(), t.timeout, what, t, kind, number, needs)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        _WATCHDOG.waits.pop(self.key, None)
-
 
 #: ``all_gather_v`` blocks of at most this many bytes per rank use MPI's blocking call, larger
 #: ones its nonblocking one: MPICH picks other algorithms for each, and these win on each side.
@@ -169,6 +56,12 @@ def _counts(sizes: tuple[int, ...], row: int) -> tuple[list[int], list[int]]:
     return counts, displs
 
 
+#: The tags of a two-rank ``all_gather_v``'s header and rows: above every numbered exchange's
+#: (at most ``TAGS_PER_EXCHANGE * (EXCHANGE_NUMBERS + 1) - 1``), within the 32767 MPI guarantees.
+PAIR_TAGS = (32766, 32767)
+assert TAGS_PER_EXCHANGE * (EXCHANGE_NUMBERS + 1) <= min(PAIR_TAGS)
+
+
 class _Gather(NamedTuple):
     """An ``all_gather_v`` call's facts, checked once, and what MPI needs for it."""
 
@@ -177,6 +70,7 @@ class _Gather(NamedTuple):
     counts: list[int]
     displs: list[int]
     call: Callable[..., MPI.Request | None]
+    fp: int  # the facts' fingerprint: a two-rank call's header carries it
 
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -219,6 +113,9 @@ class MPITransport(Transport):
         self._check = (np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64))
         # all_gather_v calls seen before, by (sizes, shape, dtype): what the call needs
         self._gathers: dict[tuple[Any, ...], _Gather] = {}
+        # a two-rank all_gather_v's headers (sent, received) and its four requests' statuses
+        self._pair = (np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))
+        self._pair_statuses = [MPI.Status() for _ in range(4)]
 
     # -- the always-on checks -----------------------------------------------------------------
 
@@ -353,16 +250,7 @@ class MPITransport(Transport):
             key = (tuple(sizes), tensor.shape, tensor.dtype)
             known = self._gathers.get(key)
             if known is not None:
-                out = self._new(known.shape, tensor.dtype)
-                self._checked(
-                    "all_gather_v",
-                    known.facts,
-                    lambda: known.call(
-                        self._bytes(tensor),
-                        [self._bytes(out), known.counts, known.displs, MPI.BYTE],
-                    ),
-                )
-                return out
+                return self._gather(known, tensor, None)
             out = super().all_gather_v(tensor, sizes, dim)
             # valid (or the general path raised), and sizes of plain ints: kept
             if self.size > 1 and tensor.dim() and all(type(s) is int for s in key[0]):
@@ -374,19 +262,29 @@ class MPITransport(Transport):
 
     def _gather_of(self, x: torch.Tensor, sizes: list[int]) -> _Gather:
         counts, displs = self._counts(sizes, self._row_bytes(x))
+        facts = ("all_gather_v", tuple(sizes), x.dtype, tuple(x.shape[1:]))
         return _Gather(
-            ("all_gather_v", tuple(sizes), x.dtype, tuple(x.shape[1:])),
+            facts,
             (sum(sizes), *x.shape[1:]),
             counts,
             displs,
             self.comm.Allgatherv if max(counts) <= BLOCKING_BYTES else self.comm.Iallgatherv,
+            fingerprint(facts),
         )
 
     def _all_gather_v(
         self, x: torch.Tensor, sizes: list[int], problem: str | None = None
     ) -> torch.Tensor:
-        g = self._gather_of(x, sizes)
+        return self._gather(self._gather_of(x, sizes), x, problem)
+
+    def _gather(self, g: _Gather, x: torch.Tensor, problem: str | None) -> torch.Tensor:
+        """``x``'s rows and every other rank's, as ``g`` says: on two ranks the agreement rides
+        in the messages (:meth:`_pair_gather`), on more it is the check all-reduce before the
+        ``Allgatherv`` (with counts that disagree the collective itself is erroneous MPI)."""
         out = self._new(g.shape, x.dtype)
+        if self.size == 2 and self._checks:
+            self._pair_gather(g, x, out, problem)
+            return out
         self._checked(
             "all_gather_v",
             g.facts,
@@ -394,6 +292,43 @@ class MPITransport(Transport):
             problem=problem,
         )
         return out
+
+    def _pair_gather(
+        self, g: _Gather, x: torch.Tensor, out: torch.Tensor, problem: str | None
+    ) -> None:
+        """Two ranks: each sends the other a 16-byte header (its facts' fingerprint, whether its
+        own check failed) and its rows, in two messages whose lengths never depend on the
+        arguments' agreement beyond the rows, and receives the same. Every message meets its
+        receive whatever the ranks passed (a longer one than expected completes with a
+        truncation error), so both ranks always complete, compare the header with their own
+        and raise the same :class:`CommError` when either differs: one wait a call instead of
+        the check all-reduce and the ``Allgatherv``. Its own rows are copied while they travel."""
+        comm, peer, me = self.comm, 1 - self.rank, self.rank
+        head, theirs = self._pair
+        head[0], head[1] = g.fp, problem is not None
+        rows = MPI.buffer.fromaddress(out.data_ptr() + g.displs[peer], g.counts[peer])
+        reqs = [
+            comm.Irecv(theirs, source=peer, tag=PAIR_TAGS[0]),
+            comm.Irecv(rows, source=peer, tag=PAIR_TAGS[1]),
+            comm.Isend(head, dest=peer, tag=PAIR_TAGS[0]),
+            comm.Isend(self._bytes(x), dest=peer, tag=PAIR_TAGS[1]),
+        ]
+        n = x.shape[0]
+        if n:
+            out.narrow(0, 0 if me == 0 else g.shape[0] - n, n).copy_(x)
+        statuses = self._pair_statuses
+        failure = None
+        with deadline(self, "all_gather_v", "collective"):
+            try:
+                MPI.Request.Waitall(reqs, statuses)
+            except MPI.Exception as exc:
+                failure = exc
+        if failure is not None:  # a truncated receive: complete the others one by one
+            self._wait(reqs, "all_gather_v")
+        got = statuses[1].Get_count(MPI.BYTE)
+        if failure or problem or theirs[0] != g.fp or theirs[1] or got != g.counts[peer]:
+            everyone = self.comm.allgather((g.facts, problem))
+            raise disagreement(self._where(), "all_gather_v", everyone, problem is not None)
 
     def _gather_v(
         self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None

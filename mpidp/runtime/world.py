@@ -32,7 +32,7 @@ def install_alarm(world: Any) -> None:
     """Every rank hears of an error that ends another and of calls out of step
     (:mod:`mpidp.comm.alarm`). Once per process; collective over the world the first time."""
     from mpidp.comm import alarm
-    from mpidp.comm.mpi import start_watchdog
+    from mpidp.comm.deadline import start_watchdog
 
     alarm.install(world, start_watchdog)
 

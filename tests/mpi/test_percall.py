@@ -7,6 +7,7 @@ computes what the serial conv computes, on the policy's partition and on another
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import test_halo as th  # its cases and reference (a module: pytest collects nothing from it)
@@ -82,6 +83,44 @@ def test_all_gather_v_other_sizes_after_a_kept_call_fail_everywhere(t):
         x = rand((4 if t.size == 2 else 3, 4), 3)
     with pytest.raises(CommError):
         mpidp.all_gather_v(x, sizes, 0, t)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_gather_v_disagreements_fail_everywhere(manager):
+    """On two ranks the agreement rides in all_gather_v's messages (a header beside the rows):
+    after a kept call, rank 1 passing another dtype of the same width (the rows' length
+    agrees), another row shape (its rows are longer: a truncated receive), a block too large
+    for its own size (its own check fails), or fewer rows for itself, fails on every rank
+    with every rank's arguments; the kept call runs after each. On more ranks the check
+    all-reduce does the same."""
+    t = MPITransport(manager.domain_comm)
+    sizes = [3] * t.size
+    x = rand((3, 4), 10, torch.float32)
+    full = torch.cat([rand((3, 4), 10, torch.float32)] * t.size)
+    other = t.rank == 1
+    cases = [
+        (x.view(torch.int32) if other else x, sizes, r"different arguments.*int32"),
+        (rand((3, 5), 10, torch.float32) if other else x, sizes, r"different arguments"),
+        (
+            rand((4, 4), 10, torch.float32) if other else x,
+            sizes,
+            r"rank 1 of \d+: tensor of shape \(4, 4\)",
+        ),
+        (x[:2] if other else x, [3, 2, *sizes[2:]] if other else sizes, r"rank 0: .*rank 1: "),
+    ]
+    problems = []
+    for case, (part, want_sizes, match) in enumerate(cases):
+        t.all_gather_v(x, sizes)
+        try:
+            t.all_gather_v(part, want_sizes)
+            problems.append(f"case {case}: no error")
+        except CommError as err:
+            if not re.search(match, str(err)):
+                problems.append(f"case {case}: {err}")
+        if not torch.equal(t.all_gather_v(x, sizes), full):
+            problems.append(f"case {case}: the kept call differs after")
+    everyone = t.all_gather_object(problems)
+    assert not any(everyone), everyone
 
 
 def test_elementwise_fast_path_matches_the_general_path(manager):
