@@ -39,8 +39,31 @@ from mpidp.io.write_paths import (
 )
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
+from mpidp.sharded import Replicated, ShardedTensor
 
 __all__ = ["RolloutWriter"]
+
+
+def _cut_problems(x: Any) -> list[str]:
+    """What keeps ``x`` from being a rank's block or band of a step: a ShardedTensor cut
+    along other dims than its last two (blocks) or its rows (a band), a spectrum, or a value
+    every rank holds (:class:`~mpidp.sharded.Replicated`: each rank would write it whole)."""
+    if isinstance(x, Replicated):
+        return [
+            "a value every rank holds (Replicated, e.g. full_tensor()); pass this rank's "
+            "block: the ShardedTensor itself, or its to_local()"
+        ]
+    if not isinstance(x, ShardedTensor):
+        return []
+    n = x.dim()
+    cut = tuple(d % n for d in (x.grid.dims if x.grid is not None else (x.shard_dim,)))
+    if x.spectral or cut not in ((n - 2, n - 1), (n - 2,)):
+        what = "a spectrum" if x.spectral else f"a ShardedTensor cut along dims {cut} of {n}"
+        return [
+            f"{what}: a step is cut along its rows (bands) or its last two dims (blocks); "
+            f"pass a field so cut"
+        ]
+    return []
 
 
 class RolloutWriter:
@@ -145,12 +168,14 @@ class RolloutWriter:
 
     def write(self, x_local: torch.Tensor | np.ndarray, time: float | None = None) -> None:
         """Append one time step: ``x_local`` is this rank's block, ``(channels, rows,
-        columns)`` (on bands every column; a leading batch dimension of 1 is accepted).
-        Collective."""
+        columns)`` (on bands every column; a leading batch dimension of 1 is accepted), or
+        the ShardedTensor whose block (band) it is: a converted model's output. Collective."""
+        problems = _cut_problems(x_local)
+        if isinstance(x_local, ShardedTensor):
+            x_local = x_local.to_local()
         x = as_numpy(x_local)
         if x.ndim == 4 and x.shape[0] == 1:
             x = x[0]
-        problems = []
         if self._closed:
             problems.append("the writer is closed")
         if x.ndim != 3 or x.shape[0] != len(self.channels):

@@ -17,6 +17,7 @@ import torch
 import xarray as xr
 from mpi4py import MPI
 
+import mpidp
 from mpidp.io import RolloutWriter, zarr_available
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.partition import ShardSpec
@@ -60,8 +61,9 @@ def rollout():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rollout_on_blocks_reads_back_as_the_serial_rollout(gm, shared, fmt):
-    """Each rank writes its block of each step (the cut changing between steps); the file
-    opened by xarray holds the serial rollout bitwise, with its dims, coordinates and times."""
+    """Each rank writes its block of each step (the cut changing between steps; the last
+    step a block ShardedTensor); the file opened by xarray holds the serial rollout bitwise,
+    with its dims, coordinates and times."""
     steps = rollout()
     path = shared / f"rollout-{gm.grid[0]}x{gm.grid[1]}.{fmt}"
     with RolloutWriter(
@@ -74,9 +76,11 @@ def test_rollout_on_blocks_reads_back_as_the_serial_rollout(gm, shared, fmt):
         chunk_rows=4 if fmt == "zarr" else None,
         variable_attrs={"t2m": {"units": "K"}},
     ) as out:
-        for k, field in enumerate(steps):
+        for k, field in enumerate(steps[:-1]):
             rows, cols = blocks(gm, k).block(gm.domain_rank)
             out.write(field[None, :, rows, cols], time=6.0 * (k + 1))
+        # the last step as a converted model gives it: a block ShardedTensor (the manager's cut)
+        out.write(mpidp.shard(steps[-1][None], (-2, -1), gm), time=6.0 * STEPS)
     failures = []
     if ME == 0:
         opened = xr.open_zarr(path) if fmt == "zarr" else xr.open_dataset(path, engine="h5netcdf")
@@ -99,7 +103,8 @@ def test_rollout_on_blocks_reads_back_as_the_serial_rollout(gm, shared, fmt):
 
 def test_blocks_that_do_not_tile_are_refused(gm, shared):
     """The last rank one column short (blocks that do not tile the grid; on one grid row a
-    grid narrower than the coordinates'), and coordinates of another grid: the same
+    grid narrower than the coordinates'), coordinates of another grid, and a step every rank
+    holds whole (full_tensor(): each rank would write it as its block): the same
     DataError on every rank, naming the blocks and the fix; no file is left."""
     if gm.grid[1] == 1:
         pytest.skip("bands: tests/mpi/test_io.py tests the writer's refusals")
@@ -116,7 +121,11 @@ def test_blocks_that_do_not_tile_are_refused(gm, shared):
         with RolloutWriter(path, ["a"], LAT, np.arange(W + 1), gm) as out:
             out.write(full[:, rows, cols])
 
-    got = [_refused(narrow), _refused(wrong_grid)]
+    def whole():
+        with RolloutWriter(path, ["a"], LAT, LON, gm) as out:
+            out.write(mpidp.shard(full, (-2, -1), gm).full_tensor())
+
+    got = [_refused(narrow), _refused(wrong_grid), _refused(whole)]
     failures = []
     # one grid row: the narrow blocks still tile a grid, one column short of the coordinates'
     short_of = f"columns ({W - 1}), but the coordinates give a {H} x {W} grid; fix: pass"
@@ -126,6 +135,8 @@ def test_blocks_that_do_not_tile_are_refused(gm, shared):
     want = f"give a {H} x {W + 1} grid; fix: pass each rank its own block of that grid"
     if got[1] is None or want not in got[1] or f"rank {ME}:" not in got[1]:
         failures.append(f"rank {ME}: coordinates of another grid: {got[1]!r}")
+    if got[2] is None or "a value every rank holds (Replicated" not in got[2]:
+        failures.append(f"rank {ME}: a Replicated step: {got[2]!r}")
     if path.exists() or any(".tmp-" in p.name for p in shared.iterdir()):
         failures.append(f"rank {ME}: a file was left: {sorted(shared.iterdir())}")
     assert not agreed(failures), agreed(failures)
