@@ -1,9 +1,11 @@
 """A conv stack's training step with the halo exchange hidden behind compute, and without.
 
     mpiexec -n 2 python -m mpi4py bench/overlap.py --json docs/bench/overlap.json
+    mpiexec -n 2 python -m mpi4py bench/overlap.py --grid 1x2 --json docs/bench/overlap-1x2.json
 
 A converted stack of ``--convs`` 3x3 convolutions (ReLU between) on a (1, C, H, W) float32
-field in latitude bands (default 32 x 721 x 1440): forward, a local loss, backward. Every round
+field in latitude bands (default 32 x 721 x 1440), or in the blocks of ``--grid`` (latitude x
+longitude ranks, e.g. 1x2): forward, a local loss, backward. Every round
 runs one step with ``manager.overlap`` off (the blocking halo) and one with it on (interior rows
 computed while the halo rows travel, forward and backward; mpidp.ops.halo_overlap), in
 alternating order, barrier-aligned, inside one ``mpidp.profile``. Per step and rank: wall
@@ -36,19 +38,21 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=32)
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--grid", default=None, help="P_lat x P_lon, e.g. 1x2 (default: bands)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     world = MPI.COMM_WORLD
-    m = mpidp.init(domain_parallel_size=world.Get_size())
+    grid = tuple(int(p) for p in args.grid.split("x")) if args.grid else world.Get_size()
+    m = mpidp.init(domain_parallel_size=grid)
     torch.manual_seed(0)
     c = args.channels
     layers: list[nn.Module] = []
     for i in range(args.convs):
         layers += [nn.Conv2d(c, c, 3, padding=1)] + ([nn.ReLU()] if i < args.convs - 1 else [])
     model = mpidp.convert_to_domain_parallel(nn.Sequential(*layers), m)
-    spec = m.spec(args.height)
-    band = torch.randn(1, c, spec.sizes[m.domain_rank], args.width)
+    rows, cols = m.block_spec((args.height, args.width)).block_shape(m.domain_rank)
+    band = torch.randn(1, c, rows, cols)
 
     prof = mpidp.profile(m)
     arms: dict[str, dict[str, list[float]]] = {
@@ -88,6 +92,7 @@ def main() -> None:
         "shape": [1, c, args.height, args.width],
         "convs": args.convs,
         "ranks": world.Get_size(),
+        "grid": list(m.grid),
         "rounds": args.rounds,
         "seconds": round(time.perf_counter() - t0, 1),
         "per_rank": every,

@@ -38,7 +38,7 @@ from mpidp.layers.registry import register_layer
 from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.geometry import HaloSpec, conv_output_size, input_ranges, padding_pair
 from mpidp.ops.halo import halo_exchange
-from mpidp.ops.halo_overlap import Overlapped, start_overlapped_axes
+from mpidp.ops.halo_overlap import Fetched, Overlapped, fetch_strips, start_overlapped_axes
 from mpidp.runtime.partition import ShardSpec, known_for
 
 __all__ = [
@@ -148,22 +148,22 @@ class _Conv(DomainParallel):
         boundary = _BOUNDARY[conv.padding_mode]
         axes = self._axes(x)  # the sharded dim, and on blocks the longitude too
         overlap = self._manager().overlap
-        ext, guess = None, None
-        if (
-            len(axes) == 1
-            and not overlap
-            and known_for(x, axes[0].dim) is None
-            and not _BANDS.get()
-        ):
+        ext, guess, fetched = None, None, None
+        if len(axes) == 1 and known_for(x, axes[0].dim) is None and not _BANDS.get():
             # bands, the partition unknown: the halo's own agreement learns it (no all-gather
             # of its own), with the widths of an output cut as its input is; when the output
-            # is cut otherwise (every rank learns the same partition), the right halo follows
+            # is cut otherwise (every rank learns the same partition), the right halo follows.
+            # With the overlap on, the strips alone: the same first exchange, whose agreement
+            # refuses ranks whose overlap differs
             axis = axes[0]
             k = axis.dim - first
             ks, dil, (lo, hi) = conv.kernel_size[k], conv.dilation[k], pads[k]
             if conv.stride[k] == 1 and lo + hi == dil * (ks - 1):
-                guess = ({lo}, {hi})
-                ext = halo_exchange(x, lo, hi, axis.dim, boundary=boundary, group=axis.transport)
+                guess, t = ({lo}, {hi}), axis.transport
+                if overlap:
+                    fetched = fetch_strips(x, lo, hi, axis.dim, boundary, t)
+                else:
+                    ext = halo_exchange(x, lo, hi, axis.dim, boundary=boundary, group=t)
         cuts, outs = [], []
         for axis in axes:
             k = axis.dim - first
@@ -175,9 +175,13 @@ class _Conv(DomainParallel):
             kernel, dil = conv.kernel_size[k], conv.dilation[k]
             outs.append((axis, out_spec, dil * (kernel - 1) + 1))
             pads[k] = (0, 0)
+        right = guess == (set(cuts[0][2].before), set(cuts[0][2].after))
         if overlap and all(_overlappable(c[1], o[1]) for c, o in zip(cuts, outs, strict=True)):
-            return self._overlapped(x, cuts, [o for _, o, _ in outs], pads, boundary)
-        if ext is None or guess != (set(cuts[0][2].before), set(cuts[0][2].after)):
+            got = fetched if right else None
+            return self._overlapped(x, cuts, [o for _, o, _ in outs], pads, boundary, got)
+        if fetched is not None and right:
+            ext = torch.cat([fetched.low, x, fetched.high], fetched.dim)
+        if ext is None or not right:
             ext = fetch_halo(self, x, cuts, boundary)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
@@ -213,8 +217,10 @@ class _Conv(DomainParallel):
         out_specs: list[ShardSpec],
         pads: list[tuple[int, int]],
         boundary: str,
+        fetched: Fetched | None = None,
     ) -> torch.Tensor:
-        """The forward with the halo in flight while the interior is computed.
+        """The forward with the halo in flight while the interior is computed (or, on bands,
+        with the strips ``fetched`` already: the same computation).
 
         Outputs whose window lies inside the band (rows and, on blocks, columns) come from
         one convolution of the band itself (zero rows beyond it: the outputs those reach are
@@ -224,9 +230,13 @@ class _Conv(DomainParallel):
         interior rows from windows of the band extended along the longitude; each is written
         over the interior's result."""
         cut = [_Cut.of(self, x, c, o) for c, o in zip(cuts, out_specs, strict=True)]
-        band, records = start_overlapped_axes(
-            x, [(c.fetch[0], c.fetch[1], c.d, c.spec, boundary, c.t) for c in cut]
-        )
+        records: list[Any]
+        if fetched is not None:
+            band, records = x, [fetched]
+        else:
+            band, records = start_overlapped_axes(
+                x, [(c.fetch[0], c.fetch[1], c.d, c.spec, boundary, c.t) for c in cut]
+            )
         lat, lon = cut[0], cut[1] if len(cut) > 1 else None
         y = None
         if all(c.stop > c.first for c in cut):  # the interior: the same row offsets
@@ -306,13 +316,13 @@ class _Cut:
         ``b + lift * s`` each end) gives, so that ``m`` rows follow them."""
         return -(-max(0, self.a - self.b, -self.b) // self.s)
 
-    def window(self, record: Overlapped, lo: int, hi: int) -> tuple[int, int]:
+    def window(self, record: Overlapped | Fetched, lo: int, hi: int) -> tuple[int, int]:
         """The rows of the extended band (row 0: the first fetched) output rows ``[lo, hi)``
         read: output row i reads the band's rows ``[i s - b, i s - b + span)``."""
         o = record.before - self.b
         return o + lo * self.s, o + (hi - 1) * self.s + self.span
 
-    def spans(self, record: Overlapped) -> list[tuple[int, int]]:
+    def spans(self, record: Overlapped | Fetched) -> list[tuple[int, int]]:
         """The windows of the edge output rows: before ``first``, from ``stop``."""
         out = [self.window(record, 0, self.first)] if self.first > 0 else []
         return out + ([self.window(record, self.stop, self.m)] if self.stop < self.m else [])

@@ -73,7 +73,19 @@ def _local_problems(
     return problems, (d if d is not None else 0), (rd if rd is not None else 0)
 
 
-_FACTS = ("dim", "shape without dim", "dtype", "grad", "before", "after", "boundary", "spec")
+#: what every rank's call must share; "strips": only the rows the halo adds (halo_strips, and a
+#: converted convolution with ``manager.overlap`` on) or the extended band
+_FACTS = (
+    "dim",
+    "shape without dim",
+    "dtype",
+    "grad",
+    "before",
+    "after",
+    "boundary",
+    "spec",
+    "strips",
+)
 
 
 def _agree(t: Transport, n: int, problems: list[str], facts: tuple[Any, ...]) -> list[int]:
@@ -90,7 +102,8 @@ def _raise(t: Transport, lines: list[str]) -> NoReturn:
         f"rank {t.rank}: halo_exchange over {t.size} ranks got bad or inconsistent arguments:\n  "
         + "\n  ".join(lines)
         + "\nfix: every rank passes the same widths, dim, boundary and spec, and a tensor whose "
-        "extent along dim is its own shard size"
+        "extent along dim is its own shard size (strips differ: set manager.overlap alike on "
+        "every rank, or call halo_strips on every rank)"
     )
 
 
@@ -156,6 +169,7 @@ def _check(
     roll_dim: int,
     t: Transport,
     grad: bool,
+    strips: bool,
 ) -> tuple[_Known, list[str]]:
     """Every local check of a call's arguments, and its facts for the agreement."""
     if spec is not None and not isinstance(spec, ShardSpec):
@@ -165,7 +179,7 @@ def _check(
     bw = _widths(before, t.size, "before", problems)
     aw = _widths(after, t.size, "after", problems)
     others = tuple(s for i, s in enumerate(x.shape) if i != d)
-    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes)
+    facts = (d, others, x.dtype, grad, bw, aw, b, None if spec is None else spec.sizes, strips)
     checksum = facts_checksum(dict(zip(_FACTS, facts, strict=True)))
     return _Known(facts, checksum, d, rd, bw, aw, b, spec), problems
 
@@ -188,7 +202,7 @@ def _known_of(
     k = cache.get(key) if key is not None else None
     if k is not None:
         return k, []
-    k, problems = _check(x, before, after, dim, spec, boundary, roll_dim, t, grad)
+    k, problems = _check(x, before, after, dim, spec, boundary, roll_dim, t, grad, strips)
     if key is not None and not problems:
         if len(cache) > 1024:  # many distinct calls: start over
             cache.clear()

@@ -24,6 +24,12 @@ the windows, as the blocking block halo's second phase, :mod:`mpidp.ops.block_ha
 the corners); the windows along the longitude are the band's own rows. The polar fold is not
 served (the blocking exchange is: no converted convolution pads with it).
 
+A layer whose input's partition is not known yet (a plain tensor) can learn it in the halo's
+own agreement (:func:`fetch_strips`, the strips fetched in one go: nothing hidden that call)
+and cut the same windows from them (:class:`Fetched`): the first exchange every rank makes is
+then the same whether ``manager.overlap`` is on or off, and the agreement (whose facts say
+whether a call fetches strips) refuses ranks that differ.
+
 The backward is once differentiable (double backward raises; the blocking exchange's is not
 limited). Seconds spent waiting for messages are added to
 :data:`mpidp.comm.timing.HALO_WAIT` (the forward's and the backward's waits: the communication
@@ -52,11 +58,12 @@ from mpidp.ops.halo_band import (
     _start_fetch,
     _Started,
     finish_accumulate,
+    halo_strips,
     start_accumulate,
 )
 from mpidp.runtime.partition import ShardSpec
 
-__all__ = ["Overlapped", "start_overlapped", "start_overlapped_axes"]
+__all__ = ["Fetched", "Overlapped", "fetch_strips", "start_overlapped", "start_overlapped_axes"]
 
 
 def _timed_wait(wait: Any, *args: Any) -> Any:
@@ -122,6 +129,38 @@ def start_overlapped(
     return band, record
 
 
+@dataclasses.dataclass
+class Fetched:
+    """Halo strips fetched in one go (:func:`fetch_strips`): the windows that
+    :meth:`Overlapped.windows` gives, cut from them (their backward: the strips' own)."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+    dim: int
+
+    @property
+    def before(self) -> int:
+        return self.low.size(self.dim)
+
+    def windows(self, band: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """Rows ``[lo, hi)`` of the extended band for each span; ``band``: the strips' band."""
+        return _windows(self.low, band, self.high, self.dim, spans)
+
+
+def fetch_strips(
+    x: torch.Tensor, before: int, after: int, dim: int, boundary: Any, group: Any
+) -> Fetched:
+    """:func:`mpidp.halo_strips` of ``x`` (the partition learned by its own agreement), its
+    forward timed as a wait (nothing hides it): a :class:`Fetched`. Collective over the
+    group."""
+
+    def fetch() -> tuple[torch.Tensor, torch.Tensor]:
+        return halo_strips(x, before, after, dim, boundary=boundary, group=group)
+
+    low, high = _timed_wait(fetch)
+    return Fetched(low, high, dim % x.dim())
+
+
 def start_overlapped_axes(
     x: torch.Tensor, axes: Sequence[tuple[Widths, Widths, int, Any, Any, Any]]
 ) -> tuple[torch.Tensor, list[Overlapped]]:
@@ -180,17 +219,9 @@ class _Arrived(torch.autograd.Function):
         started, record.started = record.started, None
         assert started is not None
         low, high = _timed_wait(_finish_fetch, record.op, band, started)
-        d, b, n = record.op.dim, record.before, record.rows
         ctx.record, ctx.spans = record, spans
         ctx.shapes = (low.shape, high.shape)
-        outs = []
-        for lo, hi in spans:
-            parts = [
-                src.narrow(d, s - at, e - s)
-                for src, at, s, e in _cut(lo, hi, ((low, 0), (band, b), (high, b + n)), d)
-            ]
-            outs.append(torch.cat(parts, d))
-        return tuple(outs)
+        return tuple(_windows(low, band, high, record.op.dim, spans))
 
     @staticmethod
     @once_differentiable
@@ -210,6 +241,28 @@ class _Arrived(torch.autograd.Function):
         record.edges = edges
         record.accumulating = start_accumulate(record.op, [g_low, g_high], record.number)
         return None, None, None
+
+
+def _windows(
+    low: torch.Tensor,
+    band: torch.Tensor,
+    high: torch.Tensor,
+    d: int,
+    spans: Sequence[tuple[int, int]],
+) -> list[torch.Tensor]:
+    """Rows ``[lo, hi)`` of the extended band (``low``, ``band``, ``high`` end to end along
+    ``d``) for each span, one new tensor each."""
+    b, n = low.size(d), band.size(d)
+    return [
+        torch.cat(
+            [
+                src.narrow(d, s - at, e - s)
+                for src, at, s, e in _cut(lo, hi, ((low, 0), (band, b), (high, b + n)), d)
+            ],
+            d,
+        )
+        for lo, hi in spans
+    ]
 
 
 def _cut(

@@ -101,8 +101,9 @@ class DistributedManager:
     gradients = "shares"
     #: the grid cuts the longitude (P_lon > 1): band code refuses (runtime.grid.blocks_refused)
     _blocks = False
-    #: converted convolutions on bands compute their interior rows while the halo rows travel
-    #: (forward and backward; :mod:`mpidp.ops.halo_overlap`); set it alike on every rank
+    #: converted convolutions (on bands and blocks) compute their interior while the halo
+    #: travels (forward and backward; :mod:`mpidp.ops.halo_overlap`); set it alike on every
+    #: rank (one that differs is refused at the layer's first halo agreement)
     overlap = False
 
     def __init__(

@@ -20,6 +20,7 @@ from torch import nn
 
 import mpidp
 from mpidp.comm.timing import HALO_WAIT
+from mpidp.errors import MpidpError
 from mpidp.runtime.grid import BlockSpec
 
 pytestmark = pytest.mark.mpi
@@ -57,16 +58,24 @@ def _rel(a, b):
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300)
 
 
-def _step(m, layer, full, w, on):
+def _step(m, layer, full, w, block, on, sharded):
     """This rank's output block, input gradient and parameter gradients (after
-    sync_gradients), with the overlap on or off, and whether an overlapped wait ran."""
+    sync_gradients), with the overlap on or off, and whether an overlapped wait ran. The
+    input: a ShardedTensor (``sharded``; ``w`` the output's weights, global) or a plain block
+    (weighted by ``w[block]``)."""
     for p in layer.parameters():
         p.grad = None
-    x = mpidp.shard_tensor(full, dim=(-2, -1), manager=m).detach().requires_grad_()
     waits, m.overlap = HALO_WAIT.waits, on
     try:
-        y = layer(x)
-        (y * w).sum().backward()
+        if sharded:
+            x = mpidp.shard(full, dim=(-2, -1), manager=m).requires_grad_()
+            y = layer(x)
+            (y * w).sum().backward()
+            y, x = y.local, x.local
+        else:
+            x = mpidp.shard_tensor(full, dim=(-2, -1), manager=m).detach().requires_grad_()
+            y = layer(x)
+            (y * w[block]).sum().backward()
     finally:
         m.overlap = False
     ran = HALO_WAIT.waits > waits
@@ -74,10 +83,13 @@ def _step(m, layer, full, w, on):
     return [y.detach(), x.grad, *(p.grad for p in layer.parameters())], ran
 
 
-@pytest.mark.parametrize("geometry", CONVS, ids=str)
-def test_overlapped_conv_on_blocks(gm, geometry):
+@pytest.mark.parametrize(
+    "geometry,sharded", [(g, False) for g in CONVS] + [(CONVS[1], True)], ids=str
+)
+def test_overlapped_conv_on_blocks(gm, geometry, sharded):
     """Serial torch (forward, input gradient, every parameter gradient) to 1e-10 and the
-    blocking path to 1e-12 with the overlap on; the overlapped path ran on every rank."""
+    blocking path to 1e-12 with the overlap on; the overlapped path ran on every rank. On a
+    plain block, and once on a ShardedTensor (the converted model's front end)."""
     k, s, p, d, mode = geometry
     serial = nn.Conv2d(2, 3, k, s, p, d, padding_mode=mode).double()
     layer = mpidp.convert_to_domain_parallel(copy.deepcopy(serial), manager=gm)
@@ -90,15 +102,43 @@ def test_overlapped_conv_on_blocks(gm, geometry):
     out = BlockSpec(gm.partition.derived(h, p_lat), gm.partition.derived(wd, p_lon))
     rs, cs = out.block(gm.domain_rank)
     irs, ics = gm.block_spec(SHAPE).block(gm.domain_rank)
-    on, ran = _step(gm, layer, full, w[..., rs, cs], True)
-    off, _ = _step(gm, layer, full, w[..., rs, cs], False)
-    truth = [
-        want.detach()[..., rs, cs],
-        fr.grad[..., irs, ics],
-        *(q.grad for q in serial.parameters()),
-    ]
+    block = (..., rs, cs)
+    on, ran = _step(gm, layer, full, w, block, True, sharded)
+    off, _ = _step(gm, layer, full, w, block, False, sharded)
+    truth = [want.detach()[block], fr.grad[..., irs, ics], *(q.grad for q in serial.parameters())]
     to_serial = max(_rel(a, b) for a, b in zip(on, truth, strict=True))
     to_blocking = max(_rel(a, b) for a, b in zip(on, off, strict=True))
     assert to_serial <= 1e-10, f"overlapped vs serial: {to_serial:.2e}"
     assert to_blocking <= 1e-12, f"overlapped vs blocking: {to_blocking:.2e}"
     assert ran == (WORLD > 1), "the overlapped path did not run"
+
+
+def _differing(m, sharded):
+    """The error a converted conv raised on this rank with the overlap on only where the
+    latitude index is 0 (on bands and on a 1 x P grid: domain rank 0), or None. Its input: a
+    ShardedTensor or a plain block (whose partition the layer learns)."""
+    on = m.domain_rank == 0 if 1 in m.grid else m.grid_coords[0] == 0
+    c = 5 if sharded else 3  # a shape no other call uses: its halo is agreed afresh
+    layer = mpidp.convert_to_domain_parallel(nn.Conv2d(c, 2, 3, padding=1).double(), manager=m)
+    full = rand((1, c, 11, 13), 3)
+    cut = mpidp.shard if sharded else mpidp.shard_tensor
+    x = cut(full, dim=(-2, -1), manager=m)
+    m.overlap = on
+    try:
+        layer(x)
+    except MpidpError as err:
+        return str(err)
+    finally:
+        m.overlap = False
+    return None
+
+
+@pytest.mark.skipif(WORLD == 1, reason="one rank: no halo, nothing to agree")
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_overlap_differing_between_ranks_is_refused(gm, sharded):
+    """``manager.overlap`` on for some ranks only: every rank raises at the layer's first
+    agreement (whose facts say whether the call fetches strips), naming the ranks and the fix,
+    instead of waiting for a message that never comes."""
+    err = _differing(gm, sharded)
+    assert err is not None, "no error on this rank"
+    assert "strips=False but rank 0 passed True" in err and "manager.overlap" in err, err
