@@ -88,7 +88,17 @@ def credit_FuXi():
         f"Fuxi(image_height=32, image_width=64, patch_height=4, patch_width=4, frames=2, frame_patch_size=2, "
         f"dim=16, num_groups=4, num_heads=2, depth=2, window_size=4, use_spectral_norm=False, {COMMON})"
     )
-    return dict(model=eval(ctor), inputs=[Z(1, 7, 2, 32, 64)], dim=3, ctor=ctor)
+    # on blocks windows of 2: with 4 the transformer's 4 x 8 field has one window row, cut
+    # inside by the latitude (fewer window rows than latitude ranks)
+    ctor_blocks = ctor.replace("window_size=4", "window_size=2")
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 7, 2, 32, 64)],
+        dim=3,
+        ctor=ctor,
+        model_blocks=eval(ctor_blocks),
+        ctor_blocks=ctor_blocks,
+    )
 
 
 @case

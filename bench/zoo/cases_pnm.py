@@ -1,6 +1,7 @@
 # ruff: noqa: E501  (the constructors are written as the packages document them)
 """PhysicsNeMo 2.2.x cases. Each returns dict(model, inputs, shard, dim, ctor, [call, note,
-inputs_blocks: the shapes on 2 x 2 blocks, uneven in both dims where the model allows])."""
+inputs_blocks: the shapes on 2 x 2 blocks, uneven in both dims where the model allows;
+model_blocks, ctor_blocks: the model there])."""
 
 import torch
 
@@ -85,7 +86,17 @@ def pnm_SwinRNN():
         "SwinRNN(img_size=(2, 32, 32), patch_size=(2, 1, 1), in_chans=4, out_chans=4, embed_dim=8, "
         "num_groups=2, num_heads=2, window_size=4)"
     )
-    return dict(model=eval(ctor), inputs=[Z(1, 4, 2, 32, 32)], dim=3, ctor=ctor)
+    # on blocks windows of 2: with 4 the deepest level (4 x 4) is one window over all four
+    # ranks, attention over every token, refused on tokens of blocks (mpidp.sharded.tokens)
+    ctor_blocks = ctor.replace("window_size=4", "window_size=2")
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 4, 2, 32, 32)],
+        dim=3,
+        ctor=ctor,
+        model_blocks=eval(ctor_blocks),
+        ctor_blocks=ctor_blocks,
+    )
 
 
 @case

@@ -62,11 +62,14 @@ def relerr(got, want):
 
 def build(case, dtype, blocks=False):
     """The case's model in ``dtype`` and random inputs of its shapes (on ``blocks``, those of
-    its ``inputs_blocks`` where it gives them: uneven over 2 x 2 where the model allows)."""
+    its ``inputs_blocks`` where it gives them: uneven over 2 x 2 where the model allows, and
+    the model of its ``model_blocks``)."""
     torch.manual_seed(0)
     spec = case()  # dict: model, inputs (list of full tensors), shard (index of input), dim, call
     if blocks and "inputs_blocks" in spec:
         spec["inputs"] = spec["inputs_blocks"]
+    if blocks and "model_blocks" in spec:
+        spec["model"], spec["ctor"] = spec["model_blocks"], spec["ctor_blocks"]
     cast = spec.get("cast", lambda m, dt: m.to(dt))  # a case may say how its model changes dtype
     model = cast(spec["model"], dtype) if dtype != torch.float32 else spec["model"]
     gen = torch.Generator().manual_seed(1)

@@ -26,6 +26,7 @@ from mpidp.sharded.pointwise import to_blocks
 from mpidp.sharded.select import index_parts, kept
 from mpidp.sharded.shapes import _aligned, _groups, plan_cut
 from mpidp.sharded.tensor import ShardedTensor
+from mpidp.sharded.tokens import REDUCE as _REDUCE
 from mpidp.sharded.tokens import block_to_tokens
 
 __all__: list[str] = []
@@ -89,16 +90,6 @@ def _narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 # -- reductions ---------------------------------------------------------------------------------
-
-_REDUCE = {
-    f: default
-    for fs, default in (
-        ((torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum), None),
-        ((torch.mean, torch.Tensor.mean, torch.nanmean, torch.Tensor.nanmean), None),
-        ((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin), ()),
-    )
-    for f in fs
-}
 
 
 @register_grid(*_REDUCE)

@@ -36,7 +36,7 @@ from mpidp.sharded.select import index_parts
 from mpidp.sharded.shapes import _MOVES, _groups, _infer, _shape_arg
 from mpidp.sharded.tensor import ShardedTensor
 
-__all__ = ["block_to_tokens"]
+__all__ = ["REDUCE", "block_to_tokens"]
 
 
 def _tokens(x: ShardedTensor) -> TokenSpec:
@@ -195,7 +195,8 @@ def _unbind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return tuple(placed(x, t, (k - (dim < k),)) for t in x.local.unbind(dim))
 
 
-_REDUCE = {
+#: the reductions of blocks and tokens, with their default dims (all: None or ())
+REDUCE = {
     f: default
     for fs, default in (
         ((torch.sum, torch.Tensor.sum, torch.nansum, torch.Tensor.nansum), None),
@@ -206,13 +207,13 @@ _REDUCE = {
 }
 
 
-@register_grid(*_REDUCE, tokens=True)
+@register_grid(*REDUCE, tokens=True)
 def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Over the token dim: the band rule's exact global value over the domain group (every
     token once, Replicated); over other dims, on the local tokens."""
     x = args[0]
     k, nd = _tokens(x).dim, x.dim()
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", _REDUCE[func])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", REDUCE[func])
     if dim is None or (not isinstance(dim, int) and len(dim) == 0):
         dims = set(range(nd))
     else:
@@ -248,6 +249,49 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             local.append(a)
     out = func(*local, *args[2:], **kwargs)
     return placed(ref, out, (out.dim() - tail,))
+
+
+def _recut(t: ShardedTensor, g: TokenSpec, call: tuple[Any, Any, Any]) -> torch.Tensor:
+    """The local tokens of ``t`` cut as ``g`` (the same lead and field): as blocks (the token
+    dim unflattened into lead x h x w), only the rows or columns that change owner move."""
+    have = t.grid
+    if have == g:
+        return t.local
+    if not isinstance(have, TokenSpec) or (have.lead, have.shape, have.dim) != (
+        g.lead,
+        g.shape,
+        g.dim,
+    ):
+        raise refuse(*call, "tokens of other blocks, or a block, meet tokens", "cut alike")
+    k, (h, w) = g.dim, have.coords(t.manager.domain_rank)
+    sizes = (have.lat.sizes[h], have.lon.sizes[w])
+    local = t.local.unflatten(k, (g.lead, *sizes))
+    block = ShardedTensor(
+        local, have.lat, k + 1, t.manager, grid=BlockSpec(have.lat, have.lon, (k + 1, k + 2))
+    )
+    moved = _pointwise.to_blocks(block, BlockSpec(g.lat, g.lon, (k + 1, k + 2)), call)
+    return moved.local.flatten(k, k + 2)
+
+
+@register_grid(torch.cat, torch.concat, torch.concatenate, torch.stack, tokens=True)
+def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Tokens of one field joined along another dim (the channels): the local tokens joined,
+    each moved to the first one's cut where theirs differs."""
+    tensors = list(args[0] if args else kwargs["tensors"])
+    ref = next(t for t in tensors if isinstance(t, ShardedTensor))
+    g, nd, stack = _tokens(ref), ref.dim(), func is torch.stack
+    d = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % (nd + stack)
+    call = (func, args, kwargs)
+    if not all(isinstance(t, ShardedTensor) and t.dim() == nd for t in tensors) or (
+        not stack and d == g.dim
+    ):
+        raise refuse(
+            *call,
+            "tokens joined along the token dim, or with tensors cut otherwise",
+            "join along the channels",
+        )
+    local = func([_recut(t, g, call) for t in tensors], d)
+    return placed(ref, local, (g.dim + (stack and d <= g.dim),))
 
 
 # every rule of the element-wise and metadata handlers reads no field: they take tokens as

@@ -64,14 +64,17 @@ class Patches(nn.Module):
 
 class Cube(nn.Module):
     """SwinRNN's and FuXi's path: a cube embedding's ``reshape(B, D, -1)`` (time x rows x
-    columns), a norm, back to (B, D, T, H, W); then windows of 1 x 4 folded into the batch
+    columns), a position embedding of every step's tokens, a norm, back to (B, D, T, H, W);
+    then windows of 1 x 4 folded into the batch
     (``view``, ``permute``, ``reshape(-1, 4, D)``), attention in each window (a linear, the
     heads split off by ``unbind``, ``q @ k.transpose`` plus a mask per window, softmax, ``@ v``,
-    and SDPA with the mask by batch), and the windows back; shifted by a roll of the block."""
+    and SDPA with the mask by batch), and the windows back; shifted by a roll of the block;
+    then the tokens of the windows' cut joined with those of the embedding's (SwinRNN's skip)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Conv3d(C, 4, (1, 3, 3), padding=(0, 1, 1))
+        self.pos = nn.Parameter(torch.randn(1, T * H * W, 4))
         self.norm = nn.LayerNorm(4)
         self.qkv = nn.Linear(4, 12)
         self.out = nn.Conv2d(8, 2, 1)
@@ -80,7 +83,7 @@ class Cube(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         e = self.embed(x)  # (B, D, T, H, W)
-        t = self.norm(e.reshape(b, 4, -1).transpose(1, 2))  # (B, T H W, D) tokens, lead T
+        t = self.norm(e.reshape(b, 4, -1).transpose(1, 2) + self.pos)  # (B, T H W, D), lead T
         e = t.transpose(1, 2).reshape(b, 4, T, H, W)[:, :, -1]  # the last step: a block
         s = torch.roll(F.pad(e.permute(0, 2, 3, 1), (0, 0) * 3), (-1, -2), (1, 2))  # shifted
         win = s.view(b, H, 1, W // 4, 4, 4).permute(0, 1, 3, 2, 4, 5)
@@ -92,7 +95,8 @@ class Cube(nn.Module):
         a = a.view(-1, 2, 4, 4).softmax(-1) @ v + F.scaled_dot_product_attention(q, k, v, mask)
         a = a.transpose(1, 2).reshape(b, H, W // 4, 1, 4, 4).permute(0, 1, 3, 2, 4, 5)
         y = torch.roll(a.reshape(b, H, W, 4), (1, 2), (1, 2)).permute(0, 3, 1, 2)
-        return self.out(torch.cat([y, e], 1))
+        both = torch.cat([e.reshape(b, 4, -1), y.reshape(b, 4, -1)], 1)  # tokens of two cuts
+        return self.out(both.reshape(b, 8, H, W))
 
 
 def close(a, b):

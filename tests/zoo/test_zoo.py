@@ -42,10 +42,8 @@ ON_BLOCKS = {
     "pnm_Pix2Pix": "match",
     "pnm_SRResNet": "match",
     "pnm_AFNO": "match",  # its patch embedding's tokens of blocks (mpidp.sharded.tokens)
-    # its deepest level's one window holds every token: attention over tokens of blocks
-    "pnm_SwinRNN": "matmul",
-    # windows cut across by the latitude (fewer window rows than ranks): q, k, v of a block
-    "credit_FuXi": "unbind",
+    "pnm_SwinRNN": "match",  # cube tokens, shifted windows of 2 (the case's model_blocks)
+    "credit_FuXi": "match",  # the same, windows of 2
     "credit_UNet": "match",
 }
 CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
