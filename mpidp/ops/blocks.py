@@ -11,6 +11,7 @@ alone, every primitive there the identity) each is the band primitive it always 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,12 +49,34 @@ def grid_transports(
     return m, axis_transport(m, "lat", device), axis_transport(m, "lon", device)
 
 
-def as_block_spec(spec: SpecLike, dims: tuple[int, int]) -> BlockSpec:
-    """A BlockSpec from a BlockSpec or a ``(lat, lon)`` pair of ShardSpecs or sizes."""
+def as_block_spec(
+    spec: SpecLike, dims: tuple[int, int], *, rank: int | None = None, fix: str = ""
+) -> BlockSpec:
+    """A BlockSpec from a BlockSpec or a ``(lat, lon)`` pair of ShardSpecs or sizes. Anything
+    else (a band's one cut names no columns) is a ConfigError; ``fix``: the caller's other way
+    out, ``rank`` this rank for the message."""
     if isinstance(spec, BlockSpec):
         return spec
+    if not _cut_pair(spec):
+        raise ConfigError(
+            f"{'' if rank is None else f'rank {rank}: '}spec {spec!r} is not the blocks of a "
+            f"latitude x longitude grid (a BlockSpec, or a (lat, lon) pair of cuts): one cut, "
+            f"as a band's, names no columns; pass manager.block_spec(shape, dims), or the pair "
+            f"of the block's cuts{fix}"
+        )
     lat, lon = (s if isinstance(s, ShardSpec) else ShardSpec.from_sizes(s) for s in spec)
     return BlockSpec(lat, lon, dims)
+
+
+def _cut_pair(spec: Any) -> bool:
+    """Whether ``spec`` is two cuts, each a ShardSpec or a sequence of sizes."""
+
+    def cut(c: Any) -> bool:
+        if isinstance(c, ShardSpec):
+            return True
+        return isinstance(c, Sequence) and all(isinstance(n, int) for n in c)
+
+    return isinstance(spec, tuple | list) and len(spec) == 2 and all(cut(c) for c in spec)
 
 
 def _check(spec: BlockSpec, m: DistributedManager, t_lat: Transport, t_lon: Transport) -> None:

@@ -137,7 +137,7 @@ def _forward2(
     if t_lon is None:
         rows = input_spec(x, sd, t, _lat(spec))
     else:  # blocks: the pencil transpose along the longitude row gives whole rows
-        p = pencils(m, block_input(m, x, (sd, local), spec, t_lon))
+        p = pencils(m, block_input(m, x, (sd, local), spec))
         x = transpose(x, t_lon, p.sub, sd, p.blocks.lon, local)
         rows = p.rows
     if t.size == 1:

@@ -244,13 +244,22 @@ def pencils(m: DistributedManager, blocks: BlockSpec) -> Pencils:
     return Pencils(blocks, cuts[m.grid_coords[0]], rows)
 
 
+#: the other way out for a band given to a 2-D transform on a grid of blocks
+_BAND_FIX = (
+    " (with x this rank's block: mpidp.shard_tensor(x, dim=(-2, -1))), or for a band of the "
+    "domain group transform it over that group: group=manager.transport()"
+)
+
+
 def block_input(
-    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any, t_lon: Transport
+    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any
 ) -> BlockSpec:
     """The blocks ``x`` is one of: ``spec`` (a BlockSpec or a ``(lat, lon)`` pair) when given,
-    else every rank's extents (one all-gather of one integer along each axis)."""
+    else every rank's extents (one all-gather of two integers over the domain group), refused
+    on every rank alike unless they are the blocks of one grid (a band, say: its rows differ
+    along a longitude row, or its columns are the whole field's on every rank)."""
     if spec is not None:
-        blocks = as_block_spec(spec, dims)
+        blocks = as_block_spec(spec, dims, rank=m.rank, fix=_BAND_FIX)
         if blocks.block_shape(m.domain_rank) != (x.size(dims[0]), x.size(dims[1])):
             raise ConfigError(
                 f"rank {m.rank}: spec {blocks!r} gives this rank a block of "
@@ -259,9 +268,17 @@ def block_input(
                 f"tensor was cut by (or leave spec out to learn them)"
             )
         return blocks
-    t_lat = m.transport("lat", x.device)
-    lat = [int(r[0]) for r in t_lat.all_gather_ints([x.size(dims[0])])]
-    lon = [int(r[0]) for r in t_lon.all_gather_ints([x.size(dims[1])])]
+    t = m.transport(None, x.device)
+    ext = [(int(r[0]), int(r[1])) for r in t.all_gather_ints([x.size(dims[0]), x.size(dims[1])])]
+    p_lat, p_lon = m.grid
+    lat = [ext[i * p_lon][0] for i in range(p_lat)]
+    lon = [ext[j][1] for j in range(p_lon)]
+    if any(ext[i * p_lon + j] != (lat[i], lon[j]) for i in range(p_lat) for j in range(p_lon)):
+        raise ConfigError(
+            f"rank {m.rank}: the domain ranks hold {ext} (rows, columns along dims {dims}), "
+            f"which are not the blocks of the grid {m.grid}: a block's rows are its longitude "
+            f"row's, its columns its latitude column's; pass each rank's block{_BAND_FIX}"
+        )
     return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
 
 
@@ -274,7 +291,7 @@ def block_output(
         full = [0] * (max(dims) + 1)
         full[dims[0]], full[dims[1]] = shape
         return m.block_spec(full, dims)
-    blocks = as_block_spec(out_spec, dims)
+    blocks = as_block_spec(out_spec, dims, rank=m.rank, fix=_BAND_FIX)
     if blocks.shape != shape:
         raise ConfigError(
             f"rank {m.rank}: out_spec {blocks!r} cuts {blocks.shape} but the output is "
