@@ -18,7 +18,6 @@ Checks are asserted only after every collective of a test.
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import rand, refusal
 from mpi4py import MPI
+from test_dropin_setups import _free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -55,12 +55,6 @@ def same_grads(model, serial):
 
 
 # -- a 1-D mesh or group of the user's is bands --------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
