@@ -79,13 +79,14 @@ def _conv():
 @pytest.mark.mpi(min_size=2)  # one rank: the grid (1, 1) is bands
 def test_a_1d_mesh_and_group_of_the_users_are_bands_beside_blocks(own_then_blocks):
     from mpidp.compat.physicsnemo.domain_parallel import scatter_tensor
-    from mpidp.parallel import apply_domain_parallel
+    from mpidp.parallel import apply_domain_parallel, build_device_mesh
 
     m = own_then_blocks
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("spatial",))
     group = dist.new_group(list(range(WORLD)))
     grids = [manager_for(mesh).grid, manager_for(group).grid]
-    own = [manager_for(m.domain_group) is m, manager_for(m.domain_mesh) is m]
+    built = build_device_mesh({"data": "none", "tensor": 1, "domain": (1, WORLD)})["domain"]
+    own = [manager_for(x) is m for x in (m.domain_group, m.domain_mesh, built)]
 
     x, w = rand((1, 3, H, W), 1), rand((1, 4, H, W), 2)
     xr = x.clone().requires_grad_()
@@ -115,7 +116,7 @@ def test_a_1d_mesh_and_group_of_the_users_are_bands_beside_blocks(own_then_block
     credit += same_grads(model, serial)
 
     assert grids == [(WORLD, 1), (WORLD, 1)] and m.grid == (1, WORLD)
-    assert own == [True, True]  # mpidp's own domain group and mesh keep their manager
+    assert own == [True] * 3  # mpidp's own domain group and meshes keep their manager
     assert all(pnm), pnm
     assert all(credit), credit
 
