@@ -10,6 +10,7 @@ alone, every primitive there the identity) each is the band primitive it always 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ def _cut_pair(spec: Any) -> bool:
     def cut(c: Any) -> bool:
         if isinstance(c, ShardSpec):
             return True
-        return isinstance(c, Sequence) and all(isinstance(n, int) for n in c)
+        return isinstance(c, Sequence) and all(isinstance(n, numbers.Integral) for n in c)
 
     return isinstance(spec, tuple | list) and len(spec) == 2 and all(cut(c) for c in spec)
 

@@ -3,6 +3,7 @@ FFT, a halo exchange, a cut of blocks) is a ConfigError naming it, never a TypeE
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mpidp.errors import ConfigError
@@ -18,5 +19,5 @@ def test_one_cut_is_not_blocks(spec):
 
 
 def test_a_pair_of_cuts_is_blocks():
-    got = as_block_spec(([7, 6], ShardSpec((10, 9))), (2, 3))
+    got = as_block_spec((np.array([7, 6]).tolist(), list(np.array([10, 9]))), (2, 3))
     assert got == BlockSpec(ShardSpec((7, 6)), ShardSpec((10, 9)), (2, 3))
