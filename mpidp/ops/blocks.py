@@ -69,6 +69,28 @@ def as_block_spec(
     return BlockSpec(lat, lon, dims)
 
 
+def learn_blocks(
+    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], fix: str = ""
+) -> BlockSpec:
+    """The blocks of ``m``'s grid that every rank's ``x`` is one of, from every rank's extents
+    along ``dims`` (one all-gather of two integers over the domain group). Refused on every
+    rank alike unless they are blocks of the grid: a block's rows are its longitude row's, its
+    columns its latitude column's (a band's rows differ along a longitude row). ``fix``: the
+    caller's other way out. Collective over the domain group."""
+    t = m.transport(None, x.device)
+    ext = [(int(r[0]), int(r[1])) for r in t.all_gather_ints([x.size(dims[0]), x.size(dims[1])])]
+    p_lat, p_lon = m.grid
+    lat = [ext[i * p_lon][0] for i in range(p_lat)]
+    lon = [ext[j][1] for j in range(p_lon)]
+    if any(ext[i * p_lon + j] != (lat[i], lon[j]) for i in range(p_lat) for j in range(p_lon)):
+        raise ConfigError(
+            f"rank {m.rank}: the domain ranks hold {ext} (rows, columns along dims {dims}), "
+            f"which are not the blocks of the grid {m.grid}: a block's rows are its longitude "
+            f"row's, its columns its latitude column's; pass each rank's block{fix}"
+        )
+    return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
+
+
 def _cut_pair(spec: Any) -> bool:
     """Whether ``spec`` is two cuts, each a ShardSpec or a sequence of sizes."""
 

@@ -16,7 +16,7 @@ import torch
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.ops.bands import learn_spec
-from mpidp.ops.blocks import as_block_spec
+from mpidp.ops.blocks import as_block_spec, learn_blocks
 from mpidp.ops.collectives import all_to_all_v
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager, get_manager
@@ -255,9 +255,7 @@ def block_input(
     m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any
 ) -> BlockSpec:
     """The blocks ``x`` is one of: ``spec`` (a BlockSpec or a ``(lat, lon)`` pair) when given,
-    else every rank's extents (one all-gather of two integers over the domain group), refused
-    on every rank alike unless they are the blocks of one grid (a band, say: its rows differ
-    along a longitude row, or its columns are the whole field's on every rank)."""
+    else every rank's extents (:func:`~mpidp.ops.blocks.learn_blocks`: a band is refused)."""
     if spec is not None:
         blocks = as_block_spec(spec, dims, rank=m.rank, fix=_BAND_FIX)
         if blocks.block_shape(m.domain_rank) != (x.size(dims[0]), x.size(dims[1])):
@@ -268,18 +266,7 @@ def block_input(
                 f"tensor was cut by (or leave spec out to learn them)"
             )
         return blocks
-    t = m.transport(None, x.device)
-    ext = [(int(r[0]), int(r[1])) for r in t.all_gather_ints([x.size(dims[0]), x.size(dims[1])])]
-    p_lat, p_lon = m.grid
-    lat = [ext[i * p_lon][0] for i in range(p_lat)]
-    lon = [ext[j][1] for j in range(p_lon)]
-    if any(ext[i * p_lon + j] != (lat[i], lon[j]) for i in range(p_lat) for j in range(p_lon)):
-        raise ConfigError(
-            f"rank {m.rank}: the domain ranks hold {ext} (rows, columns along dims {dims}), "
-            f"which are not the blocks of the grid {m.grid}: a block's rows are its longitude "
-            f"row's, its columns its latitude column's; pass each rank's block{_BAND_FIX}"
-        )
-    return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
+    return learn_blocks(m, x, dims, _BAND_FIX)
 
 
 def block_output(
