@@ -187,24 +187,17 @@ class SpectralConv2d(_Spectral):
         if 2 * self.modes1 > h:
             raise ValueError(f"modes1={self.modes1} needs H >= {2 * self.modes1} (H = {h})")
         lo, hi = held.start, min(held.stop, self.modes2)  # the kept W modes held here
-        n = max(hi - lo, 0)
-        m = self.modes1
+        n, m = max(hi - lo, 0), self.modes1
         out = X.new_zeros(X.size(0), self.out_channels, h, X.size(-1))
-        if n:
-            w1 = torch.view_as_complex(self.weights1)[..., lo:hi]
-            w2 = torch.view_as_complex(self.weights2)[..., lo:hi]
-            out[..., :m, :n] = torch.einsum("bixy,ioxy->boxy", X[..., :m, :n], w1)
-            out[..., h - m :, :n] = torch.einsum("bixy,ioxy->boxy", X[..., h - m :, :n], w2)
-        # joined to the input and the weights on every rank, also where no kept mode is held,
-        # so every rank's backward reaches the exchanges of the FFTs
-        out = out + _anchor(X, self.weights1, self.weights2)
+        # run also where no kept mode is held (n = 0: empty products): the output then still
+        # depends on the input and the weights, so every rank's backward reaches the exchanges
+        # of the FFTs and gives the weights a (zero) gradient; no extra term is needed, which
+        # on a ShardedTensor would have to read across its cut dims
+        w1 = torch.view_as_complex(self.weights1)[..., lo : lo + n]
+        w2 = torch.view_as_complex(self.weights2)[..., lo : lo + n]
+        out[..., :m, :n] = torch.einsum("bixy,ioxy->boxy", X[..., :m, :n], w1)
+        out[..., h - m :, :n] = torch.einsum("bixy,ioxy->boxy", X[..., h - m :, :n], w2)
         return self._irfft2(out, (h, self._width(x)))
-
-
-def _anchor(*tensors: torch.Tensor) -> torch.Tensor:
-    """A zero that depends on every tensor (an empty slice summed): adding it keeps them in
-    the graph without changing a value, even where they hold inf or NaN."""
-    return sum(t.reshape(-1)[:0].sum() for t in tensors)  # type: ignore[return-value]
 
 
 class FNO2d(nn.Module):

@@ -10,7 +10,9 @@ alone, every primitive there the identity) each is the band primitive it always 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,12 +50,56 @@ def grid_transports(
     return m, axis_transport(m, "lat", device), axis_transport(m, "lon", device)
 
 
-def as_block_spec(spec: SpecLike, dims: tuple[int, int]) -> BlockSpec:
-    """A BlockSpec from a BlockSpec or a ``(lat, lon)`` pair of ShardSpecs or sizes."""
+def as_block_spec(
+    spec: SpecLike, dims: tuple[int, int], *, rank: int | None = None, fix: str = ""
+) -> BlockSpec:
+    """A BlockSpec from a BlockSpec or a ``(lat, lon)`` pair of ShardSpecs or sizes. Anything
+    else (a band's one cut names no columns) is a ConfigError; ``fix``: the caller's other way
+    out, ``rank`` this rank for the message."""
     if isinstance(spec, BlockSpec):
         return spec
+    if not _cut_pair(spec):
+        raise ConfigError(
+            f"{'' if rank is None else f'rank {rank}: '}spec {spec!r} is not the blocks of a "
+            f"latitude x longitude grid (a BlockSpec, or a (lat, lon) pair of cuts): one cut, "
+            f"as a band's, names no columns; pass manager.block_spec(shape, dims), or the pair "
+            f"of the block's cuts{fix}"
+        )
     lat, lon = (s if isinstance(s, ShardSpec) else ShardSpec.from_sizes(s) for s in spec)
     return BlockSpec(lat, lon, dims)
+
+
+def learn_blocks(
+    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], fix: str = ""
+) -> BlockSpec:
+    """The blocks of ``m``'s grid that every rank's ``x`` is one of, from every rank's extents
+    along ``dims`` (one all-gather of two integers over the domain group). Refused on every
+    rank alike unless they are blocks of the grid: a block's rows are its longitude row's, its
+    columns its latitude column's (a band's rows differ along a longitude row). ``fix``: the
+    caller's other way out. Collective over the domain group."""
+    t = m.transport(None, x.device)
+    ext = [(int(r[0]), int(r[1])) for r in t.all_gather_ints([x.size(dims[0]), x.size(dims[1])])]
+    p_lat, p_lon = m.grid
+    lat = [ext[i * p_lon][0] for i in range(p_lat)]
+    lon = [ext[j][1] for j in range(p_lon)]
+    if any(ext[i * p_lon + j] != (lat[i], lon[j]) for i in range(p_lat) for j in range(p_lon)):
+        raise ConfigError(
+            f"rank {m.rank}: the domain ranks hold {ext} (rows, columns along dims {dims}), "
+            f"which are not the blocks of the grid {m.grid}: a block's rows are its longitude "
+            f"row's, its columns its latitude column's; pass each rank's block{fix}"
+        )
+    return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
+
+
+def _cut_pair(spec: Any) -> bool:
+    """Whether ``spec`` is two cuts, each a ShardSpec or a sequence of sizes."""
+
+    def cut(c: Any) -> bool:
+        if isinstance(c, ShardSpec):
+            return True
+        return isinstance(c, Sequence) and all(isinstance(n, numbers.Integral) for n in c)
+
+    return isinstance(spec, tuple | list) and len(spec) == 2 and all(cut(c) for c in spec)
 
 
 def _check(spec: BlockSpec, m: DistributedManager, t_lat: Transport, t_lon: Transport) -> None:

@@ -137,7 +137,7 @@ def _forward2(
     if t_lon is None:
         rows = input_spec(x, sd, t, _lat(spec))
     else:  # blocks: the pencil transpose along the longitude row gives whole rows
-        p = pencils(m, block_input(m, x, (sd, local), spec, t_lon))
+        p = pencils(m, block_input(m, x, (sd, local), spec))
         x = transpose(x, t_lon, p.sub, sd, p.blocks.lon, local)
         rows = p.rows
     if t.size == 1:
@@ -218,7 +218,9 @@ def rfft2(
     be the sharded dim (the halved ``dim[1]`` is local). ``s`` crops or zero-pads as torch
     does (H too: the rows are gathered first). On blocks ``x`` is (..., H_r, W_c), ``spec`` a
     BlockSpec (learned when left out), and one more all-to-all along the longitude row comes
-    first. Collective over ``group`` (on blocks: the domain group)."""
+    first; a band there (its cut as ``spec``, or extents that are no blocks of the grid) is a
+    ConfigError on every rank: ``group=manager.transport()`` transforms it as a band of the
+    domain group. Collective over ``group`` (on blocks: the domain group)."""
     return _forward2(x, s, dim, norm, True, manager, group, spec, out_spec, shard_dim)
 
 

@@ -16,7 +16,7 @@ import torch
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
 from mpidp.ops.bands import learn_spec
-from mpidp.ops.blocks import as_block_spec
+from mpidp.ops.blocks import as_block_spec, learn_blocks
 from mpidp.ops.collectives import all_to_all_v
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager, get_manager
@@ -244,13 +244,20 @@ def pencils(m: DistributedManager, blocks: BlockSpec) -> Pencils:
     return Pencils(blocks, cuts[m.grid_coords[0]], rows)
 
 
+#: the other way out for a band given to a 2-D transform on a grid of blocks
+_BAND_FIX = (
+    " (with x this rank's block: mpidp.shard_tensor(x, dim=(-2, -1))), or for a band of the "
+    "domain group transform it over that group: group=manager.transport()"
+)
+
+
 def block_input(
-    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any, t_lon: Transport
+    m: DistributedManager, x: torch.Tensor, dims: tuple[int, int], spec: Any
 ) -> BlockSpec:
     """The blocks ``x`` is one of: ``spec`` (a BlockSpec or a ``(lat, lon)`` pair) when given,
-    else every rank's extents (one all-gather of one integer along each axis)."""
+    else every rank's extents (:func:`~mpidp.ops.blocks.learn_blocks`: a band is refused)."""
     if spec is not None:
-        blocks = as_block_spec(spec, dims)
+        blocks = as_block_spec(spec, dims, rank=m.rank, fix=_BAND_FIX)
         if blocks.block_shape(m.domain_rank) != (x.size(dims[0]), x.size(dims[1])):
             raise ConfigError(
                 f"rank {m.rank}: spec {blocks!r} gives this rank a block of "
@@ -259,10 +266,7 @@ def block_input(
                 f"tensor was cut by (or leave spec out to learn them)"
             )
         return blocks
-    t_lat = m.transport("lat", x.device)
-    lat = [int(r[0]) for r in t_lat.all_gather_ints([x.size(dims[0])])]
-    lon = [int(r[0]) for r in t_lon.all_gather_ints([x.size(dims[1])])]
-    return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon), dims)
+    return learn_blocks(m, x, dims, _BAND_FIX)
 
 
 def block_output(
@@ -274,7 +278,7 @@ def block_output(
         full = [0] * (max(dims) + 1)
         full[dims[0]], full[dims[1]] = shape
         return m.block_spec(full, dims)
-    blocks = as_block_spec(out_spec, dims)
+    blocks = as_block_spec(out_spec, dims, rank=m.rank, fix=_BAND_FIX)
     if blocks.shape != shape:
         raise ConfigError(
             f"rank {m.rank}: out_spec {blocks!r} cuts {blocks.shape} but the output is "

@@ -95,7 +95,8 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
     """The domain manager of ``domain``: a :class:`~mpidp.DistributedManager` (itself), a 1-D
     DeviceMesh, a torch ProcessGroup, or None (mpidp's default manager). ``gradients``: the
     convention (None: whichever the found manager has; mpidp's own managers are ``"shares"``).
-    Local: no communication."""
+    A 1-D mesh or a group of the user's is bands (the grid ``(P, 1)``), also where a manager of
+    blocks over the same ranks exists; a 2-D mesh is its grid. Local: no communication."""
     if gradients is not None and gradients not in GRADIENTS:
         raise ConfigError(f"gradients={gradients!r}; pass one of {GRADIENTS}")
     if isinstance(domain, DistributedManager):
@@ -118,12 +119,35 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
             f"rank {dist.get_rank()}: the domain group {list(ranks)} does not hold this rank; "
             f"pass the group (or mesh) this rank belongs to"
         )
-    grid = tuple(mesh.shape) if mesh is not None and mesh.ndim == 2 else None
-    for m in _own_managers():
+    own = _own_managers()
+    grid = _grid_of(domain, mesh, len(ranks), own)
+    for m in own:
         if m.domain_ranks == ranks and gradients in (None, m.gradients):
             if grid is None or m.grid == grid:
                 return m
     return _adopt(group, mesh, gradients or "shares", None)
+
+
+#: the dim names of the meshes mpidp builds (a manager's, mpidp.parallel.build_device_mesh's):
+#: their "domain" dim is one dim whatever the manager's grid
+_BUILT = {("dp", "domain"), ("dp", "tp", "domain")}
+
+
+def _grid_of(
+    domain: Any, mesh: DeviceMesh | None, size: int, own: list[DistributedManager]
+) -> tuple[int, ...] | None:
+    """The grid a manager must have to serve ``domain``: a 2-D mesh's shape; bands ``(P, 1)``
+    for a 1-D mesh or a group of the user's (one dim: nothing in it names a longitude cut, so
+    a manager of blocks over the same ranks would take each band for a block); None (the
+    manager's, blocks too) for mpidp's own domain group or the "domain" dim of a mesh mpidp
+    built, which is one dim over a grid of blocks."""
+    if mesh is not None and mesh.ndim == 2:
+        return tuple(mesh.shape)
+    if mesh is None:
+        return None if any(domain is m.domain_group for m in own) else (size, 1)
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    built = root is not mesh and tuple(root.mesh_dim_names or ()) in _BUILT
+    return None if built and mesh.mesh_dim_names == ("domain",) else (size, 1)
 
 
 def _group_of(mesh: DeviceMesh) -> Any:
