@@ -1,9 +1,14 @@
 """The scaling model (mpidp/preflight/scaling.py, ``mpidp plan --scaling``) against real steps on
 this machine, on bands and on blocks, and its predictions to 1024 ranks.
 
-    python bench/scaling_model.py --json docs/bench/scaling_model.json    # the checks
+    python bench/scaling_model.py --validate --json docs/bench/scaling_validate.json
+    python bench/scaling_model.py --json docs/bench/scaling_model.json    # bands and blocks
     python bench/scaling_model.py --given 1.3934 0.009919 1.0006e-6 1.2366e10 \
         --json docs/bench/scaling_published.json --plot docs/bench/scaling_model.png
+
+``--validate`` is the check of the step time that survives a shared machine: P = 2 and 4
+(oversubscribed on 2 cores) against P = 1 in the same job, interleaved (see validate()).
+Without it:
 
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
    for the latency ``alpha``, 4 MB for the bandwidth ``beta``), medians.
@@ -17,13 +22,16 @@ this machine, on bands and on blocks, and its predictions to 1024 ranks.
    (reported as such).
 3. The model's prediction for the same grids from the P = 1 figures alone (the plain step as
    the compute, the converted step minus it as the front end's fixed cost), the measured
-   network and the per-call cost of ``docs/bench/percall.json`` (its converted conv over
-   torch's), with the error of each; then, with ``--publish``, predictions to P = 1024 at
+   network, this machine's copy rate (``copy_bytes_per_second``, at the copies' sizes) and
+   the per-call cost of ``docs/bench/percall.json`` (its converted conv over torch's), with
+   the error of each; then, with ``--publish``, predictions to P = 1024 at
    721 x 1440 and 1801 x 3600 on bands and on each P's best blocks, for this machine's
    network and two GPU cluster presets (``mpidp.preflight.scaling.NETWORKS``), from a serial
    step timed here at 721 x 1440 (1801 x 3600: scaled by the points, the U-Net's work).
    ``--given SERIAL FIXED ALPHA BETA`` publishes only, from figures of an earlier quiet
-   sitting (a loaded machine inflates all four).
+   sitting (a loaded machine inflates all four), with the copy rate measured now at
+   721 x 1440's sizes (the fastest of several copies: the load barely moves it) or given
+   (``--copy-rate``).
 Not a test.
 """
 
@@ -214,11 +222,13 @@ def validate(args: argparse.Namespace, per_call: float) -> dict[str, Any]:
                 fixed=got["mpidp_p1"] - got["plain_p1"], copy_rate=got["copy_rate"],
             )  # fmt: skip
             run = {"run": k + 1, "parts": p, "oversubscribed": p > cores, "measured": got,
-                   "predicted": dataclasses.asdict(pt) | {"fixed": pt.fixed},
+                   "predicted": dataclasses.asdict(pt),
                    "error": (pt.step - got["step"]) / got["step"],
                    "compute_error": (pt.compute - got["floor"]) / got["floor"]}  # fmt: skip
             runs.append(run)
             print(json.dumps({k: run[k] for k in ("run", "parts", "error", "compute_error")}))
+            if args.json:  # each run as it ends
+                Path(args.json).write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     doc = {"shape": list(shape), "per_call": per_call, "steps": args.steps, "runs": runs}
     doc["median_error"] = {
         str(p): statistics.median(r["error"] for r in runs if r["parts"] == p) for p in (2, 4)
@@ -282,6 +292,9 @@ def main() -> None:
         help="the 15%% check: P = 2 and 4 against P = 1 in the same job (see validate())",
     )
     parser.add_argument("--repeats", type=int, default=3, help="with --validate: jobs of each P")
+    parser.add_argument(
+        "--copy-rate", type=float, default=None, help="bytes/s of copies (default: measured)"
+    )
     parser.add_argument("--mode", choices=("pingpong", "step", "validate"), default="step")
     parser.add_argument("--domain", default="1", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -296,7 +309,8 @@ def main() -> None:
         return
     from common import run_worker
 
-    from mpidp.preflight.scaling import Network
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import Network, copy_bytes_per_second
     from mpidp.runtime.grid import parse_domain
 
     percall = HERE.parent / "docs" / "bench" / "percall.json"
@@ -308,7 +322,7 @@ def main() -> None:
         serial, fixed, alpha, beta = args.given
         quiet = Network("this machine", alpha, beta, "measured here, a quiet sitting")
         doc = {"given": args.given, "per_call": per_call}
-        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial)
+        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial, args.copy_rate)
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         if args.plot:
@@ -333,6 +347,10 @@ def main() -> None:
     # the compute the model scales is the plain model's; what mpidp's front end adds to a step
     # whatever P is measured at P = 1 (the converted step minus the plain one)
     kw = {"serial_step": one["floor"], "per_call": per_call, "fixed": one["step"] - one["floor"]}
+    kw["copy_rate"] = args.copy_rate or copy_bytes_per_second(
+        build_model("unet", args.channels, tuple(args.grid)),  # type: ignore[arg-type]
+        shape,
+    )
     doc = {
         "shape": list(shape),
         "per_call": per_call,
@@ -343,7 +361,7 @@ def main() -> None:
     if args.json:  # written now, and again with the predictions (they take minutes)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.publish:
-        doc["published"] = publish(args.channels, here, per_call, kw["fixed"])
+        doc["published"] = publish(args.channels, here, per_call, kw["fixed"], None, args.copy_rate)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot and args.publish:
@@ -408,15 +426,23 @@ PRESETS = ("infiniband-ndr", "nvlink-h100")
 
 
 def publish(
-    channels: int, here: Any, per_call: float, fixed: float, serial: float | None = None
+    channels: int,
+    here: Any,
+    per_call: float,
+    fixed: float,
+    serial: float | None = None,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     """Predictions to P = 1024 on bands and on each P's best blocks, for every network, at
     the published grids; the serial step at the first (``serial``, or timed here), scaled
-    by the points at the others."""
+    by the points at the others; the copy rate (``rate``, or measured here at the first's
+    copies at P = 2: the largest, so the rate of main memory, not of the caches that the
+    copies of many ranks fit in)."""
     from mpidp.preflight.plan import build_model
     from mpidp.preflight.scaling import (
         NETWORKS,
         as_dicts,
+        copy_bytes_per_second,
         predict_scaling,
         serial_step_seconds,
         table,
@@ -431,8 +457,10 @@ def publish(
         if base is None:
             first = serial if serial is not None else serial_step_seconds(model, shape, repeats=2)
             base = (first, grid[0] * grid[1])
+            rate = rate or copy_bytes_per_second(model, shape)
+            print(f"copy rate {rate / 1e9:.2f} GB/s")
         step = base[0] * grid[0] * grid[1] / base[1]
-        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed}
+        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed, "copy_rate": rate}
         curves = {}
         # priced once, on this machine's network; the presets re-price the same ranks' messages
         # and bytes (ScalingPoint.on)
@@ -447,10 +475,10 @@ def publish(
                 "blocks": as_dicts(blocks),
             }
             print()
-            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands"))
-            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks"))
+            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands", rate))
+            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks", rate))
         out[f"{grid[0]}x{grid[1]}"] = {"shape": list(shape), "serial_step": step,
-                                       "curves": curves}  # fmt: skip
+                                       "copy_rate": rate, "curves": curves}  # fmt: skip
     return out
 
 

@@ -121,17 +121,13 @@ class ScalingPoint:
     comm_bytes: float = 0.0  #: and the bytes over the bandwidth
     copies: float = 0.0  #: seconds of copies a serial step does not make (of ``step``)
     copy_bytes: float = 0.0  #: and their bytes
+    fixed: float = 0.0  #: what the front end adds to the step whatever P (of ``step``)
 
     def on(self, network: Network) -> ScalingPoint:
         """The same rank's step priced on another ``network`` (its messages and bytes are
         the grid's; the rank stays the one that was busiest)."""
         comm = network.seconds(self.messages, self.comm_bytes)
         return dataclasses.replace(self, step=self.step - self.comm + comm, comm=comm)
-
-    @property
-    def fixed(self) -> float:
-        """What the front end adds to the step whatever P (the rest of ``step``)."""
-        return self.step - self.compute - self.comm - self.copies - self.calls
 
     @property
     def comm_fraction(self) -> float:
@@ -171,8 +167,9 @@ def copy_bytes_per_second(
     ``copy_rate`` of :func:`predict_scaling`. The slope of the time against the bytes of a
     ``torch.cat`` of a band with one halo row on each side and of the ``narrow`` of its
     interior made contiguous (the backward's copy), fitted over up to six of those sizes, so
-    the fixed cost of a call stays out of it (that is ``per_call``). Each time is the fastest
-    of ``repeats``: a copy varies with nothing but the machine's load. Local."""
+    the fixed cost of a call stays out of it (that is ``per_call``). Each time is this
+    thread's CPU time, the fastest of ``repeats``: a copy the system preempts on a shared
+    machine is not slowed by it. Local."""
     import time
 
     priced = plan_model(model, global_shape, parts, dtype=dtype, simulate=False, compare=False)
@@ -193,10 +190,10 @@ def copy_bytes_per_second(
         edge = torch.randn(1, 1, 1, width)
         best = math.inf
         for _ in range(repeats + 1):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             halo = torch.cat([edge, band, edge], dim=-2)
             halo.narrow(-2, 1, rows - 2).contiguous()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, time.thread_time() - t0)
         xs.append(float(2 * band.nbytes + 2 * edge.nbytes))  # the bytes written, as priced
         ys.append(best)
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -285,7 +282,7 @@ def _point(
         step = compute + comm + copies + calls + fixed
         point = ScalingPoint(
             parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols,
-            cost.activation_bytes, messages, nbytes, copies, float(copied),
+            cost.activation_bytes, messages, nbytes, copies, float(copied), fixed,
         )  # fmt: skip
         if best is None or point.step > best.step:
             best = point
