@@ -1,9 +1,14 @@
 """The scaling model (mpidp/preflight/scaling.py, ``mpidp plan --scaling``) against real steps on
 this machine, on bands and on blocks, and its predictions to 1024 ranks.
 
-    python bench/scaling_model.py --json docs/bench/scaling_model.json    # the checks
+    python bench/scaling_model.py --validate --json docs/bench/scaling_validate.json
+    python bench/scaling_model.py --json docs/bench/scaling_model.json    # bands and blocks
     python bench/scaling_model.py --given 1.3934 0.009919 1.0006e-6 1.2366e10 \
         --json docs/bench/scaling_published.json --plot docs/bench/scaling_model.png
+
+``--validate`` is the check of the step time that survives a shared machine: P = 2 and 4
+(oversubscribed on 2 cores) against P = 1 in the same job, interleaved (see validate()).
+Without it:
 
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
    for the latency ``alpha``, 4 MB for the bandwidth ``beta``), medians.
@@ -17,13 +22,16 @@ this machine, on bands and on blocks, and its predictions to 1024 ranks.
    (reported as such).
 3. The model's prediction for the same grids from the P = 1 figures alone (the plain step as
    the compute, the converted step minus it as the front end's fixed cost), the measured
-   network and the per-call cost of ``docs/bench/percall.json`` (its converted conv over
-   torch's), with the error of each; then, with ``--publish``, predictions to P = 1024 at
+   network, this machine's copy rate (``copy_bytes_per_second``, at the copies' sizes) and
+   the per-call cost of ``docs/bench/percall.json`` (its converted conv over torch's), with
+   the error of each; then, with ``--publish``, predictions to P = 1024 at
    721 x 1440 and 1801 x 3600 on bands and on each P's best blocks, for this machine's
    network and two GPU cluster presets (``mpidp.preflight.scaling.NETWORKS``), from a serial
    step timed here at 721 x 1440 (1801 x 3600: scaled by the points, the U-Net's work).
    ``--given SERIAL FIXED ALPHA BETA`` publishes only, from figures of an earlier quiet
-   sitting (a loaded machine inflates all four).
+   sitting (a loaded machine inflates all four), with the copy rate measured now at
+   721 x 1440's sizes (the fastest of several copies: the load barely moves it) or given
+   (``--copy-rate``).
 Not a test.
 """
 
@@ -41,11 +49,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def pingpong() -> dict[str, float]:
+def pingpong(comm: Any = None) -> dict[str, float]:
+    """alpha and beta between ranks 0 and 1 of ``comm`` (the world's when None), which has
+    two ranks."""
     import numpy as np
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
     out = {}
     for name, nbytes, repeats in (("small", 8, 2000), ("large", 4 << 20, 40)):
@@ -120,6 +130,138 @@ def step(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def validate_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Under ``mpiexec -n P``: this machine's network (ranks 0 and 1) and copy rate (rank 0),
+    then rounds of four steps of the U-Net, interleaved so that a slow spell of the machine
+    hits them alike (``common.timed_round_robin``, the median round of the slowest rank): the
+    plain model on the whole field on rank 0 alone (P = 1's compute, the others waiting in a
+    barrier), the converted model there too (every layer's torch forward: P = 1's step), the
+    converted model on every rank's band (the step predicted) and the plain model on each
+    band alone (the compute floor)."""
+    import copy
+
+    import torch
+    from common import timed_round_robin
+    from mpi4py import MPI
+
+    import mpidp
+    from mpidp.layers.base import torch_path
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import copy_bytes_per_second
+
+    world = MPI.COMM_WORLD
+    rank, p = world.Get_rank(), world.Get_size()
+    pair = world.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    net = pingpong(pair) if rank < 2 else {}
+    grid = tuple(args.grid)
+    shape = (1, args.channels, *grid)
+    torch.manual_seed(0)
+    full = build_model("unet", args.channels, grid)
+    rate = copy_bytes_per_second(full, shape, parts=p) if rank == 0 else 0.0
+    world.Barrier()
+    m = mpidp.init(domain_parallel_size=p)
+    mpidp.broadcast_parameters(full, m)
+    converted = mpidp.convert_to_domain_parallel(copy.deepcopy(full), m)
+    spec = m.spec(grid[0])
+    xf = torch.randn(shape)
+    x = xf.narrow(2, spec.start(m.domain_rank), spec.sizes[m.domain_rank]).contiguous()
+    band = build_model("unet", args.channels, tuple(x.shape[-2:]))  # type: ignore[arg-type]
+
+    def plain_p1() -> None:
+        if rank == 0:
+            full.zero_grad(set_to_none=True)
+            full(xf).square().mean().backward()
+
+    def mpidp_p1() -> None:
+        if rank == 0:
+            converted.zero_grad(set_to_none=True)
+            with torch_path():
+                converted(xf).square().mean().backward()
+
+    def distributed() -> None:
+        converted.zero_grad(set_to_none=True)
+        mpidp.global_mean(converted(x).square(), manager=m).backward()
+        mpidp.sync_gradients(converted, m)
+
+    def floor() -> None:
+        band.zero_grad(set_to_none=True)
+        band(x).square().mean().backward()
+
+    fns = {"plain_p1": plain_p1, "mpidp_p1": mpidp_p1, "step": distributed, "floor": floor}
+    ms = timed_round_robin(fns, world, args.steps)
+    out = {"ranks": p, "copy_rate": rate, **net, **{k: v / 1e3 for k, v in ms.items()}}
+    m.shutdown()
+    return out
+
+
+def validate(args: argparse.Namespace, per_call: float) -> dict[str, Any]:
+    """``--validate``: ``--repeats`` jobs of each of P = 2 and 4 (:func:`validate_worker`),
+    each P's step predicted from the same job's P = 1 figures (the plain step as the compute,
+    the converted one minus it as the front end's fixed cost), network and copy rate; the
+    error of each run and the median of each P; a markdown table beside the JSON."""
+    from common import run_worker
+
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import Network, predict_scaling
+
+    shape = (1, args.channels, *args.grid)
+    model = build_model("unet", args.channels, tuple(args.grid))  # type: ignore[arg-type]
+    cli = ["--grid", *map(str, args.grid), "--channels", str(args.channels)]
+    cli += ["--steps", str(args.steps), "--mode", "validate"]
+    cores = os.cpu_count() or 1
+    runs = []
+    for k in range(args.repeats):
+        for p in (2, 4):
+            # one rank per core polls while it waits (as an HPC job runs); more ranks than
+            # cores sleep instead (polling ranks would starve the ones that compute)
+            os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1" if p > cores else "0"
+            got = run_worker(__file__, p, cli)
+            net = Network("this machine", got["alpha"], got["beta"], "measured in the job")
+            (pt,) = predict_scaling(
+                model, shape, [p], serial_step=got["plain_p1"], network=net, per_call=per_call,
+                fixed=got["mpidp_p1"] - got["plain_p1"], copy_rate=got["copy_rate"],
+            )  # fmt: skip
+            run = {"run": k + 1, "parts": p, "oversubscribed": p > cores, "measured": got,
+                   "predicted": dataclasses.asdict(pt),
+                   "error": (pt.step - got["step"]) / got["step"],
+                   "compute_error": (pt.compute - got["floor"]) / got["floor"]}  # fmt: skip
+            runs.append(run)
+            print(json.dumps({k: run[k] for k in ("run", "parts", "error", "compute_error")}))
+            if args.json:  # each run as it ends
+                Path(args.json).write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    doc = {"shape": list(shape), "per_call": per_call, "steps": args.steps, "runs": runs}
+    doc["median_error"] = {
+        str(p): statistics.median(r["error"] for r in runs if r["parts"] == p) for p in (2, 4)
+    }
+    text = validation_table(doc)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        Path(args.json).with_suffix(".md").write_text(text + "\n")
+    return doc
+
+
+def validation_table(doc: dict[str, Any]) -> str:
+    """The markdown table of :func:`validate`'s runs: P = 1 (the prediction's input), and
+    each P's measured step against the predicted one and its terms, in ms."""
+    cells = ["run", "P", "P = 1: plain / converted", "step", "predicted", "error",
+             "compute (floor)", "comm", "copies", "calls", "fixed"]  # fmt: skip
+    lines = ["| " + " | ".join(cells) + " |", "|" + "---|" * 2 + "---:|" * (len(cells) - 2)]
+    for r in doc["runs"]:
+        got, pt = r["measured"], r["predicted"]
+        p = f"{r['parts']}" + (" (oversubscribed)" if r["oversubscribed"] else "")
+        row = [
+            str(r["run"]), p, f"{got['plain_p1'] * 1e3:.1f} / {got['mpidp_p1'] * 1e3:.1f}",
+            f"{got['step'] * 1e3:.1f}", f"{pt['step'] * 1e3:.1f}", f"{100 * r['error']:+.1f}%",
+            f"{pt['compute'] * 1e3:.1f} ({got['floor'] * 1e3:.1f}, "
+            f"{100 * r['compute_error']:+.1f}%)",
+            *(f"{pt[k] * 1e3:.2f}" for k in ("comm", "copies", "calls", "fixed")),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    med = ", ".join(f"P = {p}: {100 * e:+.1f}%" for p, e in doc["median_error"].items())
+    return "\n".join([*lines, "", f"median error over the runs: {med}"])
+
+
 #: the domains measured by default: P = 1, 2 (bands, 1 x 2 blocks), 4 (bands, 2 x 2 blocks)
 DOMAINS = ("1", "2", "1x2", "4", "2x2")
 
@@ -144,29 +286,43 @@ def main() -> None:
         help="publish only, from figures measured before (a quiet sitting): the serial step "
         "at 721 x 1440, the fixed cost per step (s), this machine's alpha (s), beta (B/s)",
     )
-    parser.add_argument("--mode", choices=("pingpong", "step"), default="step")
+    parser.add_argument(
+        "--validate",
+        action="store_true",
+        help="the 15%% check: P = 2 and 4 against P = 1 in the same job (see validate())",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="with --validate: jobs of each P")
+    parser.add_argument(
+        "--copy-rate", type=float, default=None, help="bytes/s of copies (default: measured)"
+    )
+    parser.add_argument("--mode", choices=("pingpong", "step", "validate"), default="step")
     parser.add_argument("--domain", default="1", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         from mpi4py import MPI
 
-        out = pingpong() if args.mode == "pingpong" else step(args)
+        workers = {"pingpong": lambda _: pingpong(), "step": step, "validate": validate_worker}
+        out = workers[args.mode](args)
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(json.dumps(out))
         return
     from common import run_worker
 
-    from mpidp.preflight.scaling import Network
+    from mpidp.preflight.plan import build_model
+    from mpidp.preflight.scaling import Network, copy_bytes_per_second
     from mpidp.runtime.grid import parse_domain
 
     percall = HERE.parent / "docs" / "bench" / "percall.json"
     per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+    if args.validate:
+        validate(args, per_call)
+        return
     if args.given is not None:
         serial, fixed, alpha, beta = args.given
         quiet = Network("this machine", alpha, beta, "measured here, a quiet sitting")
         doc = {"given": args.given, "per_call": per_call}
-        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial)
+        doc["published"] = publish(args.channels, quiet, per_call, fixed, serial, args.copy_rate)
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         if args.plot:
@@ -191,6 +347,10 @@ def main() -> None:
     # the compute the model scales is the plain model's; what mpidp's front end adds to a step
     # whatever P is measured at P = 1 (the converted step minus the plain one)
     kw = {"serial_step": one["floor"], "per_call": per_call, "fixed": one["step"] - one["floor"]}
+    kw["copy_rate"] = args.copy_rate or copy_bytes_per_second(
+        build_model("unet", args.channels, tuple(args.grid)),  # type: ignore[arg-type]
+        shape,
+    )
     doc = {
         "shape": list(shape),
         "per_call": per_call,
@@ -201,7 +361,7 @@ def main() -> None:
     if args.json:  # written now, and again with the predictions (they take minutes)
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.publish:
-        doc["published"] = publish(args.channels, here, per_call, kw["fixed"])
+        doc["published"] = publish(args.channels, here, per_call, kw["fixed"], None, args.copy_rate)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot and args.publish:
@@ -266,15 +426,23 @@ PRESETS = ("infiniband-ndr", "nvlink-h100")
 
 
 def publish(
-    channels: int, here: Any, per_call: float, fixed: float, serial: float | None = None
+    channels: int,
+    here: Any,
+    per_call: float,
+    fixed: float,
+    serial: float | None = None,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     """Predictions to P = 1024 on bands and on each P's best blocks, for every network, at
     the published grids; the serial step at the first (``serial``, or timed here), scaled
-    by the points at the others."""
+    by the points at the others; the copy rate (``rate``, or measured here at the first's
+    copies at P = 2: the largest, so the rate of main memory, not of the caches that the
+    copies of many ranks fit in)."""
     from mpidp.preflight.plan import build_model
     from mpidp.preflight.scaling import (
         NETWORKS,
         as_dicts,
+        copy_bytes_per_second,
         predict_scaling,
         serial_step_seconds,
         table,
@@ -289,8 +457,10 @@ def publish(
         if base is None:
             first = serial if serial is not None else serial_step_seconds(model, shape, repeats=2)
             base = (first, grid[0] * grid[1])
+            rate = rate or copy_bytes_per_second(model, shape)
+            print(f"copy rate {rate / 1e9:.2f} GB/s")
         step = base[0] * grid[0] * grid[1] / base[1]
-        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed}
+        kw = {"serial_step": step, "per_call": per_call, "fixed": fixed, "copy_rate": rate}
         curves = {}
         # priced once, on this machine's network; the presets re-price the same ranks' messages
         # and bytes (ScalingPoint.on)
@@ -305,10 +475,10 @@ def publish(
                 "blocks": as_dicts(blocks),
             }
             print()
-            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands"))
-            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks"))
+            print(table(bands, step, network, f"{grid[0]} x {grid[1]}, bands", rate))
+            print(table(blocks, step, network, f"{grid[0]} x {grid[1]}, best blocks", rate))
         out[f"{grid[0]}x{grid[1]}"] = {"shape": list(shape), "serial_step": step,
-                                       "curves": curves}  # fmt: skip
+                                       "copy_rate": rate, "curves": curves}  # fmt: skip
     return out
 
 

@@ -25,10 +25,11 @@ No MPI and no data: shape arithmetic on meta tensors, and every rank's forward s
 meta ShardedTensors. Exits 1 when the model cannot be cut this way (the problems are printed).
 Big models show their stages on stderr.
 
---scaling instead predicts the busiest rank's step time (compute, communication, the fixed
-cost of the calls), its speed-up and efficiency and its memory at P = 1, 2, 4, ... up to
-1024 (bands up to the grid's rows; then blocks, the shape of each P that moves the fewest
-bytes) from the model's serial step (timed here, or --step-seconds) and a
+--scaling instead predicts the busiest rank's step time (compute, communication, the copies
+a band step makes that a serial one does not, the fixed cost of the calls), its speed-up and
+efficiency and its memory at P = 1, 2, 4, ... up to 1024 (bands up to the grid's rows; then
+blocks, the shape of each P that moves the fewest bytes) from the model's serial step (timed
+here, or --step-seconds), this machine's copy rate (measured here, or --copy-rate) and a
 latency/bandwidth model of the network (--network, or --alpha and --beta);
 bench/scaling_model.py measures this machine's and checks the predictions against real steps.
 """
@@ -112,6 +113,14 @@ def add_plan(sub: Any) -> None:
         default=0.0,
         metavar="S",
         help="with --scaling: what the front end adds to every step (bench/scaling_model.py)",
+    )
+    plan.add_argument(
+        "--copy-rate",
+        type=float,
+        default=None,
+        metavar="B/S",
+        help="with --scaling: bytes per second of the copies a band step makes that a serial "
+        "one does not (default: measured here at the copies' sizes; 0: not priced)",
     )
     plan.add_argument(
         "--per-call",
@@ -219,6 +228,7 @@ def plan(args: argparse.Namespace) -> int:
 
 def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
     import dataclasses
+    import math
 
     import torch
 
@@ -227,6 +237,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
     from mpidp.preflight.scaling import (
         NETWORKS,
         as_dicts,
+        copy_bytes_per_second,
         predict_scaling,
         serial_step_seconds,
         table,
@@ -255,7 +266,13 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
         if step is None:
             print("mpidp plan: timing one serial step of the model here", file=sys.stderr)
             step = serial_step_seconds(model, shape, dtype=dtype)
+        rate = args.copy_rate
+        if rate is None:
+            print("mpidp plan: timing this machine's copies at the model's sizes", file=sys.stderr)
+            rate = copy_bytes_per_second(model, shape, dtype=dtype)
+        rate = rate or math.inf  # 0: not priced
         kw = {"serial_step": step, "network": network, "per_call": args.per_call}
+        kw["copy_rate"] = rate
         counts = [2**k for k in range(11)]
         points = predict_scaling(model, shape, counts, fixed=args.fixed, dtype=dtype, **kw)
         try:  # blocks: the best shape of each rank count
@@ -271,6 +288,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
     if args.json:
         doc = {
             "serial_step": step,
+            "copy_rate": rate if math.isfinite(rate) else None,
             "network": dataclasses.asdict(network),
             "points": as_dicts(points),
             "blocks": as_dicts(blocks),
@@ -278,10 +296,11 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
         }
         print(json.dumps(doc, indent=1))
     else:
-        print(table(points, step, network))
+        print(table(points, step, network, copy_rate=rate))
         print()
         if blocks:
-            print(table(blocks, step, network, "blocks (the shape moving the fewest bytes)"))
+            title = "blocks (the shape moving the fewest bytes)"
+            print(table(blocks, step, network, title, copy_rate=rate))
         else:
             print(f"blocks not priced: {unpriced}")
     return 0

@@ -63,13 +63,13 @@ class SpectralBands(DomainParallel):
     @classmethod
     def transpose_bytes(cls, layer: Any, rank: int, itemsize: int) -> int:
         """rfft2's all-to-all (this rank's rows of the others' modes) and irfft2's (the
-        others' rows of its modes), complex values; the backward sends the same again."""
-        d = len(layer.shape_in) + layer.dim_in
-        h, rows, k, mine = sum(layer.rows_in), layer.rows_in[rank], sum(layer.modes), 0
+        others' rows of its modes), complex values, and their adjoints in the backward
+        (irfft2's sends what rfft2's did, and the other way round): rfft2's and its adjoint
+        carry the input's channels, irfft2's and its adjoint the output's."""
+        h, rows, k = sum(layer.rows_in), layer.rows_in[rank], sum(layer.modes)
         mine = layer.modes[rank]
-        other = layer.row_elements("in") // layer.shape_in[d + 1]  # W follows H in both layouts
-        once = (rows * (k - mine) + (h - rows) * mine) * other * 2 * itemsize
-        return 2 * once
+        into, out = _point_values(layer)
+        return (rows * (k - mine) + (h - rows) * mine) * (into + out) * 2 * itemsize
 
     @classmethod
     def block_transpose_bytes(
@@ -86,8 +86,8 @@ class SpectralBands(DomainParallel):
         # weights; a policy of per-rank weights cuts no group of another size)
         subs = [partition.derived(n, p_lon).sizes if p_lon > 1 else (n,) for n in lat.rows_in]
         sub = subs[i][j]
-        other = lat.row_elements("in") // w  # the values of one point (batch, channels)
-        pencil = 2 * ((lat.rows_in[i] - sub) * cols + sub * (w - cols)) * other * itemsize
+        into, out = _point_values(lat)  # rfft2's pencil carries the input, irfft2's the output
+        pencil = ((lat.rows_in[i] - sub) * cols + sub * (w - cols)) * (into + out) * itemsize
         k_modes = w // 2 + 1
         rows = tuple(n for cut in subs for n in cut)  # the pencils' rows, in domain rank order
         modes = tuple(partition.derived(k_modes, p_lat * p_lon).sizes)
@@ -225,3 +225,14 @@ for _t, _l in (
     (PatchRecovery, DomainParallelPatchRecovery),
 ):
     register_layer(_t, _l)
+
+
+def _point_values(layer: Any) -> tuple[int, int]:
+    """The values of one grid point (batch x channels) of a spectral layer's input and of its
+    output (a :class:`~mpidp.preflight.validate.LayerSharding`; W follows H in both
+    layouts)."""
+    d_in, d_out = len(layer.shape_in) + layer.dim_in, len(layer.shape_out) + layer.dim_out
+    return (
+        layer.row_elements("in") // layer.shape_in[d_in + 1],
+        layer.row_elements("out") // layer.shape_out[d_out + 1],
+    )

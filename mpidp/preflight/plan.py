@@ -275,12 +275,21 @@ class ModelPlan:
                     f"{best.busiest_bytes / 1e6:.3f} MB per step on the busiest rank, "
                     f"{ratio:.2f}x fewer than bands ({self.parts} x 1)"
                 )
+            elif best.busiest_bytes == bands.busiest_bytes:  # no ratio of equals (0 and 0)
+                lines.append(
+                    f"bands ({self.parts} x 1) and the best blocks, {shape}, move as many "
+                    f"bytes: {bands.busiest_bytes / 1e6:.3f} MB per step on the busiest rank"
+                )
             else:
-                ratio = best.busiest_bytes / max(bands.busiest_bytes, 1)
+                more = (
+                    f"{best.busiest_bytes / bands.busiest_bytes:.2f}x more"
+                    if bands.busiest_bytes
+                    else f"{best.busiest_bytes / 1e6:.3f} MB"
+                )
                 lines.append(
                     f"bands ({self.parts} x 1) move the fewest bytes: "
                     f"{bands.busiest_bytes / 1e6:.3f} MB per step on the busiest rank; the best "
-                    f"blocks, {shape}, move {ratio:.2f}x more"
+                    f"blocks, {shape}, move {more}"
                 )
         return lines
 

@@ -17,6 +17,13 @@ For each P, the busiest rank's step is
   the statistics of each norm layer (an all-reduce: 2 log2 P latencies, forward and backward)
   and the gradient all-reduce of the parameters (ring: 2 (P - 1) / P of their bytes, 2 log2 P
   latencies);
+- **copies**: the bytes a band step copies that a serial step does not, over this machine's
+  copy rate (``copy_rate``, measured by :func:`copy_bytes_per_second`), when P > 1: each layer that
+  fetches a halo copies the rank's input with its halo into one tensor in the forward (the
+  concatenation of band and halo rows, or columns) and the gradient of as many bytes back to
+  the band in the backward; each transpose packs what it sends and unpacks what it receives;
+  the gradient sync packs the gradients into one buffer and back. These grow with the band's
+  bytes and the number of layers, not with the multiply-adds;
 - **calls**: the fixed cost of a converted layer's call over torch's (``per_call``, measured by
   ``bench/percall.py``) for each spatial layer, forward and backward, when P > 1;
 - **fixed**: what the front end adds to a step whatever P (``fixed``: the converted model's
@@ -48,7 +55,14 @@ from mpidp.preflight.plan import plan_model
 from mpidp.preflight.validate import LayerSharding, validate_sharding_constraints
 from mpidp.runtime.partition import Balanced, PartitionPolicy
 
-__all__ = ["NETWORKS", "Network", "ScalingPoint", "predict_scaling", "serial_step_seconds"]
+__all__ = [
+    "NETWORKS",
+    "Network",
+    "ScalingPoint",
+    "copy_bytes_per_second",
+    "predict_scaling",
+    "serial_step_seconds",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +119,9 @@ class ScalingPoint:
     activations: int = 0  #: of ``memory``: the busiest rank's saved activations (bytes)
     messages: float = 0.0  #: the busiest rank's messages in a step (``comm``'s latencies)
     comm_bytes: float = 0.0  #: and the bytes over the bandwidth
+    copies: float = 0.0  #: seconds of copies a serial step does not make (of ``step``)
+    copy_bytes: float = 0.0  #: and their bytes
+    fixed: float = 0.0  #: what the front end adds to the step whatever P (of ``step``)
 
     def on(self, network: Network) -> ScalingPoint:
         """The same rank's step priced on another ``network`` (its messages and bytes are
@@ -138,6 +155,56 @@ def serial_step_seconds(
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+def copy_bytes_per_second(
+    model: nn.Module,
+    global_shape: Sequence[int],
+    parts: int = 2,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 5,
+) -> float:
+    """Bytes per second this process copies as ``model``'s band step does at ``parts`` bands
+    (the copies' sizes are its busiest rank's: each layer's band with its halo), the
+    ``copy_rate`` of :func:`predict_scaling`. The slope of the time against the bytes of a
+    ``torch.cat`` of a band with one halo row on each side and of the ``narrow`` of its
+    interior made contiguous (the backward's copy), fitted over up to six of those sizes, so
+    the fixed cost of a call stays out of it (that is ``per_call``). Each time is this
+    thread's CPU time, the fastest of ``repeats``: a copy the system preempts on a shared
+    machine is not slowed by it. Local."""
+    import time
+
+    priced = plan_model(model, global_shape, parts, dtype=dtype, simulate=False, compare=False)
+    lat, lon = priced.report.layers, priced.across
+    busiest = max(range(priced.parts), key=lambda r: priced.ranks[r].rows)
+    i, j = divmod(busiest, priced.grid[1])
+    sizes = {_halo_input_bytes(a, b, i, j, priced.itemsize) for a, b in zip(lat, lon, strict=True)}
+    chosen = sorted(max(n, 4096) for n in sizes if n) or [1 << 20]
+    if len(chosen) > 6:  # six sizes spread over the range, its ends kept
+        chosen = [chosen[round(k * (len(chosen) - 1) / 5)] for k in range(6)]
+    if len(chosen) == 1:  # a second size to fit the slope against
+        chosen.append(4 * chosen[0])
+    xs, ys = [], []
+    for nbytes in chosen:
+        width = 256
+        rows = max(nbytes // (4 * width), 3)
+        band = torch.randn(1, 1, rows - 2, width)
+        edge = torch.randn(1, 1, 1, width)
+        best = math.inf
+        for _ in range(repeats + 1):
+            t0 = time.thread_time()
+            halo = torch.cat([edge, band, edge], dim=-2)
+            halo.narrow(-2, 1, rows - 2).contiguous()
+            best = min(best, time.thread_time() - t0)
+        xs.append(float(2 * band.nbytes + 2 * edge.nbytes))  # the bytes written, as priced
+        ys.append(best)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    if slope <= 0:  # timer noise over sizes too close together: the largest copy's own rate
+        slope = ys[-1] / xs[-1]
+    return 1.0 / slope
+
+
 def _work(layer: LayerSharding) -> float:
     """The layer's multiply-adds, roughly: a windowed layer's output elements x input channels
     x window points, any other layer's output elements."""
@@ -158,6 +225,7 @@ def _point(
     dtype: torch.dtype,
     optimizer_states: int,
     fixed: float,
+    rate: float,
 ) -> ScalingPoint:
     priced = plan_model(
         model, global_shape, grid, partition=partition, dtype=dtype, simulate=False,
@@ -183,9 +251,11 @@ def _point(
         i, j = divmod(r, grid[1])
         share = 0.0
         messages = 0
+        copied = 0
         for n, (a, b) in enumerate(zip(lat, lon, strict=True)):
             # the rows and columns of the layer's output this rank computes
             share += _work(a) * _fraction(a, i) * _fraction(b, j)
+            copied += 2 * _halo_input_bytes(a, b, i, j, itemsize)  # forward, and backward
             got = rows[n][i][2] + cols[n][j][2]
             sent = rows[n][i][3] + cols[n][j][3]
             fold = folds[n]
@@ -204,16 +274,40 @@ def _point(
             nbytes += 2 * (parts - 1) / parts * params
         comm = network.seconds(messages, nbytes)
         calls = 2 * len(lat) * per_call if parts > 1 else 0.0
+        # the transposes' packing and unpacking, the gradient sync's buffer in and out
+        copied += 2 * cost.transpose_bytes + 2 * params
+        copied = copied if parts > 1 else 0
+        copies = copied / rate
         memory = (2 + optimizer_states) * params + cost.activation_bytes
-        step = compute + comm + calls + fixed
+        step = compute + comm + copies + calls + fixed
         point = ScalingPoint(
             parts, step, compute, comm, calls, memory, cost.rows, grid, cost.cols,
-            cost.activation_bytes, messages, nbytes,
+            cost.activation_bytes, messages, nbytes, copies, float(copied), fixed,
         )  # fmt: skip
         if best is None or point.step > best.step:
             best = point
     assert best is not None
     return best
+
+
+def _halo_input_bytes(lat: LayerSharding, lon: LayerSharding, i: int, j: int, itemsize: int) -> int:
+    """The bytes of block ``(i, j)``'s input to a layer with its halo rows and columns, the
+    tensor the converted layer builds by copying (0 where the layer fetches no halo there).
+    Only a cut axis is fetched: along an axis of one rank the layer pads as torch does."""
+
+    def widths(cut: LayerSharding, k: int) -> tuple[int, int]:
+        if len(cut.rows_in) == 1:
+            return 0, 0
+        return max(0, cut.halo_before[k]), max(0, cut.halo_after[k])
+
+    (before, after), (left, right) = widths(lat, i), widths(lon, j)
+    if before + after + left + right == 0:
+        return 0
+    h = lat.shape_in[len(lat.shape_in) + lat.dim_in]
+    w = lon.shape_in[len(lon.shape_in) + lon.dim_in]
+    point = math.prod(lat.shape_in) // max(h * w, 1)  # the values of one point
+    rows, cols = lat.rows_in[i] + before + after, lon.rows_in[j] + left + right
+    return rows * cols * point * itemsize
 
 
 def _fraction(cut: LayerSharding, k: int) -> float:
@@ -237,6 +331,7 @@ def predict_scaling(
     optimizer_states: int = 2,
     fixed: float = 0.0,
     blocks: bool = False,
+    copy_rate: float = math.inf,
 ) -> list[ScalingPoint]:
     """The predicted step of ``model`` on inputs of ``global_shape`` at each rank count in
     ``parts`` (those the grid can be cut into), its busiest rank's: on bands, or with
@@ -246,7 +341,9 @@ def predict_scaling(
     seconds of one forward and backward on one process (:func:`serial_step_seconds`);
     ``per_call``: seconds a converted layer's call costs over torch's (``bench/percall.py``'s
     conv figure); ``optimizer_states``: copies of the parameters the optimizer keeps (Adam:
-    2); ``fixed``: seconds the front end adds to every step (see the module doc). Local."""
+    2); ``fixed``: seconds the front end adds to every step; ``copy_rate``: bytes per second
+    of the copies a band step makes that a serial one does not (:func:`copy_bytes_per_second`;
+    the default prices none). See the module doc. Local."""
     policy = partition if partition is not None else Balanced()
     itemsize = torch.empty((), dtype=dtype).element_size()
     layers: tuple[LayerSharding, ...] = ()
@@ -272,21 +369,27 @@ def predict_scaling(
             grid = (p, 1)
         out.append(
             _point(model, global_shape, grid, serial_step, network, per_call, policy, dtype,
-                   optimizer_states, fixed)
+                   optimizer_states, fixed, copy_rate)
         )  # fmt: skip
     return out
 
 
 def table(
-    points: Sequence[ScalingPoint], serial_step: float, network: Network, title: str = "bands"
+    points: Sequence[ScalingPoint],
+    serial_step: float,
+    network: Network,
+    title: str = "bands",
+    copy_rate: float = math.inf,
 ) -> str:
-    """The rows ``mpidp plan --scaling`` prints (``title``: the kind of cut they price)."""
+    """The rows ``mpidp plan --scaling`` prints (``title``: the kind of cut they price;
+    ``copy_rate``: the one they were priced with)."""
+    rate = f"{copy_rate / 1e9:.2f} GB/s" if math.isfinite(copy_rate) else "not priced"
     lines = [
         f"scaling model, {title}: serial step {serial_step * 1e3:.1f} ms; network "
         f"{network.name} (alpha {network.alpha * 1e6:.1f} us, beta {network.beta / 1e9:.2f} "
-        f"GB/s, {network.source}); the busiest rank, no overlap",
+        f"GB/s, {network.source}); copies {rate}; the busiest rank, no overlap",
         f"{'P':>6}{'grid':>10}{'rows':>6}{'cols':>6}{'step ms':>10}{'compute':>10}{'comm':>9}"
-        f"{'calls':>9}{'fixed':>8}{'comm %':>8}{'speed-up':>10}{'efficiency':>12}"
+        f"{'copies':>9}{'calls':>9}{'fixed':>8}{'comm %':>8}{'speed-up':>10}{'efficiency':>12}"
         f"{'memory MB':>11}",
     ]
     for pt in points:
@@ -294,8 +397,8 @@ def table(
         grid = f"{pt.grid[0]}x{pt.grid[1]}"
         lines.append(
             f"{pt.parts:>6}{grid:>10}{pt.rows:>6}{pt.cols:>6}{pt.step * 1e3:>10.1f}"
-            f"{pt.compute * 1e3:>10.1f}{pt.comm * 1e3:>9.2f}{pt.calls * 1e3:>9.2f}"
-            f"{(pt.step - pt.compute - pt.comm - pt.calls) * 1e3:>8.2f}"
+            f"{pt.compute * 1e3:>10.1f}{pt.comm * 1e3:>9.2f}{pt.copies * 1e3:>9.2f}"
+            f"{pt.calls * 1e3:>9.2f}{pt.fixed * 1e3:>8.2f}"
             f"{100 * pt.comm_fraction:>8.1f}"
             f"{speedup:>10.2f}{speedup / pt.parts:>12.2f}{pt.memory / 1e6:>11.1f}"
         )
