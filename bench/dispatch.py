@@ -9,7 +9,9 @@ and the converted one is the front end alone: wrapping the input, one dispatch p
 in the model's own forward, the converted layers' entry. The per-op rows time ``x + y`` and
 ``F.gelu(x)`` on a small (1, 8, 16, 16) tensor, plain and as a ShardedTensor (microseconds per
 call: the median over batches of 20 calls, interleaved, :func:`per_call`). The steps are
-interleaved in one process (bench/common.py), median of the rounds. Not a test.
+interleaved in one process (bench/common.py), median of the rounds; each step's Python
+function calls (:func:`python_calls`) are counted once, a figure the machine's load does not
+move. Not a test.
 """
 
 from __future__ import annotations
@@ -53,11 +55,9 @@ def worker(args: argparse.Namespace) -> None:
         plain.zero_grad(set_to_none=True)
         (plain(xs) - ys).square().mean().backward()
 
-    ms = timed_round_robin(
-        {"plain": step_plain, "converted": step_converted, "sharded": step_sharded},
-        world,
-        args.steps,
-    )
+    steps = {"plain": step_plain, "converted": step_converted, "sharded": step_sharded}
+    ms = timed_round_robin(steps, world, args.steps)
+    calls = {f"{k}_calls": python_calls(fn) for k, fn in steps.items()}
     a, b = torch.randn(1, 8, 16, 16), torch.randn(1, 8, 16, 16)
     sa, sb = mpidp.shard(a, manager=m), mpidp.shard(b, manager=m)
     ops = per_call(
@@ -74,8 +74,22 @@ def worker(args: argparse.Namespace) -> None:
         row["converted_over_plain"] = ms["converted"] / ms["plain"]
         row["sharded_over_plain"] = ms["sharded"] / ms["plain"]
         row.update(ops)
+        row.update(calls)
         print(json.dumps(row))
     m.shutdown()
+
+
+def python_calls(fn: Any) -> int:
+    """The Python function calls of one ``fn()`` (cProfile's count, builtins included): what
+    the front end adds, independent of the machine's load."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
 
 
 def per_call(fns: dict[str, Any], calls: int, batch: int = 20) -> dict[str, float]:
@@ -115,6 +129,10 @@ def main() -> None:
         f"small U-Net step {tuple(args.grid)}, P = 1: plain {row['plain_ms']:.1f} ms, "
         f"converted {row['converted_ms']:.1f} ms ({row['converted_over_plain']:.2f}x), "
         f"plain fed a ShardedTensor {row['sharded_ms']:.1f} ms ({row['sharded_over_plain']:.2f}x)"
+    )
+    print(
+        f"Python calls per step: plain {row['plain_calls']}, converted "
+        f"{row['converted_calls']}, fed {row['sharded_calls']}"
     )
     print(
         f"one op on a (1, 8, 16, 16) tensor: add {row['add_plain_us']:.1f} -> "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
@@ -34,6 +35,56 @@ def _pole_rows(x: torch.Tensor, rows: int, pole: str, low: bool) -> torch.Tensor
     src = x.narrow(2, skip, rows) if low else x.narrow(2, h - skip - rows, rows)
     src = src.flip(2)
     return src if pole == "reflect" else src.roll(x.size(3) // 2, 3)
+
+
+def periodic_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: tuple[int, ...],
+    padding: tuple[int, int],
+    dilation: tuple[int, ...],
+    groups: int,
+    pole: str,
+) -> torch.Tensor:
+    """:class:`PeriodicConv2d`'s computation as one torch function (``padding``: the periodic
+    padding per spatial dim). A ShardedTensor input reaches its dispatch handler in one call,
+    which runs :class:`DomainParallelPeriodicConv2d` (one halo exchange), instead of the pole
+    rows, the concatenation, the circular pad and the convolution dispatched one by one."""
+    if has_torch_function_variadic(x, weight, bias):
+        return handle_torch_function(
+            periodic_conv2d,
+            (x, weight, bias),
+            x,
+            weight,
+            bias,
+            stride,
+            padding,
+            dilation,
+            groups,
+            pole,
+        )
+    return padded_conv2d(x, weight, bias, stride, padding, dilation, groups, pole)
+
+
+def padded_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: tuple[int, ...],
+    padding: tuple[int, int],
+    dilation: tuple[int, ...],
+    groups: int,
+    pole: str,
+) -> torch.Tensor:
+    """:func:`periodic_conv2d` op by op: the latitude padded by ``pole``, the longitude
+    circularly, then the convolution (on ShardedTensors each op dispatched alone)."""
+    ph, pw = padding
+    if ph:  # latitude first: the polar roll is half of the unpadded longitude circle
+        x = torch.cat([_pole_rows(x, ph, pole, True), x, _pole_rows(x, ph, pole, False)], 2)
+    if pw:
+        x = F.pad(x, (pw, pw, 0, 0), mode="circular")
+    return F.conv2d(x, weight, bias, stride, 0, dilation, groups)
 
 
 class PeriodicConv2d(nn.Conv2d):
@@ -79,18 +130,16 @@ class PeriodicConv2d(nn.Conv2d):
         self.periodic_padding: tuple[int, int] = (int(padding[0]), int(padding[1]))
         self.pole = pole
 
-    def _pad_w(self, x: torch.Tensor) -> torch.Tensor:
-        pw = self.periodic_padding[1]
-        return F.pad(x, (pw, pw, 0, 0), mode="circular") if pw else x
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ph = self.periodic_padding[0]
-        if ph:  # latitude first: the polar roll is half of the unpadded longitude circle
-            x = torch.cat(
-                [_pole_rows(x, ph, self.pole, True), x, _pole_rows(x, ph, self.pole, False)], 2
-            )
-        return F.conv2d(
-            self._pad_w(x), self.weight, self.bias, self.stride, 0, self.dilation, self.groups
+        return periodic_conv2d(
+            x,
+            self.weight,
+            self.bias,
+            self.stride,
+            self.periodic_padding,
+            self.dilation,
+            self.groups,
+            self.pole,
         )
 
     def extra_repr(self) -> str:

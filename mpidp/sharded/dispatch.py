@@ -68,8 +68,11 @@ _GRID_OK: set[Handler] = set()
 #: (:mod:`mpidp.sharded.tokens`); any other call with tokens is refused
 _TOKENS: dict[Any, Handler] = {}
 #: functions with a fast path beside their handler (:func:`fast_path`): tried first on calls
-#: without keyword arguments; it answers :data:`NOT_LOCAL` when the call is not its kind
-_FAST: dict[Any, Callable[[Any, tuple[Any, ...]], Any]] = {}
+#: whose keyword arguments are plain values; it answers :data:`NOT_LOCAL` when the call is not
+#: its kind
+_FAST: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {}
+#: the keyword values a fast path is given (``F.silu(x, inplace=False)``): no tensor, no tree
+_PLAIN_VALUES = (bool, int, float, str, type(None))
 _FALLBACK = {"on": os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0")}
 _WARNED: set[str] = set()
 
@@ -142,11 +145,15 @@ def register_grid(*funcs: Any, tokens: bool = False) -> Callable[[Handler], Hand
     return deco
 
 
-def fast_path(fast: Callable[[Any, tuple[Any, ...]], Any], funcs: Any, handler: Handler) -> None:
-    """Try ``fast(func, args)`` before the general dispatch of each of ``funcs`` (called
-    without keyword arguments): the common case of a handler, answered without the walks and
-    rules that every other case needs, or :data:`NOT_LOCAL` to take the general path. It must
-    give what ``handler`` gives. A later :func:`register` of a function drops its fast path."""
+def fast_path(
+    fast: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any], funcs: Any, handler: Handler
+) -> None:
+    """Try ``fast(func, args, kwargs)`` before the general dispatch of each of ``funcs`` when
+    every keyword value is a plain Python value (``inplace=False``; a tensor or a container
+    among them takes the general path): the common case of a handler, answered without the
+    walks and rules that every other case needs, or :data:`NOT_LOCAL` to take the general
+    path. It must give what ``handler`` gives. A later :func:`register` of a function drops
+    its fast path."""
     for f in funcs:
         # (the batch rule runs before any handler)
         if f not in READS and _HANDLERS.get(key(f)) is handler:
@@ -256,10 +263,10 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
     values among the arguments are summed first: handlers see Replicated values."""
-    if not kwargs and not WATCHERS:
+    if not WATCHERS:
         fast = _FAST.get(func)
-        if fast is not None:
-            out = fast(func, args)
+        if fast is not None and all(type(v) in _PLAIN_VALUES for v in kwargs.values()):
+            out = fast(func, args, kwargs)
             if out is not NOT_LOCAL:
                 return out
     args, kwargs = summed((args, kwargs))

@@ -20,6 +20,7 @@ from torch import nn
 
 from mpidp.layers.base import DomainParallel, known_spec
 from mpidp.layers.interpolate import interpolate as band_interpolate
+from mpidp.layers.periodic import PeriodicConv2d, padded_conv2d, periodic_conv2d
 from mpidp.layers.shuffle import shuffle, unshuffle
 from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import refuse
@@ -61,22 +62,8 @@ def _conv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
     x = a["input"]
     check_spatial(func, args, kwargs, x, n)
-    w = band_weight(a["weight"], x)
-    mod = module_with(
-        cls,
-        in_channels=w.shape[1] * a["groups"],
-        out_channels=w.shape[0],
-        kernel_size=tuple(w.shape[2:]),
-        stride=as_tuple(a["stride"], n),
-        padding=a["padding"] if isinstance(a["padding"], str) else as_tuple(a["padding"], n),
-        dilation=as_tuple(a["dilation"], n),
-        groups=a["groups"],
-        padding_mode="zeros",
-        transposed=False,
-        output_padding=(0,) * n,
-        weight=w,
-        bias=band_weight(a["bias"], x),
-    )
+    padding = a["padding"] if isinstance(a["padding"], str) else as_tuple(a["padding"], n)
+    mod = _conv_module(cls, n, a, padding=padding)
     return run_layer(func, args, kwargs, mod, x)
 
 
@@ -109,6 +96,44 @@ def _conv_t(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         bias=band_weight(a["bias"], x),
     )
     return run_layer(func, args, kwargs, mod, x)
+
+
+@register(periodic_conv2d, grid=True)
+def _periodic_conv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A :class:`~mpidp.layers.PeriodicConv2d` fed a ShardedTensor: its layer in one call (the
+    pole rows and the longitude wrap from one halo exchange)."""
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups", "pole")
+    a = bind_args(args, kwargs, names, {})
+    x = a["input"]
+    if x.shard_dim != x.dim() - 2 or (a["pole"] != "reflect" and x.shape[-1] % 2):
+        # the layer cuts the latitude (H) and rolls half of an even circle: other layouts op
+        # by op, as serial
+        return padded_conv2d(*(a[n] for n in names))
+    periodic = as_tuple(a["padding"], 2)
+    mod = _conv_module(PeriodicConv2d, 2, a, (0, 0), periodic_padding=periodic, pole=a["pole"])
+    return run_layer(func, args, kwargs, mod, x)
+
+
+def _conv_module(cls: type[nn.Module], n: int, a: dict[str, Any], padding: Any, **more: Any) -> Any:
+    """The ``n``-d convolution module of class ``cls`` for a functional call's bound
+    arguments ``a`` (its weights shared), with ``more`` attributes (a periodic conv's)."""
+    x, w = a["input"], band_weight(a["weight"], a["input"])
+    return module_with(
+        cls,
+        in_channels=w.shape[1] * a["groups"],
+        out_channels=w.shape[0],
+        kernel_size=tuple(w.shape[2:]),
+        stride=as_tuple(a["stride"], n),
+        padding=padding,
+        dilation=as_tuple(a["dilation"], n),
+        groups=a["groups"],
+        padding_mode="zeros",
+        transposed=False,
+        output_padding=(0,) * n,
+        weight=w,
+        bias=band_weight(a["bias"], x),
+        **more,
+    )
 
 
 # -- padding ------------------------------------------------------------------------------------

@@ -17,14 +17,16 @@ Three entries, one rule each:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._pytree import tree_unflatten as _unflatten
 
+from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
@@ -34,7 +36,7 @@ from mpidp.runtime.grid import BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_for
 from mpidp.sharded.block_layout import check_block
-from mpidp.sharded.dispatch import _DEPTH, UnsupportedOp, observed
+from mpidp.sharded.dispatch import _DEPTH, WATCHERS, UnsupportedOp, observed
 from mpidp.sharded.layer_calls import spectrum_refused
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -54,16 +56,24 @@ def torch_forward(module: nn.Module) -> Callable[..., Any]:
     raise MpidpError(f"{type(module).__name__} has no torch forward")
 
 
-def _unwrap(args: Any, t: Any) -> Any:
+_NOTHING = contextlib.nullcontext()
+
+
+def _unwrap(args: Any, ref: ShardedTensor) -> Any:
     """Bands for ShardedTensors; a Replicated value enters the band computation through
-    ``copy_to`` (its gradient: every rank's share summed, whole again)."""
+    ``copy_to`` over ``ref``'s transport (its gradient: every rank's share summed, whole
+    again)."""
+    if not args:
+        return args
+    if type(args) is tuple and all(type(a) is ShardedTensor for a in args):  # bands alone
+        return tuple(a._local for a in args)
 
     def one(a: Any) -> Any:
         if isinstance(a, ShardedTensor):
             return a.local
         if isinstance(a, Replicated):
             plain = summed(a).as_subclass(torch.Tensor)
-            return copy_to(plain, t) if plain.requires_grad else plain
+            return copy_to(plain, ref.transport) if plain.requires_grad else plain
         return a
 
     return tree_map(one, args)
@@ -71,6 +81,11 @@ def _unwrap(args: Any, t: Any) -> Any:
 
 @contextlib.contextmanager
 def _known(sharded: list[ShardedTensor]) -> Iterator[list[Any]]:
+    if len(sharded) == 1 and sharded[0]._grid is None:  # one band (nearly every call)
+        a = sharded[0]
+        with known_spec(a._local, a._dim, a._spec), band_call(((a._local, a._dim),)) as notes:
+            yield notes
+        return
     with contextlib.ExitStack() as stack:
         for a in sharded:
             stack.enter_context(known_spec(a.local, a.shard_dim, a.spec))
@@ -98,6 +113,8 @@ def _whole_parameters(layer: nn.Module, t: Any) -> Iterator[None]:
 
 
 def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
+    if not kwargs and all(type(a) is ShardedTensor for a in args):  # bands alone: no walk
+        return list(args)
     leaves, _ = tree_flatten((args, kwargs))
     return [a for a in leaves if isinstance(a, ShardedTensor)]
 
@@ -105,7 +122,72 @@ def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
 def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``layer`` (a DomainParallel module) on ShardedTensor arguments. Collective over the
     domain group, as the layer is."""
+    if not WATCHERS:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if type(x) is ShardedTensor:
+            plan = _PLANS.get(layer)
+            if plan is not None and plan.layout == _layout(x):
+                return _planned(layer, forward, x, plan)
     return observed(layer, args, kwargs, lambda: _run_layer(layer, forward, args, kwargs))
+
+
+class _Plan(NamedTuple):
+    """What a converted layer's call on one band found, kept for the next call of the same
+    layout (:func:`_layout`): the transport, the notes the layer made about its output, and
+    the output's band shape and cut. A call that finds another layout, other notes or another
+    output shape takes the general path, which checks the output (and raises) as ever."""
+
+    layout: tuple[Any, ...]
+    t: Transport
+    notes: list[Any]
+    shape: torch.Size
+    spec: ShardSpec
+    dim: int
+
+
+#: per converted layer, the plan of its last single-band call
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
+def _layout(x: ShardedTensor) -> tuple[Any, ...] | None:
+    """The facts a layer's call on the band of ``x`` depends on: the band's shape, dtype and
+    device, its cut (partition and dim), its manager; None for a layout without plans (blocks,
+    merged blocks, a spectrum)."""
+    if x._grid is not None or x._blocks != 1 or x._spectral:
+        return None
+    local = x._local
+    return (local.shape, local.dtype, local.device, x._spec, x._dim, x._manager)
+
+
+def _planned(layer: Any, forward: Callable[..., Any], x: ShardedTensor, plan: _Plan) -> Any:
+    """A call of the layout ``plan`` was made for: the layer on the band, its output wrapped
+    by the plan when the layer noted the same and returned the same shape."""
+    out, notes = _call(layer, forward, (x,), {}, [x], plan.t)
+    if notes is None:  # the torch form ran
+        return out
+    if type(out) is torch.Tensor and out.shape == plan.shape and notes == plan.notes:
+        return ShardedTensor(out, plan.spec, plan.dim, x._manager)
+    return _wrap_out(layer, out, notes, x, (x,), {})
+
+
+def _call(
+    layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict, sharded: list, t: Any
+) -> tuple[Any, list[Any] | None]:
+    """``forward`` on the bands, with their partitions known: (its output, the notes the
+    layer made), or (the torch form's output, None) when the layer does not apply to the
+    layout (:class:`LayoutMismatch`)."""
+    whole = _whole_parameters(layer, t) if t.whole else _NOTHING
+    try:
+        with _known(sharded) as notes, whole:
+            out = forward(layer, *_unwrap(args, sharded[0]), **_unwrap(kwargs, sharded[0]))
+    except LayoutMismatch:
+        return torch_forward(layer)(layer, *args, **kwargs), None
+    except MpidpError as err:  # a layer's own error (too few rows): named where it happened
+        located = relocated(err)
+        if located is None:
+            raise
+        raise located from err
+    return out, notes
 
 
 def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -116,17 +198,25 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     t = ref.transport
     if any(a.blocks > 1 for a in sharded):  # blocks merged before the band: op by op
         return torch_forward(layer)(layer, *args, **kwargs)
-    try:
-        with _known(sharded) as notes, _whole_parameters(layer, t):
-            out = forward(layer, *_unwrap(args, t), **_unwrap(kwargs, t))
-    except LayoutMismatch:
-        return torch_forward(layer)(layer, *args, **kwargs)
-    except MpidpError as err:  # a layer's own error (too few rows): named where it happened
-        located = relocated(err)
-        if located is None:
-            raise
-        raise located from err
+    out, notes = _call(layer, forward, args, kwargs, sharded, t)
+    if notes is None:
+        return out
+    y = _wrap_out(layer, out, notes, ref, args, kwargs)
+    layout = _layout(ref) if len(args) == 1 and not kwargs and args[0] is ref else None
+    if layout is not None and type(y) is ShardedTensor and not t.whole:
+        # the same layout next time: the checks above are the plan's (outputs of another
+        # shape, or other notes, come back here)
+        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim)
+    return y
+
+
+def _wrap_out(
+    layer: Any, out: Any, notes: list[Any], ref: ShardedTensor, args: tuple, kwargs: dict
+) -> Any:
+    """The layer's outputs as ShardedTensors (checked against the partition they claim) or
+    Replicated values, by the notes it made."""
     if notes and notes[-1][0] == "replicated":
+        t = ref.transport
         # the layer's backward sums every rank's share of its output's gradient; a Replicated
         # value holds the whole gradient on every rank: rank 0 gives it, the others zeros
         return tree_map(
@@ -195,6 +285,8 @@ def _band(o: torch.Tensor, d: int, spec: ShardSpec, ref: ShardedTensor, who: str
 def _band_outputs(out: Any, ref: ShardedTensor, learn: bool, who: str) -> Any:
     """A band module's tensor outputs of the input's rank as bands along its sharded dim: with
     ``learn`` their partition is learned (one all-gather of the lengths), else the input's."""
+    if type(out) is torch.Tensor and out.dim() == ref.dim() and not learn:  # one band: no walk
+        return _band(out, ref.shard_dim, ref.spec, ref, who)
     outs, tree = tree_flatten(out)
     local = tuple(ref.local.shape)
     at = []
@@ -360,7 +452,7 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     ref = sharded[0]
     empty = ref.local.size(ref.shard_dim) == 0
     calls.append(("band", ref, empty))
-    args, kwargs = _unwrap(args, ref.transport), _unwrap(kwargs, ref.transport)
+    args, kwargs = _unwrap(args, ref), _unwrap(kwargs, ref)
     if empty:  # torch refuses some zero-row inputs (a 1x1 conv): one zero row, dropped after
         args, kwargs = tree_map(lambda a: _one_row(a, ref), (args, kwargs))
     return args, kwargs

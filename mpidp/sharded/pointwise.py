@@ -463,9 +463,10 @@ def to_blocks(x: ShardedTensor, g: BlockSpec, call: tuple[Any, Any, Any]) -> Sha
     return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
 
 
-def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
+def _one_layout(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """:func:`pointwise` for its commonest call: every argument a ShardedTensor of one layout
-    (partition, dim, blocks, number of dims) or a Python number. Each band is then the
+    (partition, dim, blocks, number of dims) or a Python number, the keyword arguments plain
+    values (:func:`~mpidp.sharded.dispatch.fast_path`). Each band is then the
     argument as it is (no broadcast, no move, no random draw), so the function runs on the
     bands and its result takes their layout; anything else is :data:`NOT_LOCAL` (the general
     path). Costs a loop over the arguments instead of the general path's walks."""
@@ -487,7 +488,7 @@ def _one_layout(func: Any, args: tuple[Any, ...]) -> Any:
     if ref is None:
         return NOT_LOCAL
     local = [a._local if type(a) is ShardedTensor else a for a in args]
-    out = func(*local)
+    out = func(*local, **kwargs)
     if out is local[0] and type(args[0]) is ShardedTensor:
         return args[0]  # in place on the band
     if isinstance(out, torch.Tensor) and out.shape == ref._local.shape:
