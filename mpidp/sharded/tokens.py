@@ -16,7 +16,7 @@ global order (a band's tokens are one), so the rules on them are:
 * a reshape of the token dim into (..., H, W) gives the block again, into (..., L H W) (a
   batch split off or merged in) tokens with another ``lead``;
 * attention with the tokens as the queries' rows (dim -2: one window over several blocks,
-  ``q @ k.transpose(-2, -1)``, ``@ v``, SDPA): the band rule, the keys and values gathered
+  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums, SDPA): the band rule, the keys and values gathered
   whole in the global order and each rank's queries against all of them; a bias or mask of
   the global (L, S) shape cut to the queries' tokens by their ids;
 * anything else that mixes tokens in their global order or indexes them by position (the
@@ -37,6 +37,7 @@ from mpidp.sharded import pointwise as _pointwise
 from mpidp.sharded.block_layout import TokenSpec, whole_of
 from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import _GRID_OK, _HANDLERS, _TOKENS, key, refuse, register_grid
+from mpidp.sharded.products import _expand_ellipsis
 from mpidp.sharded.select import index_parts
 from mpidp.sharded.shapes import _MOVES, _groups, _infer, _plain, _shape_arg
 from mpidp.sharded.tensor import ShardedTensor
@@ -295,6 +296,49 @@ def _rows_product(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         )
     out = func(a.local, bw)
     return placed(a, out, (out.dim() - 2 if bw.dim() > 1 else out.dim() - 1,))
+
+
+@register_grid(torch.einsum, tokens=True)
+def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """:func:`_rows_product`'s rule by letters: the first operand whose token letter the
+    result keeps gives the rows (``q`` in ``"bhid,bhjd->bhij"``); another operand with those
+    tokens under that letter is taken locally, under another letter gathered whole in the
+    global order (``k``, ``v``); a plain one of the global length along the rows' letter is
+    cut by token ids. Tokens of other blocks, or no token letter kept (contracted), refused."""
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], list | tuple) else list(args[1:])
+    eq = _expand_ellipsis(args[0].replace(" ", ""), ops)
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    rows = [
+        (o, t[o.grid.dim])
+        for t, o in zip(terms, ops, strict=True)
+        if isinstance(o, ShardedTensor) and isinstance(o.grid, TokenSpec) and t[o.grid.dim] in rhs
+    ]
+    local: list[Any] = []
+    if rows and not kwargs:
+        q, letter = rows[0]
+        g, n = _tokens(q), q.shape[_tokens(q).dim]
+        for term, op in zip(terms, ops, strict=True):
+            if isinstance(op, ShardedTensor):
+                h = op.grid
+                if not isinstance(h, TokenSpec) or h.at(g.dim) != g:
+                    break
+                same = term[h.dim] == letter
+                local.append(op.local if same else whole_of(op.local, h, op.manager, partial=True))
+                continue
+            op = _plain(op, q.transport)
+            at = term.find(letter)
+            if at >= 0 and op.size(at) not in (1, n):
+                break
+            local.append(g.part(op, at, q.rank) if at >= 0 and op.size(at) == n != 1 else op)
+    if len(local) != len(ops):
+        raise refuse(
+            func, args, kwargs, "an einsum that contracts the tokens, meets tokens of other "
+            "blocks, or a plain operand of another length along them",
+            "keep the queries' token letter in the result; pass plain operands whole",
+        )  # fmt: skip
+    q, letter = rows[0]
+    return placed(q, torch.einsum(f"{lhs}->{rhs}", *local), (rhs.index(letter),))
 
 
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")

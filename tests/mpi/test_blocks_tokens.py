@@ -101,9 +101,10 @@ class Cube(nn.Module):
 
 class Window(nn.Module):
     """One window over the whole field (SwinRNN's deepest level with window 4, FuXi's field):
-    the tokens at dim -2 of the queries, keys and values, ``q @ k.transpose`` plus a full
-    (heads, N, N) relative-position bias, softmax, ``@ v``, and SDPA with an additive mask of
-    the global (N, N) shape: every rank's queries against every token."""
+    the tokens at dim -2 of the queries, keys and values, ``q @ k.transpose`` (and the same by
+    einsum) plus a full (heads, N, N) relative-position bias, softmax, ``@ v`` (and einsum),
+    and SDPA with an additive mask of the global (N, N) shape: every rank's queries against
+    every token."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,7 +119,9 @@ class Window(nn.Module):
         b = x.shape[0]
         t = self.embed(x).flatten(2).transpose(1, 2)  # (B, N, D)
         q, k, v = self.qkv(t).reshape(b, -1, 3, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)
-        a = ((q @ k.transpose(-2, -1)) * 0.5 + self.bias).softmax(-1) @ v  # (B, heads, N, 2)
+        s = (q @ k.transpose(-2, -1)) * 0.5 + torch.einsum("bhid,bhjd->bhij", q, k) * 0.25
+        p = (s + self.bias).softmax(-1)
+        a = p @ v + torch.einsum("...ij,...jd->...id", p, v)  # (B, heads, N, 2)
         a = a + F.scaled_dot_product_attention(q, k, v, self.mask)
         y = self.proj(a.transpose(1, 2).reshape(b, -1, 4))
         return self.head(y.transpose(1, 2).reshape(b, 4, H, W))
@@ -191,6 +194,7 @@ def test_refusals(gm):
     t = x.flatten(2).transpose(1, 2)  # (B, H W, C)
     calls = [
         lambda: t.transpose(1, 2) @ t,  # the tokens contracted: a sum in block order
+        lambda: torch.einsum("bic,bjc->bc", t, t),  # no token letter kept
         lambda: F.scaled_dot_product_attention(t, t.transpose(1, 2), t),  # keys at dim -1
         lambda: F.scaled_dot_product_attention(t, t, t, is_causal=True),  # ids not a run
         lambda: F.conv1d(t.transpose(1, 2), torch.ones(3, 3, 3, dtype=t.dtype)),  # over tokens
