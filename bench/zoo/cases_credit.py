@@ -89,7 +89,9 @@ def credit_FuXi():
         f"dim=16, num_groups=4, num_heads=2, depth=2, window_size=4, use_spectral_norm=False, {COMMON})"
     )
     # on blocks windows of 2: with 4 the transformer's 4 x 8 field has one window row, cut
-    # inside by the latitude (fewer window rows than latitude ranks)
+    # inside by the latitude, and its window partition is a block, not tokens (the latitude
+    # cut in the window's 16 tokens, the longitude's in the window index merged into the
+    # batch): its qkv.unbind(0) is refused as a band op on a block
     ctor_blocks = ctor.replace("window_size=4", "window_size=2")
     return dict(
         model=eval(ctor),

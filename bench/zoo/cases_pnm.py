@@ -86,16 +86,13 @@ def pnm_SwinRNN():
         "SwinRNN(img_size=(2, 32, 32), patch_size=(2, 1, 1), in_chans=4, out_chans=4, embed_dim=8, "
         "num_groups=2, num_heads=2, window_size=4)"
     )
-    # on blocks windows of 2: with 4 the deepest level (4 x 4) is one window over all four
-    # ranks, attention over every token, refused on tokens of blocks (mpidp.sharded.tokens)
-    ctor_blocks = ctor.replace("window_size=4", "window_size=2")
+    # on 2 x 2 blocks the deepest level (4 x 4) is one window over all four ranks: its tokens
+    # are the queries' rows, the keys and values gathered whole (mpidp.sharded.tokens)
     return dict(
         model=eval(ctor),
         inputs=[Z(1, 4, 2, 32, 32)],
         dim=3,
         ctor=ctor,
-        model_blocks=eval(ctor_blocks),
-        ctor_blocks=ctor_blocks,
     )
 
 

@@ -23,7 +23,7 @@ import torch
 
 from mpidp.errors import ConfigError
 from mpidp.ops.blocks import as_block_spec, block_dims, gather_blocks, shard_blocks
-from mpidp.ops.collectives import all_gather_v_replicated
+from mpidp.ops.collectives import all_gather_v, all_gather_v_replicated
 from mpidp.runtime.grid import BlockSpec, axis_transport
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
@@ -128,15 +128,24 @@ def blocks_of_parts(local: torch.Tensor, dim: Any, m: DistributedManager, spec: 
     return bs
 
 
-def whole_of(local: torch.Tensor, bs: BlockSpec | TokenSpec, m: DistributedManager) -> torch.Tensor:
+def whole_of(
+    local: torch.Tensor,
+    bs: BlockSpec | TokenSpec,
+    m: DistributedManager,
+    partial: bool = False,
+) -> torch.Tensor:
     """The whole tensor on every domain rank (replicated downstream): blocks gathered along
-    each axis group, tokens over the domain group and put in their global order. Collective."""
+    each axis group, tokens over the domain group and put in their global order. Tokens with
+    ``partial``: for a computation that differs by rank (a rank's queries against every key),
+    the backward sums every rank's gradient (:func:`~mpidp.ops.collectives.all_gather_v`).
+    Collective."""
     if isinstance(bs, BlockSpec):
         return gather_blocks(local, bs.dims, m, bs)
     t = m.transport(None, local.device)
     ranks = range(bs.counts.parts)
     order = torch.cat([bs.index(r, local.device) for r in ranks])  # the gathered tokens' ids
-    whole = all_gather_v_replicated(local, bs.counts, bs.dim, group=t)
+    gather = all_gather_v if partial else all_gather_v_replicated
+    whole = gather(local, bs.counts, bs.dim, group=t)
     return whole.index_select(bs.dim, torch.argsort(order))
 
 

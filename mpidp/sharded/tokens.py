@@ -15,8 +15,12 @@ global order (a band's tokens are one), so the rules on them are:
   ranks are every token once);
 * a reshape of the token dim into (..., H, W) gives the block again, into (..., L H W) (a
   batch split off or merged in) tokens with another ``lead``;
-* anything that mixes tokens in their global order or indexes them by position (attention
-  over every token, a convolution over tokens, ``x[:, 5]``) is refused on every rank
+* attention with the tokens as the queries' rows (dim -2: one window over several blocks,
+  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums, SDPA): the band rule, the keys and values gathered
+  whole in the global order and each rank's queries against all of them; a bias or mask of
+  the global (L, S) shape cut to the queries' tokens by their ids;
+* anything else that mixes tokens in their global order or indexes them by position (the
+  tokens contracted, a convolution over tokens, ``x[:, 5]``) is refused on every rank
   (:data:`mpidp.sharded.dispatch.TOKENS_MIX`).
 """
 
@@ -26,14 +30,16 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mpidp.runtime.grid import BlockSpec
 from mpidp.sharded import pointwise as _pointwise
-from mpidp.sharded.block_layout import TokenSpec
+from mpidp.sharded.block_layout import TokenSpec, whole_of
 from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import _GRID_OK, _HANDLERS, _TOKENS, key, refuse, register_grid
+from mpidp.sharded.products import _expand_ellipsis
 from mpidp.sharded.select import index_parts
-from mpidp.sharded.shapes import _MOVES, _groups, _infer, _shape_arg
+from mpidp.sharded.shapes import _MOVES, _groups, _infer, _plain, _shape_arg
 from mpidp.sharded.tensor import ShardedTensor
 
 __all__ = ["REDUCE", "block_to_tokens"]
@@ -229,11 +235,12 @@ def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A product batched over the token dim (a window's ``q @ k.transpose(-2, -1)``): on the
     local tokens when every ShardedTensor operand holds the same tokens at the same place
-    (counted from the end) among the batch dims, and a plain one does not reach that dim."""
+    (counted from the end) among the batch dims, and a plain one does not reach that dim.
+    Tokens as the rows or the contracted dim: :func:`_rows_product`."""
     ref = next(a for a in args if isinstance(a, ShardedTensor) and a.grid is not None)
     g, tail = _tokens(ref), ref.dim() - _tokens(ref).dim
     if tail <= 2:
-        raise refuse(func, args, kwargs, "a product over tokens", "reshape to (..., H, W) first")
+        return _rows_product(func, args, kwargs)
     local = []
     for a in args[:2]:
         if isinstance(a, ShardedTensor):
@@ -249,6 +256,130 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             local.append(a)
     out = func(*local, *args[2:], **kwargs)
     return placed(ref, out, (out.dim() - tail,))
+
+
+def _whole(x: Any, q: ShardedTensor, at: tuple[int, ...]) -> torch.Tensor | None:
+    """``x``'s tokens (``q``'s, at one of its dims ``at`` counted from the end) whole on every
+    rank in their global order, for a computation that differs by rank (each rank's queries
+    against every key: the backward sums every rank's gradient); a plain ``x`` as it is;
+    None for tokens of other blocks or at another dim."""
+    g = _tokens(q)
+    if not isinstance(x, ShardedTensor):
+        return _plain(x, q.transport)
+    h = x.grid
+    if not isinstance(h, TokenSpec) or h.at(g.dim) != g or h.dim - x.dim() not in at:
+        return None
+    return whole_of(x.local, h, x.manager, partial=True)
+
+
+def _rows_product(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``a @ b`` with ``a``'s tokens the rows (dim -2: a window's queries when one window spans
+    several blocks): ``b``'s tokens, the keys at dim -1 (``k.transpose(-2, -1)``) or the
+    values at dim -2 (contracted), are gathered whole in their global order and this rank's
+    rows multiply them (the band rule, DESIGN.md); a plain ``b`` is per token. The result has
+    ``a``'s tokens at dim -2. Any other place of the tokens (``a``'s contracted: a partial
+    sum in block order) is refused."""
+    a, b = args[0], args[1]
+    g = a.grid if isinstance(a, ShardedTensor) else None
+    bw = None
+    if isinstance(g, TokenSpec) and g.dim == a.dim() - 2 and len(args) == 2 and not kwargs:
+        bw = _whole(b, a, (-1, -2))
+    if bw is None:
+        raise refuse(
+            func,
+            args,
+            kwargs,
+            "a product with tokens other than as the rows of its first operand (dim -2) and "
+            "the keys (dim -1) or values (dim -2) of its second: the tokens contracted, or a "
+            "plain operand along them",
+            "put the queries' tokens at dim -2 of the first operand, or reshape to (..., H, W)",
+        )
+    out = func(a.local, bw)
+    return placed(a, out, (out.dim() - 2 if bw.dim() > 1 else out.dim() - 1,))
+
+
+@register_grid(torch.einsum, tokens=True)
+def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """:func:`_rows_product`'s rule by letters: the first operand whose token letter the
+    result keeps gives the rows (``q`` in ``"bhid,bhjd->bhij"``); another operand with those
+    tokens under that letter is taken locally, under another letter gathered whole in the
+    global order (``k``, ``v``); a plain one of the global length along the rows' letter is
+    cut by token ids. Tokens of other blocks, or no token letter kept (contracted), refused."""
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], list | tuple) else list(args[1:])
+    eq = _expand_ellipsis(args[0].replace(" ", ""), ops)
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    rows = [
+        (o, t[o.grid.dim])
+        for t, o in zip(terms, ops, strict=True)
+        if isinstance(o, ShardedTensor) and isinstance(o.grid, TokenSpec) and t[o.grid.dim] in rhs
+    ]
+    local: list[Any] = []
+    if rows and not kwargs:
+        q, letter = rows[0]
+        g, n = _tokens(q), q.shape[_tokens(q).dim]
+        for term, op in zip(terms, ops, strict=True):
+            if isinstance(op, ShardedTensor):
+                h = op.grid
+                if not isinstance(h, TokenSpec) or h.at(g.dim) != g:
+                    break
+                same = term[h.dim] == letter
+                local.append(op.local if same else whole_of(op.local, h, op.manager, partial=True))
+                continue
+            op = _plain(op, q.transport)
+            at = term.find(letter)
+            if at >= 0 and op.size(at) not in (1, n):
+                break
+            local.append(g.part(op, at, q.rank) if at >= 0 and op.size(at) == n != 1 else op)
+    if len(local) != len(ops):
+        raise refuse(
+            func, args, kwargs, "an einsum that contracts the tokens, meets tokens of other "
+            "blocks, or a plain operand of another length along them",
+            "keep the queries' token letter in the result; pass plain operands whole",
+        )  # fmt: skip
+    q, letter = rows[0]
+    return placed(q, torch.einsum(f"{lhs}->{rhs}", *local), (rhs.index(letter),))
+
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+@register_grid(F.scaled_dot_product_attention, tokens=True)
+def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Queries whose tokens are the rows (dim -2; one window over several blocks): the keys
+    and values (tokens at dim -2) gathered whole in their global order, this rank's queries
+    attending all of them with torch's kernel (the band rule); a mask of the global (L, S)
+    shape cut to the queries' tokens along dim -2 by their ids. Causal attention and dropout
+    (a rank's draws are not the serial ones) are refused."""
+    a = dict(zip(_SDPA, args, strict=False))
+    a.update(kwargs)
+    q, mask = a.pop("query"), a.get("attn_mask")
+    g = q.grid if isinstance(q, ShardedTensor) else None
+    k = v = None
+    if isinstance(g, TokenSpec) and g.dim == q.dim() - 2:
+        k, v = (_whole(a.pop(n), q, (-2,)) for n in ("key", "value"))
+    if k is None or v is None or isinstance(mask, ShardedTensor):
+        raise refuse(
+            func, args, kwargs, "attention with tokens other than the queries', keys' and "
+            "values' rows (dim -2), or a sharded mask", "put the tokens at dim -2; pass the "
+            "mask of the global (L, S) shape",
+        )  # fmt: skip
+    if a.get("is_causal") or a.get("dropout_p"):
+        raise refuse(
+            func, args, kwargs, "causal attention or dropout over tokens of blocks (a rank's "
+            "tokens are not a run of the global order)", "pass the mask; dropout_p=0",
+        )  # fmt: skip
+    if isinstance(mask, torch.Tensor):
+        n = q.shape[-2]
+        if mask.dim() >= 2 and mask.size(-2) not in (1, n):
+            raise refuse(
+                func, args, kwargs, f"a mask of {mask.size(-2)} query rows for {n} tokens",
+                f"pass the mask of the global (L, S) shape (L = {n}) or 1 row",
+            )  # fmt: skip
+        mask = _plain(mask, q.transport)
+        cut = mask.dim() >= 2 and mask.size(-2) == n != 1  # (1 row: the same for every token)
+        a["attn_mask"] = _tokens(q).part(mask, mask.dim() - 2, q.rank) if cut else mask
+    return placed(q, func(q.local, k, v, **a), (q.dim() - 2,))
 
 
 def _recut(t: ShardedTensor, g: TokenSpec, call: tuple[Any, Any, Any]) -> torch.Tensor:

@@ -99,6 +99,34 @@ class Cube(nn.Module):
         return self.out(both.reshape(b, 8, H, W))
 
 
+class Window(nn.Module):
+    """One window over the whole field (SwinRNN's deepest level with window 4, FuXi's field):
+    the tokens at dim -2 of the queries, keys and values, ``q @ k.transpose`` (and the same by
+    einsum) plus a full (heads, N, N) relative-position bias, softmax, ``@ v`` (and einsum),
+    and SDPA with an additive mask of the global (N, N) shape: every rank's queries against
+    every token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(C, 4, 3, padding=1)
+        self.qkv = nn.Linear(4, 12)
+        self.bias = nn.Parameter(torch.randn(2, H * W, H * W))
+        self.register_buffer("mask", torch.randn(H * W, H * W))
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        t = self.embed(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        q, k, v = self.qkv(t).reshape(b, -1, 3, 2, 2).permute(2, 0, 3, 1, 4).unbind(0)
+        s = (q @ k.transpose(-2, -1)) * 0.5 + torch.einsum("bhid,bhjd->bhij", q, k) * 0.25
+        p = (s + self.bias).softmax(-1)
+        a = p @ v + torch.einsum("...ij,...jd->...id", p, v)  # (B, heads, N, 2)
+        a = a + F.scaled_dot_product_attention(q, k, v, self.mask)
+        y = self.proj(a.transpose(1, 2).reshape(b, -1, 4))
+        return self.head(y.transpose(1, 2).reshape(b, 4, H, W))
+
+
 def close(a, b):
     if a is None or b is None:  # a parameter the net did not use: no gradient on either side
         return a is b
@@ -141,6 +169,13 @@ def test_cube_tokens_and_windows(gm):
     assert not failed, f"rank {gm.rank}: {failed}"
 
 
+def test_window_over_all_blocks(gm):
+    """Attention in one window that spans every rank's block: the keys and values gathered
+    whole in their global order, the bias and the mask cut to each rank's queries."""
+    failed = compare(gm, Window(), (B, C, H, W))
+    assert not failed, f"rank {gm.rank}: {failed}"
+
+
 def refusal(call):
     """The error message ``call`` raised on this rank, or None."""
     try:
@@ -151,13 +186,17 @@ def refusal(call):
 
 
 def test_refusals(gm):
-    """What mixes tokens in their global order, or indexes them, raises on every rank."""
+    """What mixes tokens in their global order other than as the rows of attention, or indexes
+    them, raises on every rank."""
     if not gm._blocks:
         pytest.skip("bands: the tokens are a band")
     x = mpidp.shard(rand((B, C, H, W), 0), dim=(-2, -1), manager=gm)
     t = x.flatten(2).transpose(1, 2)  # (B, H W, C)
     calls = [
-        lambda: F.scaled_dot_product_attention(t, t, t),  # attention over every token
+        lambda: t.transpose(1, 2) @ t,  # the tokens contracted: a sum in block order
+        lambda: torch.einsum("bic,bjc->bc", t, t),  # no token letter kept
+        lambda: F.scaled_dot_product_attention(t, t.transpose(1, 2), t),  # keys at dim -1
+        lambda: F.scaled_dot_product_attention(t, t, t, is_causal=True),  # ids not a run
         lambda: F.conv1d(t.transpose(1, 2), torch.ones(3, 3, 3, dtype=t.dtype)),  # over tokens
         lambda: t[:, 5],  # a token by position
         lambda: torch.cumsum(t, 1),  # no rule on tokens
