@@ -42,8 +42,9 @@ ON_BLOCKS = {
     "pnm_Pix2Pix": "match",
     "pnm_SRResNet": "match",
     "pnm_AFNO": "match",  # its patch embedding's tokens of blocks (mpidp.sharded.tokens)
-    "pnm_SwinRNN": "match",  # cube tokens, shifted windows of 2 (the case's model_blocks)
-    "credit_FuXi": "match",  # the same, windows of 2
+    "pnm_SwinRNN": "match",  # cube tokens, its own shifted windows of 4 (one spans the 2 x 2)
+    "credit_FuXi": "match",  # windows of 2 on blocks: with 4, a window's rows are cut (lat) and
+    # its window index too (lon), a block that unbind / matmul do not take (refused)
     "credit_UNet": "match",
 }
 CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
