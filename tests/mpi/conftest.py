@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import GRIDS, grid_id
 from mpi4py import MPI
 
 import mpidp
@@ -133,6 +134,14 @@ def t(request: pytest.FixtureRequest, manager: mpidp.DistributedManager) -> Tran
     if request.param == "mpi":
         return MPITransport(manager.domain_comm)
     return TorchTransport(manager.domain_group)
+
+
+@pytest.fixture(scope="module", params=GRIDS, ids=grid_id)
+def gm(request: pytest.FixtureRequest) -> Iterator[mpidp.DistributedManager]:
+    """A manager whose whole world is one domain grid (bands when it is (P, 1)), once for each
+    grid that fits the world (helpers.GRIDS), per test module that asks for it."""
+    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
+        yield m
 
 
 @pytest.fixture(autouse=True)

@@ -1,22 +1,50 @@
 """Checks shared by the MPI tests: seeded data, gradcheck of a distributed function as one
-global function, and the adjoint identity summed over ranks."""
+global function, the adjoint identity summed over ranks, and the grids of latitude x
+longitude blocks that fit the world (the ``gm`` fixture of tests/mpi/conftest.py runs a
+module's tests once on each)."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from mpi4py import MPI
 
 import mpidp
 from mpidp.errors import ConfigError
 from mpidp.sharded import Replicated, ShardedTensor, shard
 
+WORLD = MPI.COMM_WORLD.Get_size()
+#: every grid of blocks the suite runs (1-4 ranks, and 6: 2 x 3 and 3 x 2); bands are (P, 1)
+ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]
+#: the grids whose product is the world: one domain group of every rank
+GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 
-def refusal(call):
-    """The ConfigError message ``call`` raised on this rank, or None."""
+
+def grid_id(grid):
+    """A grid's test id: ``2x3``."""
+    return f"{grid[0]}x{grid[1]}"
+
+
+def close(a, b, tol=1e-10):
+    """``a`` equal to ``b`` within ``tol`` (relative and absolute), of the same shape; None on
+    both sides (a parameter the net did not use: no gradient on either side) is equal."""
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=tol, atol=tol))
+
+
+def agreed(failures):
+    """Every rank's failures, on every rank (assert after every collective of a test)."""
+    return [f for theirs in MPI.COMM_WORLD.allgather(failures) for f in theirs]
+
+
+def refusal(call, kind=ConfigError):
+    """The message of the ``kind`` error (ConfigError; MpidpError takes UnsupportedOp too)
+    ``call`` raised on this rank, or None."""
     try:
         call()
-    except ConfigError as err:
+    except kind as err:
         return str(err)
     return None
 

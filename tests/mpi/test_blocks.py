@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import gradcheck_global, rand, refusal
+from helpers import ALL_GRIDS, GRIDS, WORLD, close, gradcheck_global, grid_id, rand, refusal
 from mpi4py import MPI
 
 import mpidp
@@ -24,9 +24,6 @@ from mpidp.runtime.partition import ShardSpec, Weighted
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 DP_GRIDS = [g for g in ALL_GRIDS if WORLD % (g[0] * g[1]) == 0 and g[0] * g[1] < WORLD]
 SHAPES = [(7, 10), (9, 13)]
 BOUNDARIES = [
@@ -44,13 +41,6 @@ BOUNDARIES = [
 # blocks (multi-hop at 3 and 4 ranks: 7 rows over 4 are 2, 2, 2, 1; 10 columns 3, 3, 2, 2),
 # trimming
 WIDTHS = [((1, 1), (1, 1)), ((2, 1), (0, 3)), ((3, 4), (3, 4)), ((-1, 2), (2, -1))]
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 # -- the serial reference ----------------------------------------------------------------------
@@ -171,7 +161,7 @@ def test_grid_layout(gm):
 
 
 @pytest.mark.skipif(not DP_GRIDS, reason="no grid smaller than the world divides it")
-@pytest.mark.parametrize("grid", DP_GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("grid", DP_GRIDS, ids=grid_id)
 def test_grid_beside_data_parallel(grid):
     with mpidp.DistributedManager(domain_parallel_size=grid) as m:
         _check_layout(m, grid)
@@ -233,10 +223,6 @@ def failed(checks):
     return [name for name, ok in checks if not ok]
 
 
-def close(a, b, tol=1e-13):
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=tol, atol=tol))
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shard_and_gather(gm, shape):
     full = rand((2, 3, *shape), 3)
@@ -263,7 +249,7 @@ def test_shard_and_gather(gm, shape):
     total = sum(rand(full.shape, 10 + r) for r in range(gm.domain_world_size))
     checks += [
         ("partial", torch.equal(y, full)),
-        ("partial grad", close(x.grad, total[..., rs, cs])),
+        ("partial grad", close(x.grad, total[..., rs, cs], 1e-13)),
     ]
     assert not failed(checks)
 
@@ -324,7 +310,7 @@ def halo_case(m, shape, boundary, widths, learn=False):
     return failed([("forward", forward), ("grad", close(x.grad, fr.grad[..., rs, cs], 1e-12))])
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
 def test_halo_through_torch_distributed(grid):
     """The same exchanges with the axis groups' torch.distributed (gloo) transports."""
     with mpidp.DistributedManager(domain_parallel_size=grid, transport="torch") as m:

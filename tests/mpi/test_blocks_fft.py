@@ -14,9 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import gradcheck_global, rand, refusal
-from mpi4py import MPI
 
-import mpidp
 import mpidp.ops.fft as dfft
 from mpidp.errors import ConfigError
 from mpidp.runtime.grid import BlockSpec
@@ -25,18 +23,8 @@ from mpidp.testing import count_traffic
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (1, 4), (4, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPES = [(9, 14), (7, 10)]  # uneven over 2, 3 and 4 ranks in both dims; odd and even W // 2
 CLOSE = dict(rtol=1e-12, atol=1e-12)
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 def crand(shape, seed):

@@ -16,8 +16,7 @@ import copy
 
 import pytest
 import torch
-from helpers import rand, refusal
-from mpi4py import MPI
+from helpers import close, rand, refusal
 from torch import nn
 
 import mpidp
@@ -26,21 +25,7 @@ from mpidp.runtime.grid import BlockSpec
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 4, 9, 13)  # uneven over every grid above
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
-
-
-def close(a, b, tol=1e-10):
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=tol, atol=tol))
 
 
 def out_blocks(m, shape):

@@ -19,8 +19,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rand
-from mpi4py import MPI
+from helpers import close, rand, refusal
 from torch import nn
 
 import mpidp
@@ -30,18 +29,7 @@ from mpidp.runtime.partition import ShardSpec
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 3, 13, 20)
-TOL = 1e-10
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 class Net(nn.Module):
@@ -68,21 +56,6 @@ class Net(nn.Module):
         else:  # (4, 5) -> (13, 20)
             y = self.t(y)
         return self.out(torch.cat([y, skip], 1))
-
-
-def refusal(call):
-    """The error message ``call`` raised on this rank (a ConfigError or UnsupportedOp), or None."""
-    try:
-        call()
-    except MpidpError as err:
-        return str(err)
-    return None
-
-
-def close(a, b):
-    if a is None or b is None:  # a parameter the net did not use: no gradient on either side
-        return a is b
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=TOL, atol=TOL))
 
 
 def serial_run(net, full, w):
@@ -199,5 +172,5 @@ def test_refusals(gm):
         lambda: x.transpose(-2, -1).reshape(2, 3, 260),  # merges the cut dims, columns first
         lambda: mpidp.shard(rand(SHAPE, 0), dim=-2, manager=gm),  # a band of a grid
     ]
-    found = [refusal(c) for c in calls]
+    found = [refusal(c, MpidpError) for c in calls]
     assert all(found), f"rank {gm.rank}: {found}"

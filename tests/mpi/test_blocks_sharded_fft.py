@@ -19,8 +19,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rand
-from mpi4py import MPI
+from helpers import close, rand, refusal
 from torch import nn
 
 import mpidp
@@ -31,19 +30,8 @@ from tests.mpi.zoo_models import AFNO, FNOSpectral  # plain torch, as their proj
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 SHAPE = (2, 3, 13, 20)
 H, W = SHAPE[-2:]
-TOL = 1e-10
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 class Transforms(nn.Module):
@@ -90,12 +78,6 @@ class Spectral(nn.Module):
         return self.afno(self.b(self.a(x)))
 
 
-def close(a, b):
-    if a is None or b is None:  # a parameter the net did not use: no gradient on either side
-        return a is b
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=TOL, atol=TOL))
-
-
 def blocks_of(y):
     """A ShardedTensor's blocks (a band's: its rows by the whole width)."""
     return y.grid or BlockSpec(y.spec, ShardSpec((y.shape[-1],)))
@@ -139,15 +121,6 @@ def test_fno_spectral_layers(gm):
     assert not failed, f"rank {gm.rank}: {failed}"
 
 
-def refusal(call):
-    """The error message ``call`` raised on this rank (a ConfigError or UnsupportedOp), or None."""
-    try:
-        call()
-    except MpidpError as err:
-        return str(err)
-    return None
-
-
 def test_spectrum_is_never_a_block_or_field(gm):
     """The spectrum of a block is a band of modes (spectral), and what would take it for a
     block or a field, or mixes it with one, raises on every rank; so does attention over the
@@ -170,7 +143,7 @@ def test_spectrum_is_never_a_block_or_field(gm):
         (lambda: mha(*[x.flatten(2).transpose(1, 2)] * 3), "domain_parallel_size=P"),
         (lambda: F.scaled_dot_product_attention(*[x.flatten(2).transpose(1, 2)] * 3), "attention"),
     ]
-    found = [(refusal(c) or "") for c, _ in calls]
+    found = [(refusal(c, MpidpError) or "") for c, _ in calls]
     wrong = [f for f, (_, word) in zip(found, calls, strict=True) if word not in f]
     is_band = X.spectral and X.grid is None and X.spec.parts == gm.domain_world_size
     assert is_band and not wrong, f"rank {gm.rank}: {X!r} {wrong}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rand, refusal
+from helpers import GRIDS, WORLD, agreed, grid_id, rand, refusal
 from mpi4py import MPI
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,9 +30,6 @@ from mpidp.sharded.layout import chunk_spec
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 H, W = 13, 20  # uneven over every grid above
 TOL = 1e-10
 
@@ -46,7 +43,7 @@ def pnm():
     DistributedManager.cleanup()
 
 
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.fixture(scope="module", params=GRIDS, ids=grid_id)
 def mesh(request, pnm):
     """The 2-D mesh of the recipe: PhysicsNeMo's initialize_mesh on the first grid, torch's
     init_device_mesh on the others (both paths taken at 4 and 6 ranks)."""
@@ -87,11 +84,6 @@ def serial():
     loss, out = recipe(x, net, w)
     loss.backward()
     return x.detach(), w, out.detach(), x.grad, [p.grad for p in net.parameters()]
-
-
-def agreed(failed):
-    """Every rank's failed checks (asserted by the caller on every rank alike)."""
-    return [f for fs in MPI.COMM_WORLD.allgather(failed) for f in fs]
 
 
 def uneven(n, parts):

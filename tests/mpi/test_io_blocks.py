@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers import WORLD, agreed
 from mpi4py import MPI
 
 import mpidp
@@ -38,16 +39,9 @@ from mpidp.runtime.partition import ShardSpec
 pytestmark = pytest.mark.mpi
 
 COMM = MPI.COMM_WORLD
-WORLD, ME = COMM.Get_size(), COMM.Get_rank()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (1, 3), (3, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
+ME = COMM.Get_rank()
 H, W, T = 13, 18, 3
 F64 = torch.float64
-
-
-def agreed(failures):
-    """Every rank's failures, on every rank (assert after every collective of a test)."""
-    return [f for theirs in COMM.allgather(failures) for f in theirs]
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +64,6 @@ def sample(shared):
             make_sample_data(store, n_lat=H, n_lon=W, n_time=T, format="zarr")
     COMM.Barrier()
     return h5, store
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 def uneven(n, parts):

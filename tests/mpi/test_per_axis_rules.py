@@ -15,24 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import rand
-from mpi4py import MPI
 from torch import nn
 
 import mpidp
 
 pytestmark = pytest.mark.mpi
 
-WORLD = MPI.COMM_WORLD.Get_size()
-ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]
-GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
 TOL = 1e-10
-
-
-@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
-def gm(request):
-    """A manager whose whole world is one domain grid (bands when it is (P, 1))."""
-    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
-        yield m
 
 
 class Pointwise(nn.Module):
