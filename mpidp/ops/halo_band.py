@@ -341,18 +341,13 @@ def _fetch_now(
     Every rank decides from what the agreement gives (the same everywhere) whether that
     exchange was the halo; if not (thin shards, a circular or polar boundary) the planned
     exchange follows, and when the arguments disagree every rank raises. Otherwise: checks and
-    agreement, then the planned exchange (:func:`_resolve`).
-
-    On two ranks a call with a spec takes the headers' path too: a spec that travels with the
-    tensor is agreed once per distinct call otherwise, so a rank that repeats an agreed call
-    while its peer passes something new would meet the peer's agreement with its exchange and
-    wait until the deadline; with the headers in every call both raise."""
+    agreement, then the planned exchange (:func:`_resolve`)."""
     t = band_transport(group if group is not None else manager, x.device, _WHAT)
     check = getattr(t, "max_ints", None)
-    if check is None or t.size == 1 or (spec is not None and t.size > 2):
+    if spec is not None or check is None or t.size == 1:
         op = _resolve(x, before, after, dim, spec, manager, boundary, group, roll_dim, strips, t)
         return _planned(x, op)
-    k, problems = _known_of(t, x, before, after, dim, spec, boundary, roll_dim, strips)
+    k, problems = _known_of(t, x, before, after, dim, None, boundary, roll_dim, strips)
     near = k.near
     if near is None or problems:
         near = _Near(t, k, x, problems)

@@ -254,39 +254,6 @@ def test_conv_other_channels_on_one_rank_after_a_kept_call_fail_everywhere(manag
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_peer_changing_a_kept_spec_call_fails_everywhere(manager):
-    """A band whose spec travels with it (a conv's first call learned it) is agreed once per
-    distinct call; on two ranks the headers of every call still carry the agreement: rank 1
-    then running a conv of another kernel on it while rank 0 repeats its kept call fails on
-    both (before: rank 0 waited in its exchange until the deadline), and the kept call runs
-    after. (On more ranks a spec travelling with the tensor stays agreed once per call.)"""
-    if WORLD != 2:
-        pytest.skip("the headers carry the agreement of a spec'd call on two ranks only")
-    torch.manual_seed(1)
-    serial3 = torch.nn.Conv2d(2, 2, 3, padding=1, dtype=torch.float64)
-    serial5 = torch.nn.Conv2d(2, 2, 5, padding=2, dtype=torch.float64)
-    conv3 = mpidp.convert_to_domain_parallel(copy.deepcopy(serial3), manager)
-    conv5 = mpidp.convert_to_domain_parallel(copy.deepcopy(serial5), manager)
-    spec, me = manager.spec(9), manager.domain_rank
-    full = rand((1, 2, 9, 5), 11)
-    x = full.narrow(-2, spec.start(me), spec.sizes[me]).clone()
-    with torch.no_grad():
-        _twice(lambda: conv3(x))  # the first call learns the spec, the second agrees it
-        problems = []
-        try:
-            (conv5 if me == 1 else conv3)(x)
-            problems.append("no error")
-        except CommError as err:
-            if "before=" not in str(err):
-                problems.append(str(err))
-        want = serial3(full).narrow(-2, spec.start(me), spec.sizes[me])
-        if not torch.allclose(conv3(x), want, rtol=1e-12, atol=1e-12):
-            problems.append("the kept call differs after")
-    everyone = MPI.COMM_WORLD.allgather(problems)
-    assert not any(everyone), everyone
-
-
-@pytest.mark.mpi(min_size=2)
 def test_halo_problem_on_one_rank_after_a_kept_call_fails_everywhere(t):
     """The learned-partition path (on two ranks its agreement is the neighbour messages'
     headers): a rank whose own check fails (a dim out of range), or whose band has another
