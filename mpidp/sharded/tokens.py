@@ -16,9 +16,9 @@ global order (a band's tokens are one), so the rules on them are:
 * a reshape of the token dim into (..., H, W) gives the block again, into (..., L H W) (a
   batch split off or merged in) tokens with another ``lead``;
 * attention with the tokens as the queries' rows (dim -2: one window over several blocks,
-  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums, SDPA): the band rule, the keys and values gathered
-  whole in the global order and each rank's queries against all of them; a bias or mask of
-  the global (L, S) shape cut to the queries' tokens by their ids;
+  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums, SDPA): the band rule, the keys and
+  values gathered whole in the global order and each rank's queries against all of them; a
+  bias or mask of the global (L, S) shape cut to the queries' tokens by their ids;
 * anything else that mixes tokens in their global order or indexes them by position (the
   tokens contracted, a convolution over tokens, ``x[:, 5]``) is refused on every rank
   (:data:`mpidp.sharded.dispatch.TOKENS_MIX`).

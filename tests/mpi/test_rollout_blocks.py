@@ -15,6 +15,7 @@ import pytest
 import test_io_blocks as io_test
 import torch
 import xarray as xr
+from helpers import agreed
 from mpi4py import MPI
 
 import mpidp
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.mpi
 WORLD, ME = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 H, W, STEPS = 13, 20, 3
 LAT, LON = np.linspace(90, -90, H), np.arange(W) * 360.0 / W
-# the world as one domain grid, a shared folder (fixtures) and the checks of test_io_blocks.py
-gm, shared, agreed, _refused = io_test.gm, io_test.shared, io_test.agreed, io_test._refused
+# a shared folder (fixture) and the refusal check of test_io_blocks.py; gm is conftest's
+shared, _refused = io_test.shared, io_test._refused
 FORMATS = ["nc", "zarr"] if zarr_available() else ["nc"]
 
 
