@@ -123,8 +123,8 @@ def test_fno_spectral_layers(gm):
 
 def test_spectrum_is_never_a_block_or_field(gm):
     """The spectrum of a block is a band of modes (spectral), and what would take it for a
-    block or a field, or mixes it with one, raises on every rank; so does attention over the
-    tokens of a flattened block, naming the fix."""
+    block or a field, or mixes it with one, raises on every rank; so do torch's attention module
+    and causal attention over the tokens of a flattened block, naming the fix."""
     if not gm._blocks:
         pytest.skip("bands")
     x = mpidp.shard(rand(SHAPE, 0), dim=(-2, -1), manager=gm)
@@ -141,7 +141,12 @@ def test_spectrum_is_never_a_block_or_field(gm):
         (lambda: torch.fft.fft2(x, dim=(-1, -2)), "in that order"),  # the other order
         (lambda: torch.fft.fftn(x, dim=(1, 2, 3)), "n-D transform"),  # more than the cut dims
         (lambda: mha(*[x.flatten(2).transpose(1, 2)] * 3), "domain_parallel_size=P"),
-        (lambda: F.scaled_dot_product_attention(*[x.flatten(2).transpose(1, 2)] * 3), "attention"),
+        (  # (attention with the tokens as queries is exact; causal over them is not)
+            lambda: F.scaled_dot_product_attention(
+                *[x.flatten(2).transpose(1, 2)] * 3, is_causal=True
+            ),
+            "causal",
+        ),
     ]
     found = [(refusal(c, MpidpError) or "") for c, _ in calls]
     wrong = [f for f, (_, word) in zip(found, calls, strict=True) if word not in f]
