@@ -180,25 +180,31 @@ def _view_as(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @register(torch.flatten, torch.Tensor.flatten, blocks=True)
 def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return reshape_sharded(args[0], flattened(args, kwargs), "flatten")
+
+
+def flattened(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The shape ``flatten(x, start_dim, end_dim)`` gives (``args[0]`` is ``x``)."""
     x = args[0]
-    nd = x.dim()
-    start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % max(nd, 1)
-    end = int(args[2] if len(args) > 2 else kwargs.get("end_dim", -1)) % max(nd, 1)
+    nd = max(x.dim(), 1)
+    start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % nd
+    end = int(args[2] if len(args) > 2 else kwargs.get("end_dim", -1)) % nd
     shape = list(x.shape)
-    new = [*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]]
-    return reshape_sharded(x, new, "flatten")
+    return [*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]]
 
 
-@register(torch.unflatten, torch.Tensor.unflatten, blocks=True)
-def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def unflattened(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The shape ``unflatten(x, dim, sizes)`` gives (``args[0]`` is ``x``; one -1 inferred)."""
     x = args[0]
     dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.dim()
     sizes = list(args[2] if len(args) > 2 else kwargs["sizes"])
     shape = list(x.shape)
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        sizes = [shape[dim] // known if s == -1 else s for s in sizes]
-    return reshape_sharded(x, shape[:dim] + sizes + shape[dim + 1 :], "unflatten")
+    return _infer(shape, shape[:dim] + sizes + shape[dim + 1 :])
+
+
+@register(torch.unflatten, torch.Tensor.unflatten, blocks=True)
+def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return reshape_sharded(args[0], unflattened(args, kwargs), "unflatten")
 
 
 @register(torch.squeeze, torch.Tensor.squeeze, blocks=True)

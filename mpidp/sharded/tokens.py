@@ -39,7 +39,7 @@ from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import _GRID_OK, _HANDLERS, _TOKENS, key, refuse, register_grid
 from mpidp.sharded.products import _expand_ellipsis
 from mpidp.sharded.select import index_parts
-from mpidp.sharded.shapes import _MOVES, _groups, _infer, _plain, _shape_arg
+from mpidp.sharded.shapes import _MOVES, _groups, _infer, _plain, _shape_arg, flattened, unflattened
 from mpidp.sharded.tensor import ShardedTensor
 
 __all__ = ["REDUCE", "block_to_tokens"]
@@ -127,22 +127,16 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 @register_grid(torch.flatten, torch.Tensor.flatten, tokens=True)
 def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x, nd = args[0], max(args[0].dim(), 1)
-    start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % nd
-    end = int(args[2] if len(args) > 2 else kwargs.get("end_dim", -1)) % nd
-    shape = list(x.shape)
-    new = [*shape[:start], math.prod(shape[start : end + 1]), *shape[end + 1 :]]
-    return _reshaped(x, x.local, shape, new, _tokens(x), (func, args, kwargs))
+    x = args[0]
+    new = flattened(args, kwargs)
+    return _reshaped(x, x.local, list(x.shape), new, _tokens(x), (func, args, kwargs))
 
 
 @register_grid(torch.unflatten, torch.Tensor.unflatten, tokens=True)
 def _unflatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
-    dim = int(args[1] if len(args) > 1 else kwargs["dim"]) % x.dim()
-    sizes = list(args[2] if len(args) > 2 else kwargs["sizes"])
-    shape = list(x.shape)
-    new = _infer(shape, shape[:dim] + sizes + shape[dim + 1 :])
-    return _reshaped(x, x.local, shape, new, _tokens(x), (func, args, kwargs))
+    new = unflattened(args, kwargs)
+    return _reshaped(x, x.local, list(x.shape), new, _tokens(x), (func, args, kwargs))
 
 
 #: the size that marks the token dim in :func:`_move`'s probe (a meta tensor: nothing allocated)
