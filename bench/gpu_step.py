@@ -45,6 +45,8 @@ def main() -> None:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for name, model in (("torch", serial), ("mpidp", dist)):
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             step(model, dtype)
             times = []
             for _ in range(args.steps):

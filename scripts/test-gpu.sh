@@ -2,7 +2,8 @@
 # The CUDA/NCCL subset, on a machine with one or more GPUs: the manager's device choice and
 # NCCL, every collective, the halo, the FFT, converted U-Net / AFNO / Swin / graph models against
 # the serial ones, and a bf16 training step, on CUDA tensors (tests/mpi/gpu_cuda.py). One GPU: world 1 on
-# NCCL; several: one rank per GPU (up to 4). Then the U-Net step on the device, P = 1.
+# NCCL, then 2 ranks sharing it over gloo; several: one rank per GPU (up to 4). Then the U-Net
+# step on the device, P = 1.
 #
 # Uses the machine's own CUDA build of torch (never installs torch); installs what else is
 # missing (mpich, mpi4py, pytest, pytest-mpi, h5py, numpy) from PyPI.
@@ -22,8 +23,8 @@ if [ "$device" = cuda ] && [ "$gpus" -eq 0 ]; then
   echo "test-gpu: torch $("$py" -c 'import torch; print(torch.__version__, torch.version.cuda)') sees no GPU; use --cpu for a dry run"
   exit 2
 fi
-"$py" -c "import mpi4py, pytest, pytest_mpi, h5py" 2>/dev/null \
-  || "$py" -m pip install -q mpich mpi4py pytest pytest-mpi h5py numpy pyyaml
+"$py" -c "import mpi4py, pytest, pytest_mpi, h5py, hostlist" 2>/dev/null \
+  || "$py" -m pip install -q mpich mpi4py pytest pytest-mpi h5py numpy pyyaml python-hostlist
 bin="$(dirname "$("$py" -c 'import sys; print(sys.executable)')")"
 mpiexec="$(command -v mpiexec || echo "$bin/mpiexec")"
 [ -x "$mpiexec" ] || mpiexec="$("$py" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/mpiexec"
@@ -46,6 +47,13 @@ for n in $worlds; do
   timeout 900 "$mpiexec" -n "$n" "$py" -m mpi4py -m pytest -q --with-mpi -p no:cacheprovider \
     tests/mpi/gpu_cuda.py || { echo "gpu_cuda.py FAILED at $n rank(s)"; fail=1; }
 done
+if [ "$device" = cuda ] && [ "$gpus" -eq 1 ]; then
+  # NCCL refuses two ranks on one GPU; over gloo they share it, so the layers' device paths
+  # (halo buffers, FFT, converted models) still run at P = 2 on CUDA tensors
+  echo; echo "=== tests/mpi/gpu_cuda.py on cuda, 2 ranks sharing the GPU over gloo"
+  MPIDP_TEST_BACKEND=gloo timeout 900 "$mpiexec" -n 2 "$py" -m mpi4py -m pytest -q --with-mpi \
+    -p no:cacheprovider tests/mpi/gpu_cuda.py || { echo "gpu_cuda.py FAILED over gloo"; fail=1; }
+fi
 if [ "${MPIDP_GPU_BENCH:-1}" != 0 ]; then
   echo; echo "=== U-Net step on $device (bench/gpu_step.py)"
   grid=(); [ "$device" = cpu ] && grid=(--grid 91 180)

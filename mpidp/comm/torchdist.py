@@ -47,6 +47,10 @@ class TorchTransport(Transport):
         # the fingerprint check runs where it costs no device synchronisation (see above)
         self._checks = self._device.type == "cpu"
         self.reports_everywhere = self._checks
+        # gloo's send / recv read the buffer's address on the host: a device tensor there
+        # aborts the process, so point-to-point moves a host copy (gloo's collectives stage
+        # device tensors themselves)
+        self._host_p2p = self._device.type != "cpu" and dist.get_backend(group) == "gloo"
 
     @property
     def default_device(self) -> torch.device:
@@ -191,7 +195,11 @@ class TorchTransport(Transport):
         sends: list[tuple[int, int, torch.Tensor]],
         recvs: list[tuple[int, int, torch.Tensor]],
     ) -> Callable[[], None]:
-        staged = [(t, t if t.is_contiguous() else _dense(t)) for _, _, t in recvs]
+        host = self._host_p2p
+        staged = [(t, torch.empty(t.shape, dtype=t.dtype) if host else t) for _, _, t in recvs]
+        staged = [(t, buf if buf.is_contiguous() else _dense(buf)) for t, buf in staged]
+        if host:  # the send copies live in ``sends`` until the exchange completes
+            sends[:] = [(peer, tag, t.to("cpu").contiguous()) for peer, tag, t in sends]
         ops = [
             dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag)
             for (peer, tag, _), (_, buf) in zip(recvs, staged, strict=False)

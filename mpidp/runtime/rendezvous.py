@@ -126,7 +126,8 @@ def init_process_group(
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        kwargs["device_id"] = device
+        if backend == "nccl":  # a bound gloo group breaks torch 2.11's DeviceMesh (split_group
+            kwargs["device_id"] = device  # deep-copies gloo's options, which cannot be copied)
     if who.world_size == 1:
         kwargs["store"] = dist.HashStore()
     elif mpi_comm is not None:
@@ -151,10 +152,18 @@ def init_process_group(
             if "init_method" in kwargs
             else "its rendezvous store"
         )
+        fix = (
+            f"two ranks of this job chose one GPU ({device}): NCCL needs a GPU of its own per "
+            f"rank; start at most {torch.cuda.device_count()} rank(s) per node (one per "
+            f"visible GPU), give each rank its own CUDA_VISIBLE_DEVICES, or pass "
+            f"backend='gloo' to run several ranks on one GPU"
+            if "Duplicate GPU" in str(exc)
+            else "check that the address is rank 0's host and reachable from this node, and "
+            "that the port is free"
+        )
         raise LaunchError(
             f"rank {who.rank} of {who.world_size} ({who.launch.launcher}): "
             f"torch.distributed ({backend}) could not start through {where}: "
-            f"{type(exc).__name__}: {exc}; check that the address is rank 0's host and "
-            f"reachable from this node, and that the port is free"
+            f"{type(exc).__name__}: {exc}; {fix}"
         ) from None
     return kwargs.get("store")

@@ -258,6 +258,26 @@ def test_exchange_into_non_contiguous_buffer(transport):
     assert torch.equal(storage.t(), torch.arange(8, dtype=torch.float64).reshape(2, 4) + 10 * prv)
 
 
+def test_exchange_through_host_copies(manager):
+    """gloo's point-to-point reads a buffer's address on the host, so a gloo group moving GPU
+    tensors stages them through host copies (scripts/test-gpu.sh runs it on CUDA); here the
+    staging is forced on CPU tensors: fresh receive buffers copied back, non-contiguous ones
+    too, and send copies kept alive until the wait."""
+    from mpidp.comm import TorchTransport
+
+    t = TorchTransport(manager.domain_group)
+    t._host_p2p = True
+    p, me = t.size, t.rank
+    nxt, prv = (me + 1) % p, (me - 1) % p
+    storage = torch.zeros(4, 3, dtype=torch.float64)
+    from_prv = storage.t()  # (3, 4), non-contiguous
+    from_nxt = torch.empty(3, 3, dtype=torch.float64)
+    up = chunk(me, nxt, 4).t()  # non-contiguous send
+    t.exchange([(nxt, up), (prv, chunk(me, prv, 3))], [(prv, from_prv), (nxt, from_nxt)])
+    assert torch.equal(storage.t(), chunk(prv, me, 4).t())
+    assert torch.equal(from_nxt, chunk(nxt, me, 3))
+
+
 def test_objects(transport):
     assert transport.all_gather_object({"r": transport.rank}) == [
         {"r": r} for r in range(transport.size)
