@@ -91,11 +91,13 @@ def query_rows_masks(
     rank: int,
     keys: int,
     where: str,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The part of a global ``(..., L, S)`` attention mask for this rank's queries (rows
-    ``rows.start(rank):rows.stop(rank)`` of the sequence, against all ``keys`` keys). A mask
-    of another shape would be a band's own mask (built from local shapes), not the serial one:
-    refused, with the fix. ``key_padding_mask`` must cover every key."""
+    ``rows.start(rank):rows.stop(rank)`` of the sequence, or the rows ``ids`` when the queries
+    are not a run of it: tokens of blocks; against all ``keys`` keys). A mask of another shape
+    would be a band's own mask (built from local shapes), not the serial one: refused, with the
+    fix. ``key_padding_mask`` must cover every key."""
     problems = []
     if attn_mask is not None and (
         attn_mask.dim() < 2 or attn_mask.size(-2) != rows.total or attn_mask.size(-1) != keys
@@ -116,7 +118,24 @@ def query_rows_masks(
         )
     if attn_mask is None:
         return None
+    if ids is not None:
+        return attn_mask.index_select(attn_mask.dim() - 2, ids.to(attn_mask.device))
     return attn_mask.narrow(-2, rows.start(rank), rows.sizes[rank])
+
+
+def causal_rows(ids: torch.Tensor, keys: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of the serial causal mask for queries at the global positions ``ids``:
+    ``(len(ids), keys)``, True where key ``j`` is attended (``j <= i``, aligned at the top
+    left as torch's ``is_causal``), applied to ``mask`` (boolean, True attends, or additive;
+    broadcasting to ``(..., len(ids), keys)``) when one is given, as torch's CPU kernel
+    applies both. Exact for any cut of the queries, a run or not, when the keys are whole in
+    their global order."""
+    allowed = torch.arange(keys, device=ids.device) <= ids.unsqueeze(-1)
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return torch.where(allowed, mask, -torch.inf)
 
 
 def sliding_window_attention(
