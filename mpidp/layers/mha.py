@@ -31,7 +31,7 @@ from mpidp.layers.base import (
     not_a_band,
 )
 from mpidp.layers.registry import register_layer
-from mpidp.ops.attention import query_rows_masks
+from mpidp.ops.attention import mha_rows_mask
 from mpidp.ops.collectives import all_gather_v
 from mpidp.runtime.grid import blocks_refused
 
@@ -103,14 +103,11 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
             v = k if value is key else all_gather_v(value, list(cut.sizes), seq, group=t)
         else:
             k, v = key, value
-        mask = query_rows_masks(
-            attn_mask, key_padding_mask, rows, t.rank, k.size(seq), type(self).__name__
-        )
-        if is_causal and mask is None:
-            raise ConfigError(
-                f"rank {t.rank}: {type(self).__name__}: is_causal=True needs attn_mask, as in "
-                f"torch (the causal mask of the whole sequence)"
-            )
+        mask = mha_rows_mask(
+            attn_mask, key_padding_mask, rows, t.rank, k.size(seq), type(self).__name__,
+            is_causal=is_causal, need_weights=need_weights,
+            extra_keys=self.bias_k is not None or self.add_zero_attn,
+        )  # fmt: skip
         return super().forward(
             query, k, v, key_padding_mask, need_weights, mask, average_attn_weights, False
         )

@@ -123,6 +123,47 @@ def query_rows_masks(
     return attn_mask.narrow(-2, rows.start(rank), rows.sizes[rank])
 
 
+def mha_rows_mask(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    rows: ShardSpec,
+    rank: int,
+    keys: int,
+    where: str,
+    *,
+    is_causal: bool = False,
+    need_weights: bool = True,
+    extra_keys: bool = False,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The ``attn_mask`` with which torch's ``F.multi_head_attention_forward`` on this rank's
+    queries (against every key, ``is_causal=False``) gives the serial model's rows.
+
+    ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: torch needs the mask,
+    and takes the hint (its own causal mask, ``attn_mask`` unread) when there is no
+    ``key_padding_mask`` and no weights are asked for; then the causal mask's rows for the
+    queries (:func:`causal_rows`), else ``attn_mask``'s (:func:`query_rows_masks`, whose
+    ``rows`` / ``ids`` these take). With ``extra_keys`` (``bias_k``, a zero key, static keys)
+    torch's causal mask spans them too, which a mask of the rows cannot say: refused."""
+    if is_causal and attn_mask is None:
+        raise ConfigError(
+            f"rank {rank}: {where}: is_causal=True needs attn_mask, as in torch (the causal "
+            f"mask of the whole sequence)"
+        )
+    if not is_causal or key_padding_mask is not None or need_weights:
+        return query_rows_masks(attn_mask, key_padding_mask, rows, rank, keys, where, ids)
+    if extra_keys:
+        raise ConfigError(
+            f"rank {rank}: {where}: is_causal=True with bias_k, add_zero_attn or static keys "
+            f"(torch's causal mask then spans those keys too); fix: pass is_causal=False with "
+            f"the causal attn_mask"
+        )
+    assert attn_mask is not None
+    if ids is None:
+        ids = torch.arange(rows.start(rank), rows.start(rank) + rows.sizes[rank])
+    return ~causal_rows(ids.to(attn_mask.device), keys)  # (True: not attended, as MHA reads)
+
+
 def causal_rows(ids: torch.Tensor, keys: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The rows of the serial causal mask for queries at the global positions ``ids``:
     ``(len(ids), keys)``, True where key ``j`` is attended (``j <= i``, aligned at the top

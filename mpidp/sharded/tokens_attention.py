@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.ops.attention import causal_rows, query_rows_masks
+from mpidp.ops.attention import causal_rows, mha_rows_mask
 from mpidp.sharded.block_layout import TokenSpec
 from mpidp.sharded.cuts import placed
 from mpidp.sharded.dispatch import refuse, register_grid
@@ -116,22 +116,12 @@ def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )  # fmt: skip
     if isinstance(mask, ShardedTensor):
         raise refuse(func, args, kwargs, "a sharded attn_mask", "pass it whole (global shape)")
-    if a.get("is_causal") and mask is None:
-        raise refuse(func, args, kwargs, "is_causal without attn_mask", "pass the causal mask")
-    ids, n_keys = _tokens(q).index(q.rank, q.local.device), kw.size(0)
-    if a.get("is_causal") and kpm is None and not a.get("need_weights", True):
-        if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
-            raise refuse(
-                func, args, kwargs, "is_causal with extra or static keys over tokens of "
-                "blocks (torch's causal mask then spans them too)", "pass is_causal=False "
-                "with the causal attn_mask",
-            )  # fmt: skip
-        a["attn_mask"] = ~causal_rows(ids, n_keys)  # (True: not attended, as torch's MHA reads)
-    else:
-        mask = _plain(mask, q.transport)
-        a["attn_mask"] = query_rows_masks(
-            mask, kpm, _tokens(q).counts, q.rank, n_keys, func.__name__, ids=ids
-        )
+    extra = a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None
+    a["attn_mask"] = mha_rows_mask(
+        _plain(mask, q.transport), kpm, _tokens(q).counts, q.rank, kw.size(0), func.__name__,
+        is_causal=bool(a.get("is_causal")), need_weights=bool(a.get("need_weights", True)),
+        extra_keys=extra, ids=_tokens(q).index(q.rank, q.local.device),
+    )  # fmt: skip
     a["is_causal"] = False
     a["key_padding_mask"] = kpm
     a = {name: _plain(z, q.transport) for name, z in a.items()}

@@ -160,17 +160,22 @@ def test_causal_sdpa(gm):
 
 
 def test_refusals(gm):
-    """Dropout over tokens, and whole queries against tokens, raise on every rank."""
+    """Dropout over tokens, whole queries against tokens, and torch's causal hint with extra
+    keys raise on every rank."""
     if not gm._blocks:
         pytest.skip("bands: the band rules")
     x = mpidp.shard(rand((B, E, H, W), 0), dim=(-2, -1), manager=gm)
     t = x.flatten(2).transpose(1, 2)  # (B, N, E)
     drop = nn.MultiheadAttention(E, HEADS, dropout=0.5, batch_first=True).double()
+    extra = nn.MultiheadAttention(E, HEADS, add_bias_kv=True, batch_first=True).double()
+    causal = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
     whole = rand((B, 3, E), 1)
     calls = [
         lambda: drop(t, t, t),  # attention dropout in training
         lambda: F.scaled_dot_product_attention(t, t, t, dropout_p=0.5),
         lambda: drop.eval()(whole, t, t),  # whole queries against tokens
+        # torch's causal mask would span bias_k too: no mask of the rows says that
+        lambda: extra(t, t, t, attn_mask=causal, is_causal=True, need_weights=False),
     ]
     found = agreed([refusal(c, MpidpError) is None for c in calls])
     assert not any(found), found
