@@ -8,6 +8,12 @@ the serial one, for any number of heads (fewer than the ranks too), any masks, `
 Cost: K and V whole on every rank (2 S E values) and 2 (P - 1)/P of them received; the
 ShardedTensor route (``F.scaled_dot_product_attention``) uses the head all-to-all instead when
 there are at least as many heads as ranks (docs/attention.md).
+
+On latitude x longitude blocks the sequence is tokens of blocks (a rank's are not a run of
+it): called with them as ShardedTensors, the layer runs torch's form, whose
+``F.multi_head_attention_forward`` is the tokens' rule (:mod:`mpidp.sharded.tokens_attention`:
+the same gather of the keys and values, in their global order). Plain tensors on blocks say
+nothing of their tokens and are refused.
 """
 
 from __future__ import annotations
@@ -16,10 +22,18 @@ import torch
 from torch import nn
 
 from mpidp.errors import ConfigError
-from mpidp.layers.base import DomainParallel, LayoutMismatch, band_forward, learn_spec, not_a_band
+from mpidp.layers.base import (
+    DomainParallel,
+    LayoutMismatch,
+    band_forward,
+    in_band_call,
+    learn_spec,
+    not_a_band,
+)
 from mpidp.layers.registry import register_layer
-from mpidp.ops.attention import query_rows_masks
+from mpidp.ops.attention import mha_rows_mask
 from mpidp.ops.collectives import all_gather_v
+from mpidp.runtime.grid import blocks_refused
 
 __all__ = ["DomainParallelMultiheadAttention"]
 
@@ -34,6 +48,8 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
     Masks are the serial model's (global shapes). Collective over the domain group."""
 
     keys: str | None = None
+    #: on blocks, tokens of blocks in a ShardedTensor call: torch's form, dispatched
+    on_blocks = True
 
     def input_band_dim(self) -> int:
         return -2 if self.batch_first else -3  # the sequence of (B, L, E) or (L, B, E)
@@ -66,6 +82,11 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
             )  # fmt: skip
         if not_a_band(query):  # whole queries against a band of keys: dispatch's rule
             raise LayoutMismatch("the queries are not a band")
+        m = self._manager()
+        if m._blocks:  # tokens of blocks: the tokens' rule, through torch's form
+            if in_band_call():
+                raise LayoutMismatch("tokens of blocks")
+            raise blocks_refused(m, f"the converted layer {type(self).__name__} on plain tensors")
         t = self._transport(query)
         keys = self.keys if self.keys is not None else "sharded" if key is query else None
         if keys not in ("sharded", "whole"):
@@ -82,14 +103,11 @@ class DomainParallelMultiheadAttention(DomainParallel, nn.MultiheadAttention):
             v = k if value is key else all_gather_v(value, list(cut.sizes), seq, group=t)
         else:
             k, v = key, value
-        mask = query_rows_masks(
-            attn_mask, key_padding_mask, rows, t.rank, k.size(seq), type(self).__name__
-        )
-        if is_causal and mask is None:
-            raise ConfigError(
-                f"rank {t.rank}: {type(self).__name__}: is_causal=True needs attn_mask, as in "
-                f"torch (the causal mask of the whole sequence)"
-            )
+        mask = mha_rows_mask(
+            attn_mask, key_padding_mask, rows, t.rank, k.size(seq), type(self).__name__,
+            is_causal=is_causal, need_weights=need_weights,
+            extra_keys=self.bias_k is not None or self.add_zero_attn,
+        )  # fmt: skip
         return super().forward(
             query, k, v, key_padding_mask, need_weights, mask, average_attn_weights, False
         )

@@ -91,11 +91,13 @@ def query_rows_masks(
     rank: int,
     keys: int,
     where: str,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The part of a global ``(..., L, S)`` attention mask for this rank's queries (rows
-    ``rows.start(rank):rows.stop(rank)`` of the sequence, against all ``keys`` keys). A mask
-    of another shape would be a band's own mask (built from local shapes), not the serial one:
-    refused, with the fix. ``key_padding_mask`` must cover every key."""
+    ``rows.start(rank):rows.stop(rank)`` of the sequence, or the rows ``ids`` when the queries
+    are not a run of it: tokens of blocks; against all ``keys`` keys). A mask of another shape
+    would be a band's own mask (built from local shapes), not the serial one: refused, with the
+    fix. ``key_padding_mask`` must cover every key."""
     problems = []
     if attn_mask is not None and (
         attn_mask.dim() < 2 or attn_mask.size(-2) != rows.total or attn_mask.size(-1) != keys
@@ -116,7 +118,65 @@ def query_rows_masks(
         )
     if attn_mask is None:
         return None
+    if ids is not None:
+        return attn_mask.index_select(attn_mask.dim() - 2, ids.to(attn_mask.device))
     return attn_mask.narrow(-2, rows.start(rank), rows.sizes[rank])
+
+
+def mha_rows_mask(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    rows: ShardSpec,
+    rank: int,
+    keys: int,
+    where: str,
+    *,
+    is_causal: bool = False,
+    need_weights: bool = True,
+    extra_keys: bool = False,
+    ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The ``attn_mask`` with which torch's ``F.multi_head_attention_forward`` on this rank's
+    queries (against every key, ``is_causal=False``) gives the serial model's rows.
+
+    ``is_causal`` is torch's hint that ``attn_mask`` is the causal mask: torch needs the mask,
+    and takes the hint (its own causal mask, ``attn_mask`` unread) when there is no
+    ``key_padding_mask`` and no weights are asked for; then the causal mask's rows for the
+    queries (:func:`causal_rows`), else ``attn_mask``'s (:func:`query_rows_masks`, whose
+    ``rows`` / ``ids`` these take). With ``extra_keys`` (``bias_k``, a zero key, static keys)
+    torch's causal mask spans them too, which a mask of the rows cannot say: refused."""
+    if is_causal and attn_mask is None:
+        raise ConfigError(
+            f"rank {rank}: {where}: is_causal=True needs attn_mask, as in torch (the causal "
+            f"mask of the whole sequence)"
+        )
+    if not is_causal or key_padding_mask is not None or need_weights:
+        return query_rows_masks(attn_mask, key_padding_mask, rows, rank, keys, where, ids)
+    if extra_keys:
+        raise ConfigError(
+            f"rank {rank}: {where}: is_causal=True with bias_k, add_zero_attn or static keys "
+            f"(torch's causal mask then spans those keys too); fix: pass is_causal=False with "
+            f"the causal attn_mask"
+        )
+    assert attn_mask is not None
+    if ids is None:
+        ids = torch.arange(rows.start(rank), rows.start(rank) + rows.sizes[rank])
+    return ~causal_rows(ids.to(attn_mask.device), keys)  # (True: not attended, as MHA reads)
+
+
+def causal_rows(ids: torch.Tensor, keys: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows of the serial causal mask for queries at the global positions ``ids``:
+    ``(len(ids), keys)``, True where key ``j`` is attended (``j <= i``, aligned at the top
+    left as torch's ``is_causal``), applied to ``mask`` (boolean, True attends, or additive;
+    broadcasting to ``(..., len(ids), keys)``) when one is given, as torch's CPU kernel
+    applies both. Exact for any cut of the queries, a run or not, when the keys are whole in
+    their global order."""
+    allowed = torch.arange(keys, device=ids.device) <= ids.unsqueeze(-1)
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return torch.where(allowed, mask, -torch.inf)
 
 
 def sliding_window_attention(

@@ -1,9 +1,9 @@
 """What a call on bands knows about them, below the layers that use it: the partition of a
 band learned from every rank's extent (:func:`learn_spec`), the bands a ShardedTensor call
-handed to a layer (:func:`band_call`, :class:`LayoutMismatch`, :func:`not_a_band`), what the
-layer notes about its output (:func:`note_replicated`), and the torch path of dry runs
-(:func:`torch_path`). The layers (:mod:`mpidp.layers.base` re-exports these names), the
-distributed FFT and the training helpers read them."""
+handed to a layer (:func:`band_call`, :func:`in_band_call`, :class:`LayoutMismatch`,
+:func:`not_a_band`), what the layer notes about its output (:func:`note_replicated`), and the
+torch path of dry runs (:func:`torch_path`). The layers (:mod:`mpidp.layers.base` re-exports
+these names), the distributed FFT and the training helpers read them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mpidp.runtime.partition import ShardSpec, known_for, learned
 __all__ = [
     "LayoutMismatch",
     "band_call",
+    "in_band_call",
     "in_torch_path",
     "learn_spec",
     "not_a_band",
@@ -94,6 +95,12 @@ def not_a_band(x: torch.Tensor) -> bool:
     take: it raises :class:`LayoutMismatch` and its torch form runs through dispatch."""
     bands = _BANDS.get()
     return bool(bands) and not any(band is x for band, _ in bands)
+
+
+def in_band_call() -> bool:
+    """Whether a layer runs inside a call on ShardedTensors (:func:`band_call`), where a
+    :class:`LayoutMismatch` hands the call to its torch form through dispatch."""
+    return bool(_BANDS.get())
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from mpidp.sharded import scatter as _scatter  # noqa: F401
 from mpidp.sharded import select as _select  # noqa: F401
 from mpidp.sharded import shapes as _shapes  # noqa: F401
 from mpidp.sharded import tensor as _tensor
+from mpidp.sharded import tokens_attention as _tokens_attention  # noqa: F401
 from mpidp.sharded import where as _where
 from mpidp.sharded.dispatch import UnsupportedOp, allow_fallback, handled, register
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated, shard

@@ -443,12 +443,13 @@ def _grid_dispatch(
 TOKENS_MIX = (
     "its argument holds tokens of blocks (a block's rows x columns flattened into one dim, "
     "each rank's in block order, not the global one) and this function mixes tokens or "
-    "indexes them by position (a convolution over tokens, causal attention, a product "
-    "contracting the queries' tokens)"
+    "indexes them by position (a convolution over tokens, a product contracting the "
+    "queries' tokens)"
 )
 TOKENS_FIX = (
     "reshape the tokens back into (..., H, W) before it (attention with the queries' tokens as "
-    "rows is exact: q @ k.transpose(-2, -1), @ v, scaled_dot_product_attention); or bands "
+    "rows is exact: q @ k.transpose(-2, -1), @ v, scaled_dot_product_attention, causal too, "
+    "nn.MultiheadAttention); or bands "
     "(mpidp.init(domain_parallel_size=P): the tokens are a band), or gather (.full_tensor())"
 )
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mpidp.ops.attention import attention_over_key_band, query_rows_masks
+from mpidp.ops.attention import attention_over_key_band, causal_rows, mha_rows_mask
 from mpidp.ops.collectives import all_gather_v
 from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.dispatch import first_sharded, refuse, register
@@ -270,10 +270,8 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if mask.dim() >= 2 and mask.size(-2) == q.spec.total and q.spec.total != 1:
             mask = mask.narrow(-2, start, rows)
     if a.pop("is_causal", False):
-        s = k2.size(-2)
-        r = torch.arange(start, start + rows, device=q.local.device).unsqueeze(-1)
-        causal = torch.arange(s, device=q.local.device) <= r
-        mask = causal if mask is None else mask & causal
+        ids = torch.arange(start, start + rows, device=q.local.device)
+        mask = causal_rows(ids, k2.size(-2), mask)
     a["attn_mask"] = mask
     return _wrap(q, func(q.local, k2, v2, **a), q.shard_dim)
 
@@ -335,9 +333,12 @@ def _mha(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     a["key_padding_mask"] = kpm
     mask = a.get("attn_mask")
     mask = whole(mask) if isinstance(mask, ShardedTensor) else _plain(mask, t)
-    a["attn_mask"] = query_rows_masks(mask, kpm, q.spec, q.rank, k2.size(0), func.__name__)
-    if a.get("is_causal") and a["attn_mask"] is None:
-        raise refuse(func, args, kwargs, "is_causal without attn_mask", "pass the causal mask")
+    extra = a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None
+    a["attn_mask"] = mha_rows_mask(
+        mask, kpm, q.spec, q.rank, k2.size(0), func.__name__,
+        is_causal=bool(a.get("is_causal")), need_weights=bool(a.get("need_weights", True)),
+        extra_keys=extra,
+    )  # fmt: skip
     a["is_causal"] = False
     a = {n: _plain(z, t) for n, z in a.items()}
     out, weights = func(q.local, k2, v2, **a)

@@ -16,9 +16,10 @@ global order (a band's tokens are one), so the rules on them are:
 * a reshape of the token dim into (..., H, W) gives the block again, into (..., L H W) (a
   batch split off or merged in) tokens with another ``lead``;
 * attention with the tokens as the queries' rows (dim -2: one window over several blocks,
-  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums, SDPA): the band rule, the keys and
-  values gathered whole in the global order and each rank's queries against all of them; a
-  bias or mask of the global (L, S) shape cut to the queries' tokens by their ids;
+  ``q @ k.transpose(-2, -1)``, ``@ v``, their einsums; SDPA and ``nn.MultiheadAttention`` in
+  :mod:`mpidp.sharded.tokens_attention`): the band rule, the keys and values gathered whole in
+  the global order and each rank's queries against all of them; a bias or mask of the global
+  (L, S) shape cut to the queries' tokens by their ids;
 * anything else that mixes tokens in their global order or indexes them by position (the
   tokens contracted, a convolution over tokens, ``x[:, 5]``) is refused on every rank
   (:data:`mpidp.sharded.dispatch.TOKENS_MIX`).
@@ -30,7 +31,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mpidp.runtime.grid import BlockSpec
 from mpidp.sharded import pointwise as _pointwise
@@ -333,47 +333,6 @@ def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         )  # fmt: skip
     q, letter = rows[0]
     return placed(q, torch.einsum(f"{lhs}->{rhs}", *local), (rhs.index(letter),))
-
-
-_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-
-
-@register_grid(F.scaled_dot_product_attention, tokens=True)
-def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Queries whose tokens are the rows (dim -2; one window over several blocks): the keys
-    and values (tokens at dim -2) gathered whole in their global order, this rank's queries
-    attending all of them with torch's kernel (the band rule); a mask of the global (L, S)
-    shape cut to the queries' tokens along dim -2 by their ids. Causal attention and dropout
-    (a rank's draws are not the serial ones) are refused."""
-    a = dict(zip(_SDPA, args, strict=False))
-    a.update(kwargs)
-    q, mask = a.pop("query"), a.get("attn_mask")
-    g = q.grid if isinstance(q, ShardedTensor) else None
-    k = v = None
-    if isinstance(g, TokenSpec) and g.dim == q.dim() - 2:
-        k, v = (_whole(a.pop(n), q, (-2,)) for n in ("key", "value"))
-    if k is None or v is None or isinstance(mask, ShardedTensor):
-        raise refuse(
-            func, args, kwargs, "attention with tokens other than the queries', keys' and "
-            "values' rows (dim -2), or a sharded mask", "put the tokens at dim -2; pass the "
-            "mask of the global (L, S) shape",
-        )  # fmt: skip
-    if a.get("is_causal") or a.get("dropout_p"):
-        raise refuse(
-            func, args, kwargs, "causal attention or dropout over tokens of blocks (a rank's "
-            "tokens are not a run of the global order)", "pass the mask; dropout_p=0",
-        )  # fmt: skip
-    if isinstance(mask, torch.Tensor):
-        n = q.shape[-2]
-        if mask.dim() >= 2 and mask.size(-2) not in (1, n):
-            raise refuse(
-                func, args, kwargs, f"a mask of {mask.size(-2)} query rows for {n} tokens",
-                f"pass the mask of the global (L, S) shape (L = {n}) or 1 row",
-            )  # fmt: skip
-        mask = _plain(mask, q.transport)
-        cut = mask.dim() >= 2 and mask.size(-2) == n != 1  # (1 row: the same for every token)
-        a["attn_mask"] = _tokens(q).part(mask, mask.dim() - 2, q.rank) if cut else mask
-    return placed(q, func(q.local, k, v, **a), (q.dim() - 2,))
 
 
 def _recut(t: ShardedTensor, g: TokenSpec, call: tuple[Any, Any, Any]) -> torch.Tensor:

@@ -123,14 +123,14 @@ def test_fno_spectral_layers(gm):
 
 def test_spectrum_is_never_a_block_or_field(gm):
     """The spectrum of a block is a band of modes (spectral), and what would take it for a
-    block or a field, or mixes it with one, raises on every rank; so do torch's attention module
-    and causal attention over the tokens of a flattened block, naming the fix."""
+    block or a field, or mixes it with one, raises on every rank, naming the fix. (Attention
+    over the tokens of a flattened block, torch's module and causal too, is exact:
+    tests/mpi/test_tokens_mha.py.)"""
     if not gm._blocks:
         pytest.skip("bands")
     x = mpidp.shard(rand(SHAPE, 0), dim=(-2, -1), manager=gm)
     X = torch.fft.rfft2(x)
     conv = nn.Conv2d(3, 3, 3, padding=1).double()
-    mha = nn.MultiheadAttention(3, 1, batch_first=True).double()
     calls = [  # each with a word its refusal must hold (the reason, not an incidental error)
         (lambda: X.real[..., :10] + x[..., :10], "spectrum"),  # a spectrum meets a block
         (lambda: F.conv2d(X.real, conv.weight), "spectrum"),  # a layer reads a field
@@ -140,13 +140,6 @@ def test_spectrum_is_never_a_block_or_field(gm):
         (lambda: torch.fft.irfft2(x), "inverse transform of a block"),
         (lambda: torch.fft.fft2(x, dim=(-1, -2)), "in that order"),  # the other order
         (lambda: torch.fft.fftn(x, dim=(1, 2, 3)), "n-D transform"),  # more than the cut dims
-        (lambda: mha(*[x.flatten(2).transpose(1, 2)] * 3), "domain_parallel_size=P"),
-        (  # (attention with the tokens as queries is exact; causal over them is not)
-            lambda: F.scaled_dot_product_attention(
-                *[x.flatten(2).transpose(1, 2)] * 3, is_causal=True
-            ),
-            "causal",
-        ),
     ]
     found = [(refusal(c, MpidpError) or "") for c, _ in calls]
     wrong = [f for f, (_, word) in zip(found, calls, strict=True) if word not in f]

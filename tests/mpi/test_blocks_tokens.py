@@ -196,7 +196,6 @@ def test_refusals(gm):
         lambda: t.transpose(1, 2) @ t,  # the tokens contracted: a sum in block order
         lambda: torch.einsum("bic,bjc->bc", t, t),  # no token letter kept
         lambda: F.scaled_dot_product_attention(t, t.transpose(1, 2), t),  # keys at dim -1
-        lambda: F.scaled_dot_product_attention(t, t, t, is_causal=True),  # ids not a run
         lambda: F.conv1d(t.transpose(1, 2), torch.ones(3, 3, 3, dtype=t.dtype)),  # over tokens
         lambda: t[:, 5],  # a token by position
         lambda: torch.cumsum(t, 1),  # no rule on tokens
