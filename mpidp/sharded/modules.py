@@ -142,8 +142,9 @@ def _serving(layer: Any, ref: ShardedTensor) -> DistributedManager:
     if a is b or (a.domain_ranks, a.grid, a.gradients) == (b.domain_ranks, b.grid, b.gradients):
         return a
     raise ConfigError(
-        f"rank {b.rank}: {type(layer).__name__} is bound to the domain group "
-        f"{list(a.domain_ranks)} (grid {a.grid}, gradients {a.gradients!r}) but called with a "
+        f"rank {b.rank}: {type(layer).__name__} runs on the domain group "
+        f"{list(a.domain_ranks)} (grid {a.grid}, gradients {a.gradients!r}: its manager, or "
+        f"the converted model's it is called in) but is called with a "
         f"ShardedTensor of the domain group {list(b.domain_ranks)} (grid {b.grid}, gradients "
         f"{b.gradients!r}); its collectives would run over another group than the tensor's. "
         f"Fix: shard the input over the layer's manager (mpidp.shard(x, manager=...)), or "

@@ -12,13 +12,18 @@ float64 on uneven bands (H = 13):
   partners of the user's group are unknown; never the world);
 * a layer called with a ShardedTensor of a group while mpidp's default manager is another
   (blocks over the world): a layer bound to no manager computes on the tensor's group; one
-  bound to the default manager is refused on every rank (never run over another group); a
-  CREDIT layer given no manager computes on CREDIT's process-wide one, not the default.
+  bound to the default manager is refused on every rank (never run over another group); so
+  does a model converted with no manager; a CREDIT layer given no manager computes on
+  CREDIT's process-wide one, not the default;
+* ``mpidp.sync_gradients`` and ``GradientSync`` with the manager of a user's group sum over
+  that group alone (they summed over the world: the other group's gradients came in).
 
 Checks are asserted only after every collective of a test.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -146,6 +151,8 @@ def test_a_layer_on_a_sharded_tensor_takes_the_tensors_group_or_is_refused(group
 
     free = DomainParallelConv2d.from_module(serial)  # bound to no manager
     got = free(ShardedTensor.from_local(_band(x, ranks), dim=-2, manager=m))
+    net = mpidp.convert_to_domain_parallel(nn.Sequential(copy.deepcopy(serial)))  # no manager
+    via_net = net(ShardedTensor.from_local(_band(x, ranks), dim=-2, manager=m))
     cp.apply_domain_parallel(nn.Identity(), g)  # CREDIT's process-wide manager: the group's
     credit = dp.DomainParallelConv2d(serial)(_band(x, ranks))  # no manager: that one
     tied = DomainParallelConv2d.from_module(serial, decoy)  # bound to the default manager
@@ -154,8 +161,34 @@ def test_a_layer_on_a_sharded_tensor_takes_the_tensors_group_or_is_refused(group
 
     assert got.manager is m and close(whole, want.detach())
     assert close(credit, _band(want.detach(), ranks))
+    assert close(via_net, _band(want.detach(), ranks))
     if m is decoy:  # one rank: the group is the default manager's
         assert why is None
     else:
-        assert why is not None and f"rank {ME}: DomainParallelConv2d is bound to" in why, why
+        assert why is not None and f"rank {ME}: DomainParallelConv2d runs on the domain" in why, why
         assert f"ShardedTensor of the domain group {ranks}" in why, why
+
+
+def test_mpidp_sync_gradients_on_the_users_group(group):
+    """mpidp's own training step on a user's group: the model converted over it, the
+    gradients summed by ``mpidp.sync_gradients(model, manager_for(group))`` and by
+    ``GradientSync`` over the group alone (the other group's sample never enters)."""
+    g, i, ranks = group
+    x = rand((1, 2, H, W), 40 + i)
+    ref = serial_net()
+    (ref(x) ** 2).sum().backward()
+
+    m = manager_for(g)
+    model = mpidp.parallel.apply_domain_parallel(serial_net(), g)
+    (model(_band(x, ranks)) ** 2).sum().backward()
+    mpidp.sync_gradients(model, m)
+    synced = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    overlapped = mpidp.GradientSync(model, m)
+    (model(_band(x, ranks)) ** 2).sum().backward()
+    overlapped.wait()
+    overlapped.remove()
+
+    for got in (synced, [p.grad for p in model.parameters()]):
+        pairs = zip(got, ref.parameters(), strict=True)
+        assert [close(a, q.grad) for a, q in pairs] == [True] * len(got)
