@@ -5,16 +5,17 @@ up by the user (gloo, no ``mpidp.init`` first) and domain groups from their own
 float64 on uneven bands (H = 13):
 
 * CREDIT's ``apply_domain_parallel(model, group)``: the model runs on the user's group (never
-  mpidp's default one), and so do CREDIT's layers and ``HaloExchange`` given no manager
-  (they read the process-wide manager apply_domain_parallel sets, as CREDIT's do): forward,
-  every parameter gradient after ``sync_domain_gradients``;
+  mpidp's default one), and so do CREDIT's layers, ``HaloExchange``, ``shard_tensor`` and
+  ``gather_tensor`` given no manager (they read the process-wide manager
+  apply_domain_parallel sets, as CREDIT's do): forward, input gradient, every parameter
+  gradient after ``sync_domain_gradients``; the manager's ``neighbor_ranks`` are global;
 * ``apply_fsdp2(model, None, conf)`` after it is refused on every rank (the data-parallel
   partners of the user's group are unknown; never the world);
 * a layer called with a ShardedTensor of a group while mpidp's default manager is another
   (blocks over the world): a layer bound to no manager computes on the tensor's group; one
-  bound to the default manager is refused on every rank (never run over another group); so
-  does a model converted with no manager; a CREDIT layer given no manager computes on
-  CREDIT's process-wide one, not the default;
+  bound to the default manager is refused on every rank (never run over another group); a
+  model converted with no manager computes on the tensor's group too; a CREDIT layer given
+  no manager computes on CREDIT's process-wide one, not the default;
 * ``mpidp.sync_gradients`` and ``GradientSync`` with the manager of a user's group sum over
   that group alone (they summed over the world: the other group's gradients came in).
 
@@ -101,7 +102,7 @@ def test_credit_apply_domain_parallel_runs_on_the_users_group(group):
     man = cp.get_domain_manager(model)
     xb = cp.shard_spatial(x, man).requires_grad_()
     out = model(xb)
-    whole = dp.gather_tensor(out, manager=man)
+    whole = dp.gather_tensor(out)  # no manager: the process-wide one, as CREDIT's
     F.mse_loss(out, cp.shard_spatial(y, man)).backward()
     cp.sync_domain_gradients(model, man)
     grads = [
@@ -123,6 +124,7 @@ def test_credit_apply_domain_parallel_runs_on_the_users_group(group):
         None if j is None else ranks[j] for j in (i_before, i_after)
     )
     assert not mpidp.is_initialized()  # nothing initialised behind the user's back
+    assert close(dp.shard_tensor(x), _band(x, ranks))  # no manager: likewise
     assert close(out, _band(want.detach(), ranks)) and close(whole, want.detach())
     # every rank's loss is its share of the mean times the group's size (CREDIT's average)
     assert close(xb.grad, len(ranks) * _band(xr.grad, ranks))
