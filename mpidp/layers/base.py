@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,15 +41,46 @@ __all__ = [
     "band_forward",
     "fetch_halo",
     "in_band_call",
+    "in_progress",
     "in_torch_path",
     "not_a_band",
     "LayoutMismatch",
     "known_spec",
     "learn_spec",
     "note_replicated",
+    "serve",
+    "serving",
     "torch_path",
     "with_rows",
 ]
+
+#: the manager of the call in progress (a converted model's forward, a layer run on a
+#: ShardedTensor's band): what a layer or converted model bound to None computes on inside it
+_SERVING: contextvars.ContextVar[DistributedManager | None] = contextvars.ContextVar(
+    "mpidp_serving", default=None
+)
+
+
+def serving(manager: DistributedManager | None) -> DistributedManager:
+    """The manager a layer or converted model bound to ``manager`` computes on: ``manager``;
+    None: the manager of the call in progress (:func:`serve`), else the default one."""
+    return bound(manager if manager is not None else _SERVING.get())
+
+
+def in_progress() -> DistributedManager | None:
+    """The manager of the call in progress (:func:`serve`), or None outside any."""
+    return _SERVING.get()
+
+
+@contextlib.contextmanager
+def serve(manager: DistributedManager) -> Iterator[None]:
+    """Within: the layers and converted models bound to None compute on ``manager`` (a
+    ShardedTensor's, whose group the call's collectives must be over)."""
+    token = _SERVING.set(manager)
+    try:
+        yield
+    finally:
+        _SERVING.reset(token)
 
 
 def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
@@ -165,7 +198,8 @@ class DomainParallel:
     """Mixin for layers sharded along one spatial dim over a manager's domain group.
 
     ``shard_dim`` counts from the end of the input (-2: H of (B, C, H, W) and (B, C, T, H, W));
-    ``dp_manager`` None means the default manager, looked up at each call.
+    ``dp_manager`` None means the manager of the call in progress (a converted model's, a
+    ShardedTensor's: :func:`serving`), else the default manager, looked up at each call.
     """
 
     shard_dim: int = -2
@@ -280,8 +314,13 @@ class DomainParallel:
         for channels-last tokens)."""
         return self.shard_dim - 1 if self.channels_last_in else self.shard_dim
 
+    def own_manager(self) -> DistributedManager | None:
+        """The manager this layer computes on in this call: its own (``dp_manager``), else
+        the call in progress's (:func:`serve`); None: a ShardedTensor's, or the default."""
+        return self.dp_manager if self.dp_manager is not None else _SERVING.get()
+
     def _manager(self) -> DistributedManager:
-        m = bound(self.dp_manager)
+        m = bound(self.own_manager())
         if m._blocks and not self.on_blocks:  # it would take its block for a band
             raise blocks_refused(m, f"the converted layer {type(self).__name__}")
         return m

@@ -25,7 +25,12 @@ from torch import nn
 from mpidp.comm import PendingExchange
 from mpidp.comm.base import fingerprint
 from mpidp.errors import CommError
-from mpidp.ops.training import _BUCKET_BYTES, _agree_on_gradients, _refuse_owned_reduction
+from mpidp.ops.training import (
+    _BUCKET_BYTES,
+    _agree_on_gradients,
+    _refuse_owned_reduction,
+    _summed_over,
+)
 from mpidp.runtime import rng
 from mpidp.runtime.manager import DistributedManager, get_manager
 
@@ -98,7 +103,7 @@ class GradientSync:
         facts = tuple(
             tuple((n, tuple(p.shape), str(p.dtype)) for n, p in b.params) for b in self.buckets
         )
-        t = self.manager.transport("world", "cpu")
+        t = self.manager.transport(_summed_over(self.manager), "cpu")
         prints = [row[0] for row in t.all_gather_ints([fingerprint(facts)])]
         if any(f != prints[0] for f in prints):
             differ = [r for r, f in enumerate(prints) if f != prints[0]]
@@ -139,13 +144,14 @@ class GradientSync:
     def _start(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        t = self.manager.transport("world", b.flat.device)
+        t = self.manager.transport(_summed_over(self.manager), b.flat.device)
         b.pending = t.start_all_reduce(b.flat, "sum")
 
     def wait(self) -> None:
         """Start the buckets the hooks did not, wait for every one, check that every rank
         holds gradients for the same parameters, and write the synced gradients (divided by
-        the data-parallel size). Collective over the world."""
+        the data-parallel size). Collective over the world (the domain group alone, as for
+        :func:`~mpidp.sync_gradients`, where the manager places only its group)."""
         m = self.manager
         for b in self.buckets[self._next :]:
             self._start(b)
@@ -153,7 +159,7 @@ class GradientSync:
             assert b.pending is not None
             b.pending.wait()
         self._next = 0
-        _agree_on_gradients(self.named, m, rng.draws(self.model))
+        _agree_on_gradients(self.named, m, rng.draws(self.model), _summed_over(m))
         for b in self.buckets:
             flat, b.flat, b.pending, b.ready = b.flat, None, None, 0
             assert flat is not None

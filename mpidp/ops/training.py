@@ -206,13 +206,25 @@ def sync_gradients(model: nn.Module, manager: DistributedManager | None = None) 
     """Sum every parameter gradient over the domain ranks and average it over the
     data-parallel ranks: one all-reduce over the world per bucket, divided by the
     data-parallel size. Parameters without a gradient are skipped (the same ones on every
-    rank: the graph is the same everywhere). Collective over the world."""
+    rank: the graph is the same everywhere). Collective over the world; over the domain
+    group alone for a manager whose data-parallel partners are not known (a group of the
+    user's, :class:`~mpidp.runtime.adopt.AdoptedManager`: the world holds other groups, whose
+    gradients are other samples')."""
     m = manager or get_manager()
     _refuse_owned_reduction(model, m)
     named = list(model.named_parameters())
-    _agree_on_gradients(named, m, rng.draws(model))
+    over = _summed_over(m)
+    _agree_on_gradients(named, m, rng.draws(model), over)
     grads = [p.grad for _, p in named if p.grad is not None]
-    sum_in_buckets(grads, m, "world", divide=m.dp_world_size)
+    sum_in_buckets(grads, m, over, divide=m.dp_world_size)
+
+
+def _summed_over(m: DistributedManager) -> str:
+    """The group a gradient sync of ``m`` runs over: ``"world"`` (the domain ranks summed, the
+    data-parallel ranks averaged, in one all-reduce), or ``"domain"`` alone where the world
+    holds ranks ``m`` does not place (a group of the user's: its data-parallel partners are
+    unknown, and the other ranks' gradients are other samples')."""
+    return "world" if m.dp_world_size * m.domain_world_size == m.world_size else "domain"
 
 
 def _gradient_facts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, str]]:
@@ -228,23 +240,26 @@ def _gradient_facts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, st
 
 
 def _agree_on_gradients(
-    named: list[tuple[str, nn.Parameter]], m: DistributedManager, draws: bool = False
+    named: list[tuple[str, nn.Parameter]],
+    m: DistributedManager,
+    draws: bool = False,
+    over: str = "world",
 ) -> None:
     """Every rank must hold gradients for the same parameters, of the same shapes and dtypes:
     otherwise the buckets would pair one rank's gradient with another's (a silent mix when
     the lengths happen to agree). One all-gather of a fingerprint; on a mismatch every rank
     raises the same error naming the parameters and the ranks. A model that ``draws`` random
     numbers also checks its domain ranks' generators are in step (mpidp.runtime.rng), in the same
-    message. Collective over the world."""
+    message. Collective over ``over`` (the world, or the domain group alone)."""
     facts = tuple(
         (n, p.grad is not None, None if p.grad is None else (p.grad.shape, p.grad.dtype))
         for n, p in named
     )
-    t = m.transport("world", "cpu")
+    t = m.transport(over, "cpu")
     device = next((p.grad.device for _, p in named if p.grad is not None), None)
     table = t.all_gather_ints([fingerprint(facts), rng.fingerprint(device) if draws else 0])
     p = m.domain_world_size
-    for g in range(m.dp_world_size):  # every rank checks every group: all raise alike
+    for g in range(len(table) // p):  # every rank checks every group: all raise alike
         prints = [row[1] for row in table[g * p : (g + 1) * p]]
         rng.check_in_step(prints, m.rank, f"sync_gradients (data-parallel group {g})")
     if all(row[0] == table[0][0] for row in table):

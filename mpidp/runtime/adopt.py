@@ -41,6 +41,7 @@ from mpidp.runtime.manager import (
     DEFAULT_TIMEOUT,
     MESH_MANAGERS,
     DistributedManager,
+    Neighbors,
     get_manager,
     is_initialized,
 )
@@ -334,6 +335,16 @@ class AdoptedManager(DistributedManager):
                 list(self.domain_ranks), use_local_synchronization=True
             )
         return self.domain_group
+
+    def neighbor_ranks(self, periodic: bool = False) -> Neighbors:
+        """Global ranks of the group's ranks before and after this one, in the group's order
+        (None at an edge unless ``periodic``): the group's own ranks, whatever they are."""
+        p, i, ranks = self.domain_world_size, self.domain_rank, self.domain_ranks
+        before = i - 1 if i > 0 else (p - 1 if periodic else None)
+        after = i + 1 if i < p - 1 else (0 if periodic else None)
+        return Neighbors(
+            None if before is None else ranks[before], None if after is None else ranks[after]
+        )
 
     def _group_key(self, group: Any) -> str:
         key = DistributedManager._group_key(self, group)

@@ -120,8 +120,39 @@ def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
 
 
 def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``layer`` (a DomainParallel module) on ShardedTensor arguments. Collective over the
-    domain group, as the layer is."""
+    """``layer`` (a DomainParallel module) on ShardedTensor arguments, on their manager: a
+    layer bound to None (and no other call in progress) takes it, a layer bound to another
+    manager is refused unless that manager has the same ranks, grid and gradient convention
+    (:func:`_serving`). Collective over the domain group, as the layer is."""
+    ref = args[0] if args and type(args[0]) is ShardedTensor else _sharded(args, kwargs)[0]
+    with base.serve(_serving(layer, ref)):
+        return _run_or_plan(layer, forward, args, kwargs)
+
+
+def _serving(layer: Any, ref: ShardedTensor) -> DistributedManager:
+    """The manager ``layer`` runs on for a call on ``ref``: the layer's own (bound, or the
+    call in progress) when it agrees with ``ref``'s, ``ref``'s when the layer has none; a
+    ConfigError naming both groups otherwise (the same on every rank of the group: never a
+    collective over another group than the tensor's)."""
+    own = layer.own_manager()
+    m = ref._manager
+    if own is None or own is m:
+        return m
+    a, b = bound(own), bound(m)  # the simulated rank's, both, in a dry run
+    if a is b or (a.domain_ranks, a.grid, a.gradients) == (b.domain_ranks, b.grid, b.gradients):
+        return a
+    raise ConfigError(
+        f"rank {b.rank}: {type(layer).__name__} runs on the domain group "
+        f"{list(a.domain_ranks)} (grid {a.grid}, gradients {a.gradients!r}: its manager, or "
+        f"the converted model's it is called in) but is called with a "
+        f"ShardedTensor of the domain group {list(b.domain_ranks)} (grid {b.grid}, gradients "
+        f"{b.gradients!r}); its collectives would run over another group than the tensor's. "
+        f"Fix: shard the input over the layer's manager (mpidp.shard(x, manager=...)), or "
+        f"convert the layer with the tensor's manager (its group or mesh)"
+    )
+
+
+def _run_or_plan(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if not WATCHERS:
         x = args[0] if len(args) == 1 and not kwargs else None
         if type(x) is ShardedTensor:
@@ -423,7 +454,8 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if base.in_torch_path():
             calls.append(None)
             return None
-        m = bound(manager)
+        given = _sharded(args, kwargs) if manager is None else []
+        m = base.serving(given[0]._manager if given else manager)
         if m.domain_world_size > 1 and module.training and rng.draws(module):
             _check_rng(m, args, kwargs)
         if m._blocks:
@@ -439,8 +471,9 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 f"features); fix: pass ShardedTensors (mpidp.shard(x, dim)), or bands with a "
                 f"batch dim ((1, N, C) with input_dim=-2)"
             )
-        calls.append(("model", entered(module), specs))
+        calls.append(("model", entered(module), specs, base.serve(m)))
         calls[-1][1].__enter__()
+        calls[-1][3].__enter__()  # its layers bound to None: on m, whatever the default
         return args, kwargs
     sharded = _sharded(args, kwargs)
     if any(a.grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
@@ -475,6 +508,7 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     if call is None:
         return None
     if call[0] == "model":
+        call[3].__exit__(None, None, None)
         call[1].__exit__(None, None, None)
         return tree_map(lambda o: _to_band(o, call[2]), out)
     ref, empty = call[1], call[2]

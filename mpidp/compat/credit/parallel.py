@@ -14,15 +14,14 @@ from mpidp.compat.credit.domain_parallel.convert import MARK, convert_to_domain_
 from mpidp.compat.credit.domain_parallel.local_mean import LocalBand, plain, track
 from mpidp.compat.credit.domain_parallel.manager import (
     DomainParallelManager,
-    get_domain_parallel_manager,
-    initialize_domain_parallel,
+    install,
     resolve,
 )
 from mpidp.compat.credit.domain_parallel.sharding import shard_tensor
 from mpidp.errors import ConfigError
 from mpidp.ops.training import sum_in_buckets
 from mpidp.parallel.mesh import local_tensor
-from mpidp.runtime.adopt import manager_for
+from mpidp.runtime.adopt import AdoptedManager, manager_for
 from mpidp.sharded import ShardedTensor
 
 __all__ = [
@@ -74,12 +73,21 @@ def apply_fsdp2(model: nn.Module, dp_mesh: Any, conf: dict) -> nn.Module:
     passes when dp is 1): the data-parallel ranks of mpidp's manager, so that no parameter is
     sharded across the ranks of one domain group (CREDIT's None, the whole world, would
     average the domain ranks' gradients in FSDP's reduce-scatter and then again, shard by
-    shard, in ``sync_domain_gradients``); the world when there is no domain group.
-    Collective over ``dp_mesh``."""
+    shard, in ``sync_domain_gradients``); the world when there is no domain group; refused
+    after :func:`apply_domain_parallel` on a group of the user's (its data-parallel partners
+    are not known to mpidp). Collective over ``dp_mesh``."""
     if dp_mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         m = resolve(None)
+        if isinstance(m, AdoptedManager):  # a group of the user's: its dp partners unknown
+            raise ConfigError(
+                f"rank {m.rank}: apply_fsdp2(model, None, conf) after apply_domain_parallel on "
+                f"the domain group {list(m.domain_ranks)} of your own: mpidp does not know "
+                f"which ranks hold the other samples (the world would shard parameters across "
+                f"the domain ranks); pass the data-parallel mesh (e.g. "
+                f"init_device_mesh(device, (n,)) over the ranks that hold this band)"
+            )
         if m.domain_world_size > 1:
             dp_mesh = m.mesh["dp"]
         else:
@@ -94,13 +102,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
 
 
 def apply_domain_parallel(model: nn.Module, domain_mesh: Any) -> nn.Module:
-    """:func:`mpidp.compat.credit.domain_parallel.convert_to_domain_parallel` over the domain
-    sub-mesh of :func:`build_device_mesh`; sets ``model._domain_parallel_manager`` as CREDIT's
-    trainer does."""
-    m = manager_for(domain_mesh)
-    manager = get_domain_parallel_manager()
-    if manager is None or manager.manager is not m:
-        manager = initialize_domain_parallel(m.world_size, m.domain_world_size)
+    """:func:`mpidp.compat.credit.domain_parallel.convert_to_domain_parallel` over
+    ``domain_mesh``: the domain sub-mesh of :func:`build_device_mesh`, or a group or 1-D mesh
+    of the user's (``dist.new_group``: its ranks are the domain, never mpidp's default
+    group), or an mpidp manager. Sets ``model._domain_parallel_manager`` as CREDIT's trainer
+    does, and makes it the process-wide manager (``get_domain_parallel_manager``), which the
+    CREDIT layers and sharding functions use when given none. No communication."""
+    manager = install(manager_for(domain_mesh))
     out = convert_to_domain_parallel(model, manager)
     setattr(out, "_domain_parallel_manager", manager)  # noqa: B010
     return out

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from mpidp.compat.credit.domain_parallel.halo_exchange import HaloExchange
-from mpidp.compat.credit.domain_parallel.manager import resolve
+from mpidp.compat.credit.domain_parallel.manager import layers_manager, on_layers_manager
 from mpidp.layers import DomainParallelGroupNorm as _GroupNorm
 from mpidp.layers import DomainParallelInterpolate as _Interpolate
 from mpidp.parallel.convert import convert_to_domain_parallel as _convert
+from mpidp.runtime.manager import DistributedManager, bound
+from mpidp.sharded import ShardedTensor
 
 __all__ = [
     "DomainParallelConv2d",
@@ -60,7 +62,8 @@ class _Wrapped(nn.Module):
         self.halo_exchange = HaloExchange(_halo_rows(conv, ndim - 4), dim=shard_dim)
 
     def forward(self, x: torch.Tensor) -> Any:
-        return self.conv(x)
+        with on_layers_manager():
+            return self.conv(x)
 
     @property
     def weight(self) -> Any:
@@ -113,6 +116,10 @@ class DomainParallelGroupNorm(_GroupNorm):
     def __init__(self, norm: nn.GroupNorm) -> None:
         pass  # from_module took norm's state
 
+    def own_manager(self) -> DistributedManager | None:
+        """CREDIT's: the converted model's manager, else the process-wide one."""
+        return self.dp_manager if self.dp_manager is not None else layers_manager()
+
 
 DomainParallelGroupNorm.__signature__ = inspect.signature(  # type: ignore[attr-defined]
     DomainParallelGroupNorm.__init__
@@ -137,10 +144,13 @@ class DomainParallelInterpolate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         h, w = self.size if isinstance(self.size, (tuple, list)) else (self.size, self.size)
-        parts = resolve(None).domain_world_size
+        m = layers_manager()
+        m = bound(x.manager if m is None and isinstance(x, ShardedTensor) else m)
         corners = False if self.mode in ("linear", "bilinear", "bicubic", "trilinear") else None
-        layer = _Interpolate(size=(h * parts, w), mode=self.mode, align_corners=corners)
-        layer._dp_setup(None, from_end(self.shard_dim, x.dim()))
+        layer = _Interpolate(
+            size=(h * m.domain_world_size, w), mode=self.mode, align_corners=corners
+        )
+        layer._dp_setup(m, from_end(self.shard_dim, x.dim()))
         return layer(x)
 
 
@@ -160,7 +170,8 @@ class DomainParallelPeriodicConv2d(nn.Module):
         self.halo_exchange = HaloExchange(self.padding, dim=shard_dim)
 
     def forward(self, x: torch.Tensor) -> Any:
-        return cast(Any, self)._band_module(x)
+        with on_layers_manager():
+            return cast(Any, self)._band_module(x)
 
     @property
     def weight(self) -> Any:

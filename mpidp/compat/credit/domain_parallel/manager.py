@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from mpidp.errors import ConfigError
+from mpidp.layers.base import in_progress, serve
 from mpidp.runtime.manager import DistributedManager, Neighbors, get_manager, init, is_initialized
 
 __all__ = ["DomainParallelManager", "get_domain_parallel_manager", "initialize_domain_parallel"]
@@ -18,7 +20,9 @@ class DomainParallelManager:
     (collective over the world) unless it is already, in which case its sizes must match.
 
     ``domain_group`` and ``data_parallel_group`` are torch process groups, as in CREDIT.
-    ``manager`` is the mpidp manager underneath."""
+    ``manager`` is the mpidp manager underneath; :func:`install` gives CREDIT's view of another
+    one (a group or mesh of the user's, :func:`mpidp.compat.credit.parallel.
+    apply_domain_parallel`)."""
 
     def __init__(self, world_size: int, domain_parallel_size: int, shard_dim: int = -2) -> None:
         if world_size % domain_parallel_size != 0:
@@ -34,10 +38,23 @@ class DomainParallelManager:
                 f"ranks in domain groups of {m.domain_world_size}; pass those sizes "
                 f"(or shut mpidp down first)"
             )
-        self.manager: DistributedManager = m
-        self.world_size = world_size
-        self.domain_parallel_size = domain_parallel_size
+        self._view(m, shard_dim)
         self.data_parallel_size = world_size // domain_parallel_size
+
+    @classmethod
+    def _over(cls, m: DistributedManager, shard_dim: int = -2) -> DomainParallelManager:
+        """CREDIT's view of the mpidp manager ``m`` as it is (its domain group, whatever its
+        ranks; an adopted group's data-parallel partners are unknown: ``data_parallel_group``
+        None, ``dp_world_size`` 1). No communication."""
+        made = cls.__new__(cls)
+        made._view(m, shard_dim)
+        return made
+
+    def _view(self, m: DistributedManager, shard_dim: int) -> None:
+        self.manager: DistributedManager = m
+        self.world_size = m.world_size
+        self.domain_parallel_size = m.domain_world_size
+        self.data_parallel_size = m.dp_world_size
         self.shard_dim = shard_dim
         self._domain_group_idx = m.dp_rank
         self._domain_rank = m.domain_rank
@@ -101,10 +118,38 @@ def initialize_domain_parallel(
     return _MANAGER[0]
 
 
+def install(m: DistributedManager) -> DomainParallelManager:
+    """The process-wide :class:`DomainParallelManager` made CREDIT's view of ``m`` (kept when
+    it is already), as :func:`initialize_domain_parallel` makes it of mpidp's default
+    manager. No communication."""
+    if not (_MANAGER and _MANAGER[0].manager is m and not m._closed):
+        _MANAGER[:] = [DomainParallelManager._over(m)]
+    return _MANAGER[0]
+
+
 def get_domain_parallel_manager() -> DomainParallelManager | None:
     """The manager :func:`initialize_domain_parallel` built, or None (also once the mpidp
     manager underneath has been shut down)."""
     return _MANAGER[0] if _MANAGER and not _MANAGER[0].manager._closed else None
+
+
+def layers_manager() -> DistributedManager | None:
+    """The mpidp manager CREDIT's layers compute on at a call: the converted model's in
+    progress, else the process-wide manager's (CREDIT's layers read
+    ``get_domain_parallel_manager()`` at every forward); None: neither (a ShardedTensor's
+    own, else mpidp's default)."""
+    inside = in_progress()
+    if inside is not None:
+        return inside
+    held = get_domain_parallel_manager()
+    return held.manager if held is not None else None
+
+
+def on_layers_manager() -> contextlib.AbstractContextManager[None]:
+    """Within: mpidp's layers bound to None compute on :func:`layers_manager` (a layer
+    called with a ShardedTensor of another group is refused, never run over this one)."""
+    m = layers_manager()
+    return serve(m) if m is not None else contextlib.nullcontext()
 
 
 def resolve(manager: DomainParallelManager | DistributedManager | None) -> DistributedManager:
