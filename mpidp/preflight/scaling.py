@@ -326,20 +326,24 @@ def _point(
 def _halo_input_bytes(lat: LayerSharding, lon: LayerSharding, i: int, j: int, itemsize: int) -> int:
     """The bytes of block ``(i, j)``'s input to a layer with its halo rows and columns, the
     tensor the converted layer builds by copying (0 where the layer fetches no halo there).
-    Only a cut axis is fetched: along an axis of one rank the layer pads as torch does."""
+    Only a cut axis is fetched: along an axis of one rank the layer pads as torch does. The
+    block is the layer's window, ``rows + before + after``: a negative width drops rows of the
+    band (a strided layer whose output rows lie past its input band reads a window away
+    from it: before -126, after 128 is 3 rows, not 129)."""
 
-    def widths(cut: LayerSharding, k: int) -> tuple[int, int]:
+    def window(cut: LayerSharding, k: int) -> tuple[int, bool]:
+        own = cut.rows_in[k]
         if len(cut.rows_in) == 1:
-            return 0, 0
-        return max(0, cut.halo_before[k]), max(0, cut.halo_after[k])
+            return own, False
+        before, after = cut.halo_before[k], cut.halo_after[k]
+        return max(0, own + before + after), before > 0 or after > 0
 
-    (before, after), (left, right) = widths(lat, i), widths(lon, j)
-    if before + after + left + right == 0:
+    (rows, fetch_rows), (cols, fetch_cols) = window(lat, i), window(lon, j)
+    if not (fetch_rows or fetch_cols):
         return 0
     h = lat.shape_in[len(lat.shape_in) + lat.dim_in]
     w = lon.shape_in[len(lon.shape_in) + lon.dim_in]
     point = math.prod(lat.shape_in) // max(h * w, 1)  # the values of one point
-    rows, cols = lat.rows_in[i] + before + after, lon.rows_in[j] + left + right
     return rows * cols * point * itemsize
 
 
