@@ -7,7 +7,8 @@ this machine, on bands and on blocks, and its predictions to 1024 ranks.
         --json docs/bench/scaling_published.json --plot docs/bench/scaling_model.png
 
 ``--validate`` is the check of the step time that survives a shared machine: P = 2 and 4
-(oversubscribed on 2 cores) against P = 1 in the same job, interleaved (see validate()).
+(oversubscribed on 2 cores) against P = 1 in the same job, interleaved (see validate()), the
+converted layers' cost per call timed per kind in the same job (call_costs()).
 Without it:
 
 1. This machine's network: one-way time of MPI messages between two ranks (ping-pong of 8 B
@@ -23,8 +24,9 @@ Without it:
 3. The model's prediction for the same grids from the P = 1 figures alone (the plain step as
    the compute, the converted step minus it as the front end's fixed cost), the measured
    network, this machine's copy rate (``copy_bytes_per_second``, at the copies' sizes) and
-   the per-call cost of ``docs/bench/percall.json`` (its converted conv over torch's), with
-   the error of each; then, with ``--publish``, predictions to P = 1024 at
+   the call costs per layer kind of the last ``--validate`` (``published_call_costs``; without
+   one, ``docs/bench/percall.json``'s converted conv over torch's for every layer), with the
+   error of each; then, with ``--publish``, predictions to P = 1024 at
    721 x 1440 and 1801 x 3600 on bands and on each P's best blocks, for this machine's
    network and two GPU cluster presets (``mpidp.preflight.scaling.NETWORKS``), from a serial
    step timed here at 721 x 1440 (1801 x 3600: scaled by the points, the U-Net's work).
@@ -349,6 +351,20 @@ def validation_table(doc: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def published_call_costs() -> float | dict[str, float]:
+    """The call costs the check and the predictions price: per layer kind, the median over
+    the P = 2 runs of the last ``--validate`` (``docs/bench/scaling_validate.json``), or
+    where it has none, ``docs/bench/percall.json``'s converted conv for every layer."""
+    found = HERE.parent / "docs" / "bench" / "scaling_validate.json"
+    runs = json.loads(found.read_text()).get("runs", []) if found.exists() else []
+    costs = [r["measured"].get("call_costs") for r in runs if r["parts"] == 2]
+    costs = [c for c in costs if c]
+    if costs:
+        return {k: statistics.median(c.get(k, 0.0) for c in costs) for k in costs[0]}
+    percall = HERE.parent / "docs" / "bench" / "percall.json"
+    return json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+
+
 #: the domains measured by default: P = 1, 2 (bands, 1 x 2 blocks), 4 (bands, 2 x 2 blocks)
 DOMAINS = ("1", "2", "1x2", "4", "2x2")
 
@@ -400,8 +416,7 @@ def main() -> None:
     from mpidp.preflight.scaling import Network, copy_bytes_per_second
     from mpidp.runtime.grid import parse_domain
 
-    percall = HERE.parent / "docs" / "bench" / "percall.json"
-    per_call = json.loads(percall.read_text())["conv_over_us"] * 1e-6 if percall.exists() else 3e-4
+    per_call = published_call_costs()
     if args.validate:
         validate(args)
         return
@@ -515,7 +530,7 @@ PRESETS = ("infiniband-ndr", "nvlink-h100")
 def publish(
     channels: int,
     here: Any,
-    per_call: float,
+    per_call: float | dict[str, float],
     fixed: float,
     serial: float | None = None,
     rate: float | None = None,
