@@ -124,10 +124,13 @@ def add_plan(sub: Any) -> None:
     )
     plan.add_argument(
         "--per-call",
-        type=float,
-        default=3e-4,
-        metavar="S",
-        help="with --scaling: a converted layer's call over torch's (bench/percall.py)",
+        nargs="+",
+        default=["3e-4"],
+        metavar="S|KIND=S",
+        help="with --scaling: a converted layer's call over torch's, one direction: one "
+        "figure for every layer (bench/percall.py), or a figure per layer kind, "
+        "GroupNorm=8e-4 PeriodicConv2d=4e-4 (bench/scaling_model.py --validate; kinds not "
+        "named cost nothing)",
     )
 
 
@@ -226,6 +229,27 @@ def plan(args: argparse.Namespace) -> int:
     return 1 if result.report.problems else 0
 
 
+def _per_call(given: list[str]) -> float | dict[str, float]:
+    """``--per-call``'s figures: one number, or ``KIND=SECONDS`` items."""
+    from mpidp.errors import ConfigError
+
+    costs = {}
+    for item in given:
+        kind, sep, seconds = item.partition("=")
+        try:
+            if len(given) == 1 and not sep:
+                return float(item)
+            costs[kind] = float(seconds)
+        except ValueError:
+            sep = ""
+        if not sep or not kind:
+            raise ConfigError(
+                f"--per-call {item!r}: give one number of seconds, or KIND=SECONDS items "
+                f"(GroupNorm=8e-4 PeriodicConv2d=4e-4)"
+            )
+    return costs
+
+
 def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
     import dataclasses
     import math
@@ -261,6 +285,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
             source="--alpha/--beta",
         )
     try:
+        per_call = _per_call(args.per_call)
         model = build_model(args.model, args.channels, grid)  # type: ignore[arg-type]
         step = args.step_seconds
         if step is None:
@@ -271,7 +296,7 @@ def _scaling(args: argparse.Namespace, grid: tuple[int, ...]) -> int:
             print("mpidp plan: timing this machine's copies at the model's sizes", file=sys.stderr)
             rate = copy_bytes_per_second(model, shape, dtype=dtype)
         rate = rate or math.inf  # 0: not priced
-        kw = {"serial_step": step, "network": network, "per_call": args.per_call}
+        kw = {"serial_step": step, "network": network, "per_call": per_call}
         kw["copy_rate"] = rate
         counts = [2**k for k in range(11)]
         points = predict_scaling(model, shape, counts, fixed=args.fixed, dtype=dtype, **kw)

@@ -24,11 +24,20 @@ For each P, the busiest rank's step is
   the band in the backward; each transpose packs what it sends and unpacks what it receives;
   the gradient sync packs the gradients into one buffer and back. These grow with the band's
   bytes and the number of layers, not with the multiply-adds;
-- **calls**: the fixed cost of a converted layer's call over torch's (``per_call``, measured by
-  ``bench/percall.py``) for each spatial layer, forward and backward, when P > 1;
+- **calls**: the fixed cost of a converted layer's call over torch's, forward and backward,
+  when P > 1: ``per_call`` seconds for every spatial layer, or a mapping from a layer's kind
+  (its class name in the plan: ``PeriodicConv2d``, ``GroupNorm``, ...) to that kind's cost,
+  kinds it does not name costing nothing (``bench/scaling_model.py`` measures one per kind:
+  a converted layer's forward and backward on its band minus its torch module's, the halo
+  exchange's, the statistics' collectives' and the layer's Python; a norm's costs as much as
+  a conv's, a 1x1 conv nothing, so one figure for every layer misprices both);
 - **fixed**: what the front end adds to a step whatever P (``fixed``: the converted model's
   step at P = 1 minus the plain model's, measured by ``bench/scaling_model.py``: ShardedTensor
   dispatch of the model's own code, the loss's and the gradients' reductions).
+
+A measured cost enters as :func:`excess`: the median of per-round differences of interleaved
+timings, floored at 0, so a noisy sitting cannot make a term (or a step) negative; the model
+floors ``fixed`` and every call cost at 0 too.
 
 On blocks (``predict_scaling(..., blocks=True)``: each P's block shape that moves the fewest
 bytes, halos and transposes) a layer's share is its rows times its columns, and its halo
@@ -44,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +69,7 @@ __all__ = [
     "Network",
     "ScalingPoint",
     "copy_bytes_per_second",
+    "excess",
     "predict_scaling",
     "serial_step_seconds",
 ]
@@ -155,6 +165,29 @@ def serial_step_seconds(
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+def excess(over: Sequence[float], base: Sequence[float]) -> float:
+    """What ``over`` costs more than ``base``, from timings taken in interleaved rounds
+    (``over[k]`` and ``base[k]`` in round ``k``): the median of the per-round differences, so a
+    slow spell of the machine that hits one round cancels in it, floored at 0 (two noisy
+    figures of nearly the same cost can differ either way; a cost is never negative). 0 for no
+    rounds. Local."""
+    if len(over) != len(base):
+        raise ValueError(f"excess: {len(over)} rounds against {len(base)}; pair them")
+    diffs = sorted(a - b for a, b in zip(over, base, strict=True))
+    if not diffs:
+        return 0.0
+    mid = len(diffs) // 2
+    median = diffs[mid] if len(diffs) % 2 else (diffs[mid - 1] + diffs[mid]) / 2
+    return max(median, 0.0)
+
+
+def _call_seconds(lat: Sequence[LayerSharding], per_call: float | Mapping[str, float]) -> float:
+    """One direction's fixed cost of the converted layers' calls (see the module doc)."""
+    if isinstance(per_call, Mapping):
+        return sum(max(per_call.get(lay.kind, 0.0), 0.0) for lay in lat)
+    return len(lat) * max(per_call, 0.0)
+
+
 def copy_bytes_per_second(
     model: nn.Module,
     global_shape: Sequence[int],
@@ -220,7 +253,7 @@ def _point(
     grid: tuple[int, int],
     serial_step: float,
     network: Network,
-    per_call: float,
+    per_call: float | Mapping[str, float],
     partition: PartitionPolicy,
     dtype: torch.dtype,
     optimizer_states: int,
@@ -273,7 +306,7 @@ def _point(
             messages += 2 * log_p
             nbytes += 2 * (parts - 1) / parts * params
         comm = network.seconds(messages, nbytes)
-        calls = 2 * len(lat) * per_call if parts > 1 else 0.0
+        calls = 2 * _call_seconds(lat, per_call) if parts > 1 else 0.0
         # the transposes' packing and unpacking, the gradient sync's buffer in and out
         copied += 2 * cost.transpose_bytes + 2 * params
         copied = copied if parts > 1 else 0
@@ -293,20 +326,24 @@ def _point(
 def _halo_input_bytes(lat: LayerSharding, lon: LayerSharding, i: int, j: int, itemsize: int) -> int:
     """The bytes of block ``(i, j)``'s input to a layer with its halo rows and columns, the
     tensor the converted layer builds by copying (0 where the layer fetches no halo there).
-    Only a cut axis is fetched: along an axis of one rank the layer pads as torch does."""
+    Only a cut axis is fetched: along an axis of one rank the layer pads as torch does. The
+    block is the layer's window, ``rows + before + after``: a negative width drops rows of the
+    band (a strided layer whose output rows lie past its input band reads a window away
+    from it: before -126, after 128 is 3 rows, not 129)."""
 
-    def widths(cut: LayerSharding, k: int) -> tuple[int, int]:
+    def window(cut: LayerSharding, k: int) -> tuple[int, bool]:
+        own = cut.rows_in[k]
         if len(cut.rows_in) == 1:
-            return 0, 0
-        return max(0, cut.halo_before[k]), max(0, cut.halo_after[k])
+            return own, False
+        before, after = cut.halo_before[k], cut.halo_after[k]
+        return max(0, own + before + after), before > 0 or after > 0
 
-    (before, after), (left, right) = widths(lat, i), widths(lon, j)
-    if before + after + left + right == 0:
+    (rows, fetch_rows), (cols, fetch_cols) = window(lat, i), window(lon, j)
+    if not (fetch_rows or fetch_cols):
         return 0
     h = lat.shape_in[len(lat.shape_in) + lat.dim_in]
     w = lon.shape_in[len(lon.shape_in) + lon.dim_in]
     point = math.prod(lat.shape_in) // max(h * w, 1)  # the values of one point
-    rows, cols = lat.rows_in[i] + before + after, lon.rows_in[j] + left + right
     return rows * cols * point * itemsize
 
 
@@ -325,7 +362,7 @@ def predict_scaling(
     *,
     serial_step: float,
     network: Network,
-    per_call: float = 3e-4,
+    per_call: float | Mapping[str, float] = 3e-4,
     partition: PartitionPolicy | None = None,
     dtype: torch.dtype = torch.float32,
     optimizer_states: int = 2,
@@ -340,11 +377,14 @@ def predict_scaling(
     prices that grid itself. ``serial_step``:
     seconds of one forward and backward on one process (:func:`serial_step_seconds`);
     ``per_call``: seconds a converted layer's call costs over torch's (``bench/percall.py``'s
-    conv figure); ``optimizer_states``: copies of the parameters the optimizer keeps (Adam:
-    2); ``fixed``: seconds the front end adds to every step; ``copy_rate``: bytes per second
+    conv figure), or a mapping from layer kind to its cost (unnamed kinds cost nothing);
+    ``optimizer_states``: copies of the parameters the optimizer keeps (Adam: 2); ``fixed``:
+    seconds the front end adds to every step (floored at 0, as every call cost);
+    ``copy_rate``: bytes per second
     of the copies a band step makes that a serial one does not (:func:`copy_bytes_per_second`;
     the default prices none). See the module doc. Local."""
     policy = partition if partition is not None else Balanced()
+    fixed = max(fixed, 0.0)  # a measured difference of two noisy figures: never negative
     itemsize = torch.empty((), dtype=dtype).element_size()
     layers: tuple[LayerSharding, ...] = ()
     if blocks:  # the layers' shapes, to find each rank count's best block shape

@@ -95,3 +95,19 @@ def test_equal_bytes_of_bands_and_blocks_are_said_so():
     text = str(plan_model(nn.Conv2d(1, 1, 1), (1, 1, 8, 8), 2, simulate=False))
     assert "and the best blocks, 1 x 2, move as many bytes: 0.000 MB" in text
     assert "x more" not in text
+
+
+def test_a_strided_layer_copies_its_window_not_the_band_and_the_gap():
+    """A stride-2 conv over 9 rows at P = 8: rank 4 holds input row 5 and computes output row
+    4, which reads input rows 7-9: its window (halo before -2, after 4) is 3 rows away from
+    its band, not the band with 4 more; ranks 5-7 compute no output row and copy nothing.
+    Counted as band plus the positive widths, 1024 thin bands of 1801 x 3600 made one rank
+    copy 129 rows for 3 and priced it the busiest."""
+    from mpidp.preflight.scaling import _halo_input_bytes
+
+    plan = plan_model(nn.Conv2d(2, 2, 3, stride=2, padding=1), (1, 2, 9, 8), 8, simulate=False)
+    (lat,), (lon,) = plan.report.layers, plan.across
+    assert (lat.halo_before[4], lat.halo_after[4]) == (-2, 4)
+    row = 8 * 2 * 4  # 8 columns of 2 channels, float32
+    copied = [_halo_input_bytes(lat, lon, r, 0, 4) // row for r in range(8)]
+    assert copied == [3, 3, 3, 3, 3, 0, 0, 0]
