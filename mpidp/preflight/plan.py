@@ -347,7 +347,10 @@ def _axis_share(
     # the rows across the poles: each rank saves its rows and their halo
     padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
     if inside and (length == h_in or padded):
-        return [(n + e) / length for n, e in zip(lay.rows_in, pad, strict=True)], any(pad)
+        # the rows a rank's window spans: its band grown by its halos, or shrunk by a negative
+        # one (a strided layer's window can start past the band, or be empty)
+        ends = zip(lay.rows_in, lay.halo_before, lay.halo_after, strict=True)
+        return [max(0, n + b + a) / length for n, b, a in ends], any(pad)
     shares = lay.form.saved_shares(lay) if inside and lay.form else None
     if shares is not None:
         return shares, False

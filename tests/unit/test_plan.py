@@ -90,6 +90,21 @@ def test_conv_bytes_count_rows_from_other_ranks_only():
     assert [r.halo_rows for r in res.ranks] == [(2,), (2,), (2,)]
 
 
+def test_a_strided_window_past_the_band_saves_only_its_rows():
+    """A stride-2 conv over 8 ranks of 13 rows: the last rank's band (one row) holds no output
+    row, its window (halo -1 before) is empty, so it saves nothing; counted as band plus the
+    positive widths it saved a row (at 1024 thin bands of 1801 x 3600 one rank read 129)."""
+    res = plan_model(nn.Conv2d(2, 2, 3, 2, 1), (1, 2, 13, 8), 8, dtype=torch.float64)
+    (info,) = res.report.layers
+    row = 2 * 8 * 8
+    assert info.rows_out[-1] == 0 and info.halo_before[-1] < 0
+    windows = [
+        max(0, n + b + a) for n, b, a in zip(info.rows_in, info.halo_before, info.halo_after)
+    ]
+    assert [r.activation_bytes for r in res.ranks] == [w * row for w in windows]
+    assert res.ranks[-1].activation_bytes == 0
+
+
 def test_polar_rows_count_when_another_rank_owns_them():
     from mpidp.layers.periodic import PeriodicConv2d
 
