@@ -38,7 +38,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import CommError, ConfigError
-from mpidp.ops.collectives_kept import keep, key_of, run_kept
+from mpidp.ops.collectives_kept import keep, kept_call
 from mpidp.ops.functions import (
     _LOW_PRECISION,
     Sizes,
@@ -132,15 +132,12 @@ def _gather_to_all(
     group: Any,
     debug: bool | None,
 ) -> torch.Tensor:
-    checked = debug_enabled(debug)
-    key = None if checked else key_of(fn, tensor, sizes, dim, group)
-    if key is not None:  # a call of this key ran before: what it resolved serves
-        out = run_kept(key, tensor, group)
-        if out is not None:
-            return out
+    key, out = kept_call(fn, tensor, sizes, dim, group, debug)
+    if out is not None:  # a call of this key ran before: what it resolved and checked served
+        return out
     t = band_transport(group, tensor.device, name)
     sz = as_sizes(sizes)
-    if checked:
+    if debug_enabled(debug):
         _check_agreement(
             t,
             name,

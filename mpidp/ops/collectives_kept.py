@@ -19,13 +19,14 @@ transport are kept.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from mpidp.comm import Transport
-from mpidp.ops.functions import _call
+from mpidp.ops.functions import _call, debug_enabled
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec
 
@@ -48,45 +49,55 @@ class Kept(NamedTuple):
 
 _KEPT: dict[tuple[Any, ...], Kept] = {}
 
+# os.environ's own table and the debug switch's key in it: whether MPIDP_DEBUG is set at all
+# is one dict lookup (os.environ.get raises and catches a KeyError when it is not: 1-4 us);
+# when it is, debug_enabled reads its value
+_ENV: Any = getattr(os.environ, "_data", None)
+_DEBUG_KEY: Any = os.environ.encodekey("MPIDP_DEBUG") if _ENV is not None else None
 
-def key_of(
-    fn: type[torch.autograd.Function], tensor: torch.Tensor, sizes: Any, dim: int, group: Any
-) -> tuple[Any, ...] | None:
-    """The key of a call that may be kept, or None (another kind of group)."""
+
+def kept_call(
+    fn: type[torch.autograd.Function],
+    tensor: torch.Tensor,
+    sizes: Any,
+    dim: int,
+    group: Any,
+    debug: bool | None,
+) -> tuple[tuple[Any, ...] | None, torch.Tensor | None]:
+    """The call's key (None: not to be kept: another kind of group, or the debug check on) and,
+    when a kept call of that key serves, its result on ``tensor`` (else None)."""
+    if debug or (debug is None and (_ENV is None or _DEBUG_KEY in _ENV) and debug_enabled()):
+        return None, None
     if group is not None and not isinstance(group, (DistributedManager, Transport)):
-        return None
+        return None, None
     sz = sizes.sizes if isinstance(sizes, ShardSpec) else tuple(sizes)
-    return (
+    grad = tensor.requires_grad
+    key = (
         fn,
         group,
         tensor.shape,
         tensor.dtype,
         tensor.device,
         tensor.is_contiguous(),
-        tensor.requires_grad,
+        grad,
         sz,
         dim,
     )
-
-
-def run_kept(key: tuple[Any, ...], tensor: torch.Tensor, group: Any) -> torch.Tensor | None:
-    """The result of the kept call ``key`` on ``tensor``, or None when none serves."""
     try:
         kept = _KEPT.get(key)
     except TypeError:  # sizes of something unhashable: the full path says what is wrong
-        return None
+        return None, None
     if kept is None:
-        return None
+        return key, None
     m = kept.manager
     if m is not None:
         if (get_manager() if group is None else group) is not m:
-            return None
+            return key, None
         if not m._transports or "transport" in m.__dict__:  # shut down, or wrapped
-            return None
-    fn = key[0]
-    if kept.run is None or (key[6] and torch.is_grad_enabled()):
-        return _call(fn, tensor, kept.t, kept.sizes, kept.dim)
-    return kept.run(tensor)
+            return key, None
+    if kept.run is None or (grad and torch.is_grad_enabled()):
+        return key, _call(fn, tensor, kept.t, kept.sizes, kept.dim)
+    return key, kept.run(tensor)
 
 
 def keep(

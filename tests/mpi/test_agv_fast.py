@@ -138,3 +138,26 @@ def test_count_traffic_sees_a_kept_call(manager):
     calls = traffic.ops.get("all_gather_v", [0, 0])[0]
     assert calls == (1 if p > 1 else 0), traffic.ops
     assert torch.equal(out, torch.cat([x] * p))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_debug_switch_still_checks_a_kept_call(manager, monkeypatch):
+    """``MPIDP_DEBUG=1`` set after a key was kept: the call takes the debug check, whose
+    message names it, when rank 1's block disagrees with the sizes."""
+    p, me = manager.domain_world_size, manager.domain_rank
+    x = rand((2, 3), 11)
+    for _ in range(2):
+        mpidp.all_gather_v(x, [2] * p, 0, manager)
+    monkeypatch.setenv("MPIDP_DEBUG", "1")
+    problems = []
+    try:
+        mpidp.all_gather_v(rand((3, 3), 11) if me == 1 else x, [2] * p, 0, manager)
+        problems.append("no error")
+    except CommError as err:
+        if "debug check" not in str(err):
+            problems.append(str(err))
+    monkeypatch.setenv("MPIDP_DEBUG", "0")
+    if not torch.equal(mpidp.all_gather_v(x, [2] * p, 0, manager), torch.cat([x] * p)):
+        problems.append("the kept call differs after")
+    everyone = manager.transport().all_gather_object(problems)
+    assert not any(everyone), everyone
