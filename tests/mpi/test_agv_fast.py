@@ -25,8 +25,10 @@ def rand(shape, seed, dtype=torch.float64):
 
 
 def uneven(p):
-    """Uneven sizes, a zero among them from three ranks on."""
-    return [3, 1, 0, 2][:p] if p > 2 else [3, 1][:p]
+    """Two lists of uneven sizes, the second with a zero on the first rank (two ranks: its
+    message is the header alone) and a zero among them from three ranks on."""
+    first = [3, 1, 0, 2][:p] if p > 2 else [3, 1][:p]
+    return [first, [0, *first[1:]]]
 
 
 def _close(got, want):
@@ -37,17 +39,17 @@ def test_kept_calls_match_serial_forward_and_backward(manager):
     """Three calls of each key (the first takes the full path, the others the kept one), each
     on new data: the result is the whole field; the gradient is every rank's weight summed on
     this rank's part (partial downstream) or this rank's part of the one weight (replicated),
-    along dim 0 (the transport's kept plan) and dim 1 (the transport's general path), by a
-    manager and by a transport, and under no_grad for an input that requires grad."""
+    along dim 0 (the transport's kept plan) and dim 1 (the transport's general path), with a
+    rank of no rows, by a manager and by a transport, and under no_grad for an input that
+    requires grad."""
     p, me = manager.domain_world_size, manager.domain_rank
-    sizes = uneven(p)
     t = MPITransport(manager.domain_comm)
     problems = []
-    for dim in (0, 1):
+    for dim, sizes in ((d, s) for d in (0, 1) for s in uneven(p)):
         for fn, partial in ((mpidp.all_gather_v, True), (mpidp.all_gather_v_replicated, False)):
             for group in (manager, t):
                 for call in range(3):
-                    seed = 100 * dim + 10 * call + partial
+                    seed = 100 * dim + 10 * call + partial + 1000 * sizes[0]
                     shape = [2, 3]
                     shape[dim] = sum(sizes)
                     full = rand(shape, seed)
@@ -59,7 +61,7 @@ def test_kept_calls_match_serial_forward_and_backward(manager):
                     want = sum(w) if partial else w[me]
                     with torch.no_grad():
                         again = fn(x, sizes, dim, group)
-                    where = f"dim {dim} {fn.__name__} {type(group).__name__} call {call}"
+                    where = f"dim {dim} sizes {sizes} {fn.__name__} {type(group).__name__} #{call}"
                     if not (torch.equal(out, full) and torch.equal(again, full)):
                         problems.append(f"{where}: forward")
                     if x.grad is None or not _close(x.grad, want.narrow(dim, start, sizes[me])):
