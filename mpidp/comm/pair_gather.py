@@ -60,6 +60,7 @@ class Pair(NamedTuple):
     strides: tuple[int, ...]  # the result's (contiguous)
     lead: int  # element offset of the result in its storage
     own_at: int  # where this rank's rows go
+    mine: int  # their bytes
     recv_at: int  # where the peer's message lands
     recv_n: int  # its bytes: the peer's rows and the header
     head_at: int  # where the peer's header lands
@@ -108,6 +109,7 @@ def pair_of(
         strides=tuple(strides),
         lead=lead,
         own_at=lead * itemsize + displs[rank],
+        mine=mine,
         recv_at=0 if rank == 1 else displs[peer],
         recv_n=counts[peer] + HEADER,
         head_at=0 if rank == 1 else total,
@@ -132,7 +134,7 @@ def pair_gather(
     n = p.numel + p.pad
     store = torch.empty(n, dtype=x.dtype) if p.small else t._new((n,), x.dtype)
     base = store.data_ptr()
-    src, mine = x.data_ptr(), x.numel() * x.element_size()
+    src, mine = x.data_ptr(), p.mine  # x has these bytes: its own check made it so
     if mine:
         ctypes.memmove(base + p.own_at, src, mine)
     p.head[1] = problem is not None
