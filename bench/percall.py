@@ -13,7 +13,10 @@ loop of ``--calls`` calls, in microseconds per call:
   raw ``Sendrecv`` of the rows plus ``torch.cat``;
 - conv: a converted 3x3 conv on that band against ``F.conv2d`` of the raw halo'd band;
 - all_gather_v: 1 KB per rank, ``mpidp.all_gather_v`` against raw ``Allgatherv``;
-- add: ``torch.add`` of two ShardedTensors of a (1, 8, 16, 16) field against plain tensors.
+- add: ``torch.add`` of two ShardedTensors of a (1, 8, 16, 16) field against plain tensors;
+
+and each mpidp variant's Python function calls per call (cProfile, rank 0), which the load of
+the machine does not change (``*_python_calls``, printed, not compared).
 
 The figures compared are mpidp's cost over the raw call (``*_over_us``): ``--check`` prints
 "regressed" for each that is more than 1.5x its committed value and exits 1. Every run also
@@ -34,7 +37,13 @@ FIGURES = ("halo_over_us", "conv_over_us", "all_gather_v_over_us", "add_over_us"
 TARGETS = {"halo_over_us": 20.0, "conv_ratio": 1.2, "all_gather_v_over_us": 5.0, "add_over_us": 8.0}
 
 
+NAMES = ("halo", "conv", "all_gather_v", "add")
+
+
 def worker(args: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -82,24 +91,29 @@ def worker(args: argparse.Namespace) -> None:
 
         return run
 
+    variants = {
+        "halo_raw": loop(raw_halo),
+        "halo": loop(lambda: mpidp.halo_exchange(band, 1, 1, manager=m)),
+        "conv_raw": loop(lambda: F.conv2d(raw_halo(), weight, bias, padding=(0, 1))),
+        "conv": loop(lambda: conv(band)),
+        "all_gather_v_raw": loop(raw_all_gather),
+        "all_gather_v": loop(lambda: mpidp.all_gather_v(part, sizes, 0, m)),
+        "add_raw": loop(lambda: torch.add(a, b)),
+        "add": loop(lambda: torch.add(sa, sb)),
+    }
     with torch.no_grad():
-        ms = timed_round_robin(
-            {
-                "halo_raw": loop(raw_halo),
-                "halo": loop(lambda: mpidp.halo_exchange(band, 1, 1, manager=m)),
-                "conv_raw": loop(lambda: F.conv2d(raw_halo(), weight, bias, padding=(0, 1))),
-                "conv": loop(lambda: conv(band)),
-                "all_gather_v_raw": loop(raw_all_gather),
-                "all_gather_v": loop(lambda: mpidp.all_gather_v(part, sizes, 0, m)),
-                "add_raw": loop(lambda: torch.add(a, b)),
-                "add": loop(lambda: torch.add(sa, sb)),
-            },
-            world,
-            args.rounds,
-        )
+        ms = timed_round_robin(variants, world, args.rounds)
+        # Python function calls per call (cProfile's count, every rank profiling the same
+        # loops): what the load of a shared machine does not change
+        calls = {}
+        for name in NAMES:
+            profile = cProfile.Profile()
+            profile.runcall(variants[name])
+            calls[name] = pstats.Stats(profile).total_calls / n
     us = {name: v * 1e3 / n for name, v in ms.items()}
     row = {"ranks": size, "calls": n, "rounds": args.rounds}
-    for name in ("halo", "conv", "all_gather_v", "add"):
+    for name in NAMES:
+        row[f"{name}_python_calls"] = calls[name]
         row[f"{name}_us"] = us[name]
         row[f"{name}_raw_us"] = us[f"{name}_raw"]
         row[f"{name}_over_us"] = us[name] - us[f"{name}_raw"]
@@ -146,11 +160,15 @@ def main() -> None:
     os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "0")
     cli = ["--calls", str(args.calls), "--rounds", str(args.rounds)]
     row = run_worker(__file__, args.ranks, cli)
-    print(f"per-call cost at P = {row['ranks']} (us per call; mpidp, raw, over raw, ratio)")
-    for name in ("halo", "conv", "all_gather_v", "add"):
+    print(
+        f"per-call cost at P = {row['ranks']} (us per call; mpidp, raw, over raw, ratio; "
+        f"mpidp's Python function calls per call)"
+    )
+    for name in NAMES:
         print(
             f"  {name:<13}{row[f'{name}_us']:8.1f}{row[f'{name}_raw_us']:8.1f}"
             f"{row[f'{name}_over_us']:8.1f}{row[f'{name}_ratio']:7.2f}x"
+            f"{row.get(f'{name}_python_calls', float('nan')):8.0f}"
         )
     print("\n".join(targets(row)))
     if args.json:

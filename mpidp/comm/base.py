@@ -12,12 +12,16 @@ Every method is collective over the transport's group unless its docstring says 
 from __future__ import annotations
 
 import abc
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+# the agreement's helpers, re-exported where their callers have always imported them
+from mpidp.comm.agreement import disagreement as disagreement
+from mpidp.comm.agreement import facts_checksum as facts_checksum
+from mpidp.comm.agreement import fingerprint as fingerprint
+from mpidp.comm.agreement import pair_weight as pair_weight
 from mpidp.errors import CommError
 
 __all__ = ["PendingExchange", "PreparedExchange", "Transport", "REDUCE_OPS"]
@@ -181,6 +185,16 @@ class Transport(abc.ABC):
         if self.size == 1:
             return tensor.detach()
         return _from_front(self._all_gather_v(_to_front(tensor, dim), sizes, problem), dim)
+
+    def kept_all_gather_v(
+        self, tensor: torch.Tensor, sizes: Sequence[int], dim: int
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """After :meth:`all_gather_v` ran with these arguments and returned: a function that
+        does the same for a tensor of ``tensor``'s shape, dtype, device and layout, from what
+        the transport kept of that call (its checks passed, its plan made), or None when it
+        keeps nothing (then call :meth:`all_gather_v`). Its call is collective, as
+        :meth:`all_gather_v`'s, and keeps its agreement of every rank's arguments. Local."""
+        return None
 
     def gather_v(
         self, tensor: torch.Tensor, sizes: Sequence[int], dim: int = 0, dst: int = 0
@@ -521,52 +535,6 @@ class Transport(abc.ABC):
                 f"{self._where()}: {what} {root} is not a rank of this group; "
                 f"use 0..{self.size - 1}"
             )
-
-
-_FINGERPRINTS: dict[tuple[Any, ...], int] = {}
-
-
-def facts_checksum(facts: Mapping[str, Any]) -> int:
-    """The checksum :meth:`Transport.agree` all-gathers for ``facts`` (a caller that repeats a
-    call may keep it and all-gather the same ints itself)."""
-    return zlib.crc32(repr(sorted(facts.items(), key=lambda kv: kv[0])).encode())
-
-
-def fingerprint(facts: tuple[Any, ...]) -> int:
-    """A 31-bit hash of what a rank passed to a collective (cached: calls repeat)."""
-    fp = _FINGERPRINTS.get(facts)
-    if fp is None:
-        fp = zlib.crc32(repr(facts).encode()) & 0x7FFFFFFF
-        if len(_FINGERPRINTS) > 4096:  # many distinct calls: start over
-            _FINGERPRINTS.clear()
-        _FINGERPRINTS[facts] = fp
-    return fp
-
-
-def pair_weight(src: int, dst: int, size: int) -> int:
-    """A pseudo-random weight per (sender, receiver): sums of counts weighted by it agree on
-    every rank exactly when every receive count matches its send count (all-to-all)."""
-    return ((src * size + dst) * 2654435761 + 97) % 1_000_003 + 1
-
-
-def disagreement(
-    where: str, what: str, everyone: list[tuple[Any, str | None]], mine: bool
-) -> CommError:
-    """The error every rank raises when a collective's fingerprint check fails: ``everyone``
-    is each rank's ``(facts, problem)``; ``mine`` says this rank's own check failed."""
-    problems = [p for _, p in everyone if p is not None]
-    if problems:
-        return CommError(
-            problems[0]
-            if mine and len(problems) == 1
-            else f"{where}: {what} cannot run: " + "; ".join(problems)
-        )
-    lines = "; ".join(f"rank {r}: {f}" for r, (f, _) in enumerate(everyone))
-    return CommError(
-        f"{where}: the ranks of this group called {what} with different arguments ({lines}); "
-        f"every rank must pass the same sizes, dtype and row shape (and matching send and "
-        f"receive counts): the result would be garbage"
-    )
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

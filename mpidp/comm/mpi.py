@@ -7,7 +7,7 @@ Always on, for every collective: a fingerprint of what each rank passed (the ope
 sizes, dtype and row shape) is all-reduced (two int64) before the operation, so ranks that
 disagree (sizes, a dtype of the same width, a frozen parameter) get one clear error on every
 rank, and no data moves, instead of garbage or a bare MPI abort (``all_gather_v`` on two ranks
-carries it in a header beside its rows instead: :meth:`MPITransport._pair_gather`); and every
+carries it in a header beside its rows instead: :mod:`mpidp.comm.pair_gather`); and every
 wait has a deadline (``timeout``, ``MPIDP_TIMEOUT``, :mod:`mpidp.comm.deadline`), after which
 the job aborts with a message naming the call instead of hanging.
 Point-to-point receives check the byte count each message brought.
@@ -36,6 +36,7 @@ from mpidp.comm.base import (
 )
 from mpidp.comm.buffers import BufferCache
 from mpidp.comm.deadline import deadline, deadline_seconds
+from mpidp.comm.pair_gather import PAIR_TAG, Pair, pair_gather, pair_of
 from mpidp.comm.prepared import WaitingFor, _Prepared
 from mpidp.errors import CommError
 
@@ -56,10 +57,8 @@ def _counts(sizes: tuple[int, ...], row: int) -> tuple[list[int], list[int]]:
     return counts, displs
 
 
-#: The tags of a two-rank ``all_gather_v``'s header and rows: above every numbered exchange's
-#: (at most ``TAGS_PER_EXCHANGE * (EXCHANGE_NUMBERS + 1) - 1``), within the 32767 MPI guarantees.
-PAIR_TAGS = (32766, 32767)
-assert TAGS_PER_EXCHANGE * (EXCHANGE_NUMBERS + 1) <= min(PAIR_TAGS)
+# the two-rank all_gather_v's tag lies above every numbered exchange's
+assert TAGS_PER_EXCHANGE * (EXCHANGE_NUMBERS + 1) <= PAIR_TAG
 
 
 class _Gather(NamedTuple):
@@ -70,7 +69,7 @@ class _Gather(NamedTuple):
     counts: list[int]
     displs: list[int]
     call: Callable[..., MPI.Request | None]
-    fp: int  # the facts' fingerprint: a two-rank call's header carries it
+    pair: Pair | None  # on two ranks: the one-message plan, its header carrying the facts
 
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -113,9 +112,8 @@ class MPITransport(Transport):
         self._check = (np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64))
         # all_gather_v calls seen before, by (sizes, shape, dtype): what the call needs
         self._gathers: dict[tuple[Any, ...], _Gather] = {}
-        # a two-rank all_gather_v's headers (sent, received) and its four requests' statuses
-        self._pair = (np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))
-        self._pair_statuses = [MPI.Status() for _ in range(4)]
+        # a two-rank all_gather_v's receive status (mpidp.comm.pair_gather)
+        self._pair_status = MPI.Status()
 
     # -- the always-on checks -----------------------------------------------------------------
 
@@ -260,16 +258,36 @@ class MPITransport(Transport):
             return out
         return super().all_gather_v(tensor, sizes, dim)
 
+    def kept_all_gather_v(
+        self, tensor: torch.Tensor, sizes: Sequence[int], dim: int
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if dim != 0 or not tensor.is_contiguous():
+            return None
+        g = self._gathers.get((tuple(sizes), tensor.shape, tensor.dtype))
+        return None if g is None else functools.partial(self._gather, g, problem=None)
+
     def _gather_of(self, x: torch.Tensor, sizes: list[int]) -> _Gather:
         counts, displs = self._counts(sizes, self._row_bytes(x))
         facts = ("all_gather_v", tuple(sizes), x.dtype, tuple(x.shape[1:]))
+        shape = (sum(sizes), *x.shape[1:])
+        pair = None
+        if self.size == 2:
+            pair = pair_of(
+                self.rank,
+                shape,
+                counts,
+                displs,
+                x.element_size(),
+                fingerprint(facts),
+                self.buffers.min_bytes,
+            )
         return _Gather(
             facts,
-            (sum(sizes), *x.shape[1:]),
+            shape,
             counts,
             displs,
             self.comm.Allgatherv if max(counts) <= BLOCKING_BYTES else self.comm.Iallgatherv,
-            fingerprint(facts),
+            pair,
         )
 
     def _all_gather_v(
@@ -279,12 +297,12 @@ class MPITransport(Transport):
 
     def _gather(self, g: _Gather, x: torch.Tensor, problem: str | None) -> torch.Tensor:
         """``x``'s rows and every other rank's, as ``g`` says: on two ranks the agreement rides
-        in the messages (:meth:`_pair_gather`), on more it is the check all-reduce before the
-        ``Allgatherv`` (with counts that disagree the collective itself is erroneous MPI)."""
+        in the one message each way (:mod:`mpidp.comm.pair_gather`), on more it is the check
+        all-reduce before the ``Allgatherv`` (with counts that disagree the collective itself
+        is erroneous MPI)."""
+        if g.pair is not None and self._checks:
+            return pair_gather(self, g.pair, g.facts, g.shape, x, problem)
         out = self._new(g.shape, x.dtype)
-        if self.size == 2 and self._checks:
-            self._pair_gather(g, x, out, problem)
-            return out
         self._checked(
             "all_gather_v",
             g.facts,
@@ -292,43 +310,6 @@ class MPITransport(Transport):
             problem=problem,
         )
         return out
-
-    def _pair_gather(
-        self, g: _Gather, x: torch.Tensor, out: torch.Tensor, problem: str | None
-    ) -> None:
-        """Two ranks: each sends the other a 16-byte header (its facts' fingerprint, whether its
-        own check failed) and its rows, in two messages whose lengths never depend on the
-        arguments' agreement beyond the rows, and receives the same. Every message meets its
-        receive whatever the ranks passed (a longer one than expected completes with a
-        truncation error), so both ranks always complete, compare the header with their own
-        and raise the same :class:`CommError` when either differs: one wait a call instead of
-        the check all-reduce and the ``Allgatherv``. Its own rows are copied while they travel."""
-        comm, peer, me = self.comm, 1 - self.rank, self.rank
-        head, theirs = self._pair
-        head[0], head[1] = g.fp, problem is not None
-        rows = MPI.buffer.fromaddress(out.data_ptr() + g.displs[peer], g.counts[peer])
-        reqs = [
-            comm.Irecv(theirs, source=peer, tag=PAIR_TAGS[0]),
-            comm.Irecv(rows, source=peer, tag=PAIR_TAGS[1]),
-            comm.Isend(head, dest=peer, tag=PAIR_TAGS[0]),
-            comm.Isend(self._bytes(x), dest=peer, tag=PAIR_TAGS[1]),
-        ]
-        n = x.shape[0]
-        if n:
-            out.narrow(0, 0 if me == 0 else g.shape[0] - n, n).copy_(x)
-        statuses = self._pair_statuses
-        failure = None
-        with deadline(self, "all_gather_v", "collective"):
-            try:
-                MPI.Request.Waitall(reqs, statuses)
-            except MPI.Exception as exc:
-                failure = exc
-        if failure is not None:  # a truncated receive: complete the others one by one
-            self._wait(reqs, "all_gather_v")
-        got = statuses[1].Get_count(MPI.BYTE)
-        if failure or problem or theirs[0] != g.fp or theirs[1] or got != g.counts[peer]:
-            everyone = self.comm.allgather((g.facts, problem))
-            raise disagreement(self._where(), "all_gather_v", everyone, problem is not None)
 
     def _gather_v(
         self, x: torch.Tensor, sizes: list[int], dst: int, problem: str | None = None

@@ -38,6 +38,7 @@ import torch
 
 from mpidp.comm import Transport
 from mpidp.errors import CommError, ConfigError
+from mpidp.ops.collectives_kept import keep, kept_call
 from mpidp.ops.functions import (
     _LOW_PRECISION,
     Sizes,
@@ -131,6 +132,9 @@ def _gather_to_all(
     group: Any,
     debug: bool | None,
 ) -> torch.Tensor:
+    key, out = kept_call(fn, tensor, sizes, dim, group, debug)
+    if out is not None:  # a call of this key ran before: what it resolved and checked served
+        return out
     t = band_transport(group, tensor.device, name)
     sz = as_sizes(sizes)
     if debug_enabled(debug):
@@ -140,7 +144,11 @@ def _gather_to_all(
             {"sizes": sz, **_shape_facts(tensor, dim)},
             _extent_problem(tensor, dim, _at(sz, t), "sizes[rank]"),
         )
-    return _call(fn, tensor, t, sz, dim % max(tensor.dim(), 1))
+    d = dim % max(tensor.dim(), 1)
+    out = _call(fn, tensor, t, sz, d)
+    if key is not None:
+        keep(key, tensor, group, t, sz, d)
+    return out
 
 
 def reduce_scatter_v(
