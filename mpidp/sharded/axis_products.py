@@ -1,26 +1,27 @@
 """Products, attention and ``unbind`` of a latitude x longitude block whose two cut axes live
-in different roles of the call: one rule per cut axis, for where that axis lives (DESIGN.md,
-"Blocks").
+in different dims and roles of the call: one rule per cut axis, for where that axis lives
+(DESIGN.md, "Blocks").
 
 A window partition can leave each cut axis of a block in a tensor dim of its own rather than
 both in one token dim (:class:`~mpidp.sharded.block_layout.TokenSpec`). FuXi's windows of 4 on
 a 4 x 8 token field at 2 x 2 blocks: the latitude cuts the one window row inside (each rank
 holds a run of each window's tokens: its rows), the longitude falls between windows (each
 rank holds whole windows of the window index merged into the batch). The reshapes carry each
-cut on its own (:mod:`mpidp.sharded.grid`); the ops of the attention then take each cut axis
-by the rule for the place it has in the call:
+cut on its own (:mod:`mpidp.sharded.grid`); a product then takes each cut axis by the rule
+for where it lives. ``einsum``, ``@`` / ``bmm`` (``...ij,...jk->...ik``) and attention
+(``...le,...se->...ls``, ``...ls,...sv->...lv``) are read as einsum letters; the first block
+among the operands names each axis's letter (the letter of its dim holding that cut):
 
-* a batch dim (before the last two of ``a @ b`` and of attention; any dim ``unbind`` leaves):
-  the op is local along it. A sharded operand must hold the same cut at the same place
-  (counted from the end); a plain one of the global length there is cut to this rank's
-  entries, one of length 1 broadcasts.
-* the rows of the first operand (dim -2: a window's queries, cut inside): the band rule along
-  that axis's group. The second operand's entries along it (keys at dim -1, values at dim -2)
-  are gathered whole from the ranks of that axis in their global order (the gradient summed
-  back over them: :func:`~mpidp.ops.collectives.all_gather_v`) and this rank's rows multiply
-  them; a plain mask of the global query length is cut to this rank's rows.
-* anywhere else (the contracted dim, a dim ``unbind`` takes apart): refused on every rank
-  alike (the layout is global), with the op, the layout and the fix.
+* the letter is kept in the result, which is cut there as that block is: a batch dim (the
+  windows) or the rows (a window's queries, cut inside);
+* an operand holding the axis under the same letter is local along it (a plain one of the
+  global length there is cut to this rank's entries; length 1 broadcasts);
+* an operand holding it under a letter of its own (the keys and values along their tokens)
+  is gathered whole over that axis's group in the global order, the gradient summed back
+  over it (:func:`~mpidp.ops.collectives.all_gather_v`): the band rule along one axis;
+* anything else (the letter contracted, an axis under another's letter, a layout of its own;
+  ``unbind`` along a cut dim; causal attention, dropout) is refused on every rank alike (the
+  layout is global), with the op, the layout and the fix.
 
 Bands are the grid (P, 1) and take the band rules (:mod:`mpidp.sharded.products`); tokens of
 blocks the token rules (:mod:`mpidp.sharded.tokens`).
@@ -37,6 +38,7 @@ from mpidp.ops.collectives import all_gather_v
 from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.sharded.cuts import Cut, cuts, placed
 from mpidp.sharded.dispatch import refuse, register_grid
+from mpidp.sharded.products import _expand_ellipsis
 from mpidp.sharded.shapes import _plain
 from mpidp.sharded.tensor import ShardedTensor
 
@@ -64,88 +66,104 @@ def _gathered(t: torch.Tensor, ref: ShardedTensor, i: int, cut: Cut, at: int) ->
     return all_gather_v(t, cut.spec, at, group=group)
 
 
-def _operand(
-    a: ShardedTensor, b: Any, rows_ok: tuple[int, ...], call: Call, what: str
-) -> torch.Tensor | None:
-    """This rank's operand for ``b`` beside the block ``a``, one rule per cut axis of ``a``
-    (``a``'s cut at dim -2: its rows; before: a batch dim): a block ``b`` of the same cuts
-    holds each batch cut at ``a``'s place (counted from the end) and each rows cut at one of
-    ``rows_ok`` (then gathered whole along that axis); a plain ``b`` reaching a batch cut
-    with its global length is cut to this rank's entries. None: ``b`` does not fit."""
-    nd, g = a.dim(), a.grid
-    assert isinstance(g, BlockSpec)
-    if isinstance(b, ShardedTensor):
-        h = b.grid
-        if not isinstance(h, BlockSpec) or (h.lat, h.lon) != (g.lat, g.lon):
-            return None
-        local = b.local
-        for i, c in enumerate(cuts(a)):
-            tail, have = nd - c.dim, b.dim() - h.dims[i]
-            if tail > 2 and have != tail:
-                return None
-            if tail == 2:
-                if -have not in rows_ok:
-                    return None
-                local = _gathered(local, a, i, c, h.dims[i])
-        return local
-    if not isinstance(b, torch.Tensor):
-        return None
-    return _plain_part(a, b, call, what, rows=False)
-
-
-def _plain_part(a: ShardedTensor, t: torch.Tensor, call: Call, what: str, rows: bool) -> Any:
-    """The plain ``t`` broadcast against ``a`` (aligned at the end), cut to this rank's
-    entries along each batch cut of ``a`` it reaches with its global length (and along the
-    rows cut, dim -2, with ``rows``: a mask's query rows); length 1 broadcasts."""
-    local = _plain(t, a.transport)
-    for c in cuts(a):
-        tail = a.dim() - c.dim
-        if (tail > 2 or rows) and local.dim() >= tail and local.size(-tail) != 1:
-            if local.size(-tail) != c.total:
-                raise refuse(
-                    *call,
-                    f"{what} of {local.size(-tail)} entries along a dim cut over {c.total}",
-                    f"pass it of the global length ({c.total}) or 1 there",
-                )
-            local = c.part(local, local.dim() - tail)
-    return local
-
-
-def _check_rows(a: ShardedTensor, call: Call) -> None:
-    """Each cut of ``a`` in a batch dim or its rows (dim -2), else refused."""
-    if any(a.dim() - c.dim < 2 for c in cuts(a)):
+def _by_letters(terms: list[str], rhs: str, ops: list[Any], call: Call) -> tuple[list[Any], Any]:
+    """Each operand's local part for the product ``terms -> rhs`` (einsum letters, no
+    ellipsis), one rule per cut axis of the first block among ``ops`` (its letter there:
+    the axis's letter), and the result's cut dims. The axis's letter must be kept in the
+    result (the result is cut there as that block is). Another block of the same cuts holds
+    each axis under the axis's letter (local) or under a letter of its own (gathered whole
+    over that axis: keys, values); a plain operand with the axis's letter is cut to this
+    rank's entries there (length 1 broadcasts). Anything else: refused."""
+    q = next(o for o in ops if _is_block(o))
+    g = q.grid
+    term = next(t for t, o in zip(terms, ops, strict=True) if o is q)
+    letters = [term[d] for d in g.dims]
+    if letters[0] == letters[1] or any(x not in rhs for x in letters):
         raise refuse(
             *call,
-            "a block cut along the last dim of the first operand (the contracted one, or the "
-            "head features): the partial sums of each rank would be in block order",
-            "keep the block's cut dims among the batch dims and the rows (dim -2), or "
-            "reshape to (..., H, W) first",
+            f"a product that contracts a cut axis of a block (letters {letters} of "
+            f"{term!r} -> {rhs!r}): each rank's partial sums would be in block order",
+            "keep each cut dim of the first block in the result (the queries' rows, the "
+            "batch), or reshape to (..., H, W) first",
         )
+    cs, local = cuts(q), []
+    for t, o in zip(terms, ops, strict=True):
+        if o is q or not isinstance(o, torch.Tensor):
+            local.append(q.local if o is q else o)
+        elif isinstance(o, ShardedTensor):
+            local.append(_other_block(q, o, t, letters, call))
+        else:
+            x = _plain(o, q.transport)
+            for c, letter in zip(cs, letters, strict=True):
+                at = t.find(letter)
+                if at >= 0 and x.size(at) != 1:
+                    if x.size(at) != c.total:
+                        raise refuse(
+                            *call,
+                            f"a plain operand of {x.size(at)} entries along the cut letter "
+                            f"{letter!r} ({c.total} globally)",
+                            f"pass it of the global length ({c.total}) or 1 there",
+                        )
+                    x = c.part(x, at)
+            local.append(x)
+    return local, tuple(rhs.index(x) for x in letters)
+
+
+def _other_block(
+    q: ShardedTensor, o: ShardedTensor, term: str, letters: list[str], call: Call
+) -> Any:
+    """This rank's operand for the sharded ``o`` beside the block ``q`` (cut axes under
+    ``letters``): per axis, local under the same letter, gathered whole over the axis under
+    a letter of its own."""
+    g, h = q.grid, o.grid
+    assert isinstance(g, BlockSpec)
+    own = [term[d] for d in h.dims] if isinstance(h, BlockSpec) else []
+    fits = isinstance(h, BlockSpec) and (h.lat, h.lon) == (g.lat, g.lon)
+    # each axis under its letter, or under one of its own while the axis's letter is on no
+    # dim of ``o`` (a dim it holds whole would not line up with the block's part)
+    fits = fits and all(
+        m == n or (m not in letters and n not in term) for m, n in zip(own, letters, strict=True)
+    )
+    if not fits:
+        raise refuse(
+            *call,
+            "a block beside tensors cut otherwise: another layout, or a cut axis under "
+            "another cut axis's letter, or its letter on a dim that is not cut",
+            "cut the operands alike (each axis in the same batch dim; the keys' and values' "
+            "axis in their own token dim), or reshape to (..., H, W) first",
+        )
+    assert isinstance(h, BlockSpec)
+    x = o.local
+    for i, c in enumerate(cuts(q)):
+        if own[i] != letters[i]:
+            x = _gathered(x, q, i, c, h.dims[i])
+    return x
+
+
+@register_grid(torch.einsum)
+def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.einsum`` with a block among the operands: :func:`_by_letters`."""
+    call = (func, args, kwargs)
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], list | tuple) else list(args[1:])
+    if kwargs:
+        raise refuse(*call, "einsum with keyword arguments", "pass the equation and operands")
+    lhs, _, rhs = _expand_ellipsis(args[0].replace(" ", ""), ops).partition("->")
+    local, dims = _by_letters(lhs.split(","), rhs, ops, call)
+    return placed(_first_block(ops), torch.einsum(f"{lhs}->{rhs}", *local), dims)
 
 
 @register_grid(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``a @ b`` with ``a`` a block whose cuts are batch dims or its rows (a window's
-    ``q @ k.transpose(-2, -1)``, ``attn @ v``): per cut axis, local along a batch cut, and
-    along the rows cut ``b``'s keys (dim -1) or values (dim -2) gathered over that axis."""
+    """``a @ b`` (both 2-D or more) as the einsum ``...ij,...jk->...ik``: a block's cuts in
+    the batch dims or its rows (``q @ k.transpose(-2, -1)``, ``attn @ v``), or a second
+    operand's columns."""
     call = (func, args, kwargs)
-    a, b = (*args, None)[:2]
-    local_b = None
-    if _is_block(a) and a.dim() >= 2 and len(args) == 2 and not kwargs:
-        _check_rows(a, call)
-        if isinstance(b, torch.Tensor) and b.dim() >= 2:
-            local_b = _operand(a, b, (-1, -2), call, "a plain second operand")
-    if local_b is None:
-        raise refuse(
-            *call,
-            "a product with a block other than as its first operand, with cuts in batch dims "
-            "and its rows (dim -2), beside a second operand (2-D or more) holding the same "
-            "cuts in the same batch dims and the rows' axis at dim -1 (keys) or -2 (values)",
-            "put the block first with its cut dims among the batch dims and the rows, or "
-            "reshape to (..., H, W) first",
-        )
-    out = func(a.local, local_b)
-    return placed(a, out, tuple(out.dim() - (a.dim() - c.dim) for c in cuts(a)))
+    ops = list(args)
+    if len(ops) != 2 or kwargs or any(not isinstance(o, torch.Tensor) or o.dim() < 2 for o in ops):
+        raise refuse(*call, "a product of a block with a vector", "make both operands 2-D or more")
+    lhs, _, rhs = _expand_ellipsis("...ij,...jk->...ik", ops).partition("->")
+    local, dims = _by_letters(lhs.split(","), rhs, ops, call)
+    return placed(_first_block(ops), func(*local), dims)
 
 
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -153,25 +171,14 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 
 @register_grid(F.scaled_dot_product_attention)
 def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Attention with the query a block cut in its batch dims and its rows (dim -2): per cut
-    axis, the keys and values local along a batch cut and gathered along the rows' axis
-    (their dim -2); a plain mask cut to this rank's batch entries and query rows. Causal
-    attention and dropout are refused (a rank's rows are not the serial call's)."""
+    """Attention as the einsums ``...le,...se->...ls`` (plus the mask ``...ls``) and
+    ``...ls,...sv->...lv``: a block query's cuts in its batch dims or its rows (dim -2),
+    the keys' and values' rows gathered over the rows' axis; torch's kernel on the local
+    parts. Causal attention and dropout are refused (a rank's rows and draws are not the
+    serial call's)."""
     call = (func, args, kwargs)
     a = dict(zip(_SDPA, args, strict=False))
     a.update(kwargs)
-    q, mask = a.pop("query"), a.get("attn_mask")
-    k = v = None
-    if _is_block(q) and q.dim() >= 2 and not isinstance(mask, ShardedTensor):
-        _check_rows(q, call)
-        k, v = (_operand(q, a.pop(n), (-2,), call, f"a plain {n}") for n in ("key", "value"))
-    if k is None or v is None:
-        raise refuse(
-            *call,
-            "attention with a block query beside keys or values cut otherwise (each cut axis "
-            "of the query at the same batch dim, the rows' axis at dim -2), or a sharded mask",
-            "cut the query, keys and values alike; pass the mask of the global shape",
-        )
     if a.get("is_causal") or a.get("dropout_p"):
         raise refuse(
             *call,
@@ -179,10 +186,19 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "the serial call's)",
             "pass the causal mask as attn_mask; dropout_p=0",
         )
-    if isinstance(mask, torch.Tensor):
-        a["attn_mask"] = _plain_part(q, mask, call, "a mask", rows=True)
-    out = func(q.local, k, v, **a)
-    return placed(q, out, tuple(c.dim for c in cuts(q)))
+    names = [
+        n for n in ("query", "key", "value", "attn_mask") if isinstance(a.get(n), torch.Tensor)
+    ]
+    ops = [a[n] for n in names]
+    eq = ",".join(["...le", "...se", "...sv", "...ls"][: len(ops)]) + "->...lv"
+    lhs, _, rhs = _expand_ellipsis(eq, ops).partition("->")
+    local, dims = _by_letters(lhs.split(","), rhs, ops, call)
+    a.update(zip(names, local, strict=True))
+    return placed(_first_block(ops), func(**a), dims)
+
+
+def _first_block(ops: list[Any]) -> ShardedTensor:
+    return next(o for o in ops if _is_block(o))
 
 
 @register_grid(torch.unbind, torch.Tensor.unbind)

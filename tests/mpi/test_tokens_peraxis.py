@@ -4,8 +4,8 @@ tokens inside (the rows of the attention) and the longitude falls in the window 
 into the batch (FuXi's windows of 4 on 2 x 2 blocks), against serial torch.
 
 A FuXi-like (Swin V2) window block in plain torch: the window partition, ``qkv.unbind(0)``,
-cosine attention through ``@`` with a bias and a shifted window's mask, and the same through
-``scaled_dot_product_attention``. Float64, a 5 x 20 field (uneven over every grid here; the
+cosine attention through ``@`` with a bias, shifted with a mask per window through einsum, and
+through ``scaled_dot_product_attention``. Float64, a 5 x 20 field (uneven over every grid here; the
 longitude cut moves to window boundaries first): the output, the input gradient and every
 parameter gradient after ``mpidp.sync_gradients``, asserted only after every collective; and
 the calls that stay refused, refused on every rank with the op, the layout and the fix.
@@ -34,11 +34,12 @@ GRIDS = [g for g in [(2, 2), (2, 3), (3, 2)] if g[0] * g[1] == WORLD]
 
 class WindowBlock(nn.Module):
     """``x + attention(windows of x)`` on (B, H, W, C), optionally shifted along the longitude
-    with an additive mask per window, through ``@`` (cosine scores) or SDPA."""
+    with an additive mask per window, through ``how``: ``@`` or ``einsum`` (cosine scores), or
+    ``sdpa``."""
 
-    def __init__(self, seed: int, shift: int, sdpa: bool) -> None:
+    def __init__(self, seed: int, shift: int, how: str) -> None:
         super().__init__()
-        self.shift, self.sdpa = shift, sdpa
+        self.shift, self.how = shift, how
         self.qkv = nn.Linear(C, 3 * C).double()
         self.proj = nn.Linear(C, C).double()
         self.bias = nn.Parameter(rand((HEADS, N, N), seed))
@@ -51,16 +52,21 @@ class WindowBlock(nn.Module):
         s = s.view(B, H // WH, WH, W // WW, WW, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, N, C)
         qkv = self.qkv(s).reshape(-1, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if self.sdpa:
+        if self.how == "sdpa":
             mask = self.bias if self.mask is None else self.bias + self.mask.unsqueeze(1)
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, attn_mask=mask)
         else:
-            attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            if self.how == "einsum":
+                attn = torch.einsum("bhid,bhjd->bhij", q, k)
+            else:
+                attn = q @ k.transpose(-2, -1)
             attn = attn * self.scale.exp() + self.bias
             if self.mask is not None:
                 attn = attn.view(-1, NW, HEADS, N, N) + self.mask.unsqueeze(1)
                 attn = attn.view(-1, HEADS, N, N)
-            y = attn.softmax(-1) @ v
+            attn = attn.softmax(-1)
+            y = torch.einsum("...ij,...jd->...id", attn, v) if self.how == "einsum" else attn @ v
         y = self.proj(y.transpose(1, 2).reshape(-1, N, C))
         y = y.view(B, H // WH, W // WW, WH, WW, C).permute(0, 1, 3, 2, 4, 5)
         y = y.reshape(B, H, W, C)
@@ -68,8 +74,8 @@ class WindowBlock(nn.Module):
 
 
 def model() -> nn.Module:
-    """Unshifted through ``@``; shifted (a mask per window) through ``@`` and SDPA."""
-    blocks = [WindowBlock(1, 0, False), WindowBlock(4, 2, False), WindowBlock(7, 2, True)]
+    """Unshifted through ``@``; shifted (a mask per window) through einsum and SDPA."""
+    blocks = [WindowBlock(1, 0, "@"), WindowBlock(4, 2, "einsum"), WindowBlock(7, 2, "sdpa")]
     return nn.Sequential(*blocks)
 
 
@@ -130,6 +136,7 @@ REFUSED = {
         q, k, v, is_causal=True
     ),
     "unbind along a cut": lambda q, k, v, qkv: qkv.unbind(3),
+    "einsum contracting the rows": lambda q, k, v, qkv: torch.einsum("bhid,bhjd->bhj", q, k),
 }
 
 
