@@ -86,12 +86,13 @@ def _by_letters(terms: list[str], rhs: str, ops: list[Any], call: Call) -> tuple
             "keep each cut dim of the first block in the result (the queries' rows, the "
             "batch), or reshape to (..., H, W) first",
         )
-    cs, local = cuts(q), []
+    cs, local, gathers = cuts(q), [], []
     for t, o in zip(terms, ops, strict=True):
         if o is q or not isinstance(o, torch.Tensor):
             local.append(q.local if o is q else o)
         elif isinstance(o, ShardedTensor):
-            local.append(_other_block(q, o, t, letters, call))
+            gathers.append((len(local), _gathers(q, o, t, letters, call)))
+            local.append(o.local)
         else:
             x = _plain(o, q.transport)
             for c, letter in zip(cs, letters, strict=True):
@@ -106,15 +107,18 @@ def _by_letters(terms: list[str], rhs: str, ops: list[Any], call: Call) -> tuple
                         )
                     x = c.part(x, at)
             local.append(x)
+    for k, dims in gathers:  # (every refusal above: before any message)
+        for i, d in dims:
+            local[k] = _gathered(local[k], q, i, cs[i], d)
     return local, tuple(rhs.index(x) for x in letters)
 
 
-def _other_block(
+def _gathers(
     q: ShardedTensor, o: ShardedTensor, term: str, letters: list[str], call: Call
-) -> Any:
-    """This rank's operand for the sharded ``o`` beside the block ``q`` (cut axes under
-    ``letters``): per axis, local under the same letter, gathered whole over the axis under
-    a letter of its own."""
+) -> list[tuple[int, int]]:
+    """The (axis, dim of ``o``) pairs along which the sharded ``o`` beside the block ``q``
+    (cut axes under ``letters``) is gathered whole: per axis, none under the same letter
+    (local), its dim under a letter of its own; refused otherwise."""
     g, h = q.grid, o.grid
     assert isinstance(g, BlockSpec)
     own = [term[d] for d in h.dims] if isinstance(h, BlockSpec) else []
@@ -133,11 +137,7 @@ def _other_block(
             "axis in their own token dim), or reshape to (..., H, W) first",
         )
     assert isinstance(h, BlockSpec)
-    x = o.local
-    for i, c in enumerate(cuts(q)):
-        if own[i] != letters[i]:
-            x = _gathered(x, q, i, c, h.dims[i])
-    return x
+    return [(i, h.dims[i]) for i in range(2) if own[i] != letters[i]]
 
 
 @register_grid(torch.einsum)
