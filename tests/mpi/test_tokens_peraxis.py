@@ -4,11 +4,12 @@ tokens inside (the rows of the attention) and the longitude falls in the window 
 into the batch (FuXi's windows of 4 on 2 x 2 blocks), against serial torch.
 
 A FuXi-like (Swin V2) window block in plain torch: the window partition, ``qkv.unbind(0)``,
-cosine attention through ``@`` with a bias, shifted with a mask per window through einsum, and
-through ``scaled_dot_product_attention``. Float64, a 5 x 20 field (uneven over every grid here; the
-longitude cut moves to window boundaries first): the output, the input gradient and every
-parameter gradient after ``mpidp.sync_gradients``, asserted only after every collective; and
-the calls that stay refused, refused on every rank with the op, the layout and the fix.
+cosine attention through ``@`` with a bias, shifted with a mask per window through einsum (a
+plain weight per window among its operands), and through ``scaled_dot_product_attention``.
+Float64, a 5 x 20 field (uneven over every grid here; the longitude cut moves to window
+boundaries first): the output, the input gradient and every parameter gradient after
+``mpidp.sync_gradients``, asserted only after every collective; and the calls that stay
+refused, refused on every rank with the op, the layout and the fix.
 Grids: 2 x 2 at four ranks, 2 x 3 and 3 x 2 at six.
 """
 
@@ -45,6 +46,7 @@ class WindowBlock(nn.Module):
         self.bias = nn.Parameter(rand((HEADS, N, N), seed))
         self.scale = nn.Parameter(rand((), seed + 1))
         self.mask = nn.Parameter(rand((NW, N, N), seed + 2)) if shift else None
+        self.window = nn.Parameter(rand((NW,), seed + 3)) if how == "einsum" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
@@ -58,7 +60,7 @@ class WindowBlock(nn.Module):
         else:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
             if self.how == "einsum":
-                attn = torch.einsum("bhid,bhjd->bhij", q, k)
+                attn = torch.einsum("bhid,bhjd,b->bhij", q, k, self.window)
             else:
                 attn = q @ k.transpose(-2, -1)
             attn = attn * self.scale.exp() + self.bias
