@@ -20,7 +20,7 @@ among the operands names each axis's letter (the letter of its dim holding that 
   is gathered whole over that axis's group in the global order, the gradient summed back
   over it (:func:`~mpidp.ops.collectives.all_gather_v`): the band rule along one axis;
 * anything else (the letter contracted, an axis under another's letter, a layout of its own;
-  ``unbind`` along a cut dim; causal attention, dropout) is refused on every rank alike (the
+  ``unbind`` along a cut dim; dropout in attention) is refused on every rank alike (the
   layout is global), with the op, the layout and the fix.
 
 Bands are the grid (P, 1) and take the band rules (:mod:`mpidp.sharded.products`); tokens of
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mpidp.ops.attention import causal_rows
 from mpidp.ops.collectives import all_gather_v
 from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.sharded.cuts import Cut, cuts, placed
@@ -174,17 +175,17 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Attention as the einsums ``...le,...se->...ls`` (plus the mask ``...ls``) and
     ``...ls,...sv->...lv``: a block query's cuts in its batch dims or its rows (dim -2),
     the keys' and values' rows gathered over the rows' axis; torch's kernel on the local
-    parts. Causal attention and dropout are refused (a rank's rows and draws are not the
-    serial call's)."""
+    parts. Causal attention is exact (the keys are whole in their global order: each query
+    row masks them by its global position, :func:`~mpidp.ops.attention.causal_rows`);
+    dropout is refused (a rank's draws are not the serial call's)."""
     call = (func, args, kwargs)
     a = dict(zip(_SDPA, args, strict=False))
     a.update(kwargs)
-    if a.get("is_causal") or a.get("dropout_p"):
+    if a.get("dropout_p"):
         raise refuse(
             *call,
-            "causal attention or dropout on a block (a rank's query rows and draws are not "
-            "the serial call's)",
-            "pass the causal mask as attn_mask; dropout_p=0",
+            "dropout in attention on a block (a rank's draws are not the serial call's)",
+            "dropout_p=0",
         )
     names = [
         n for n in ("query", "key", "value", "attn_mask") if isinstance(a.get(n), torch.Tensor)
@@ -194,7 +195,17 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     lhs, _, rhs = _expand_ellipsis(eq, ops).partition("->")
     local, dims = _by_letters(lhs.split(","), rhs, ops, call)
     a.update(zip(names, local, strict=True))
-    return placed(_first_block(ops), func(**a), dims)
+    ref = _first_block(ops)
+    if a.pop("is_causal", False):  # the query rows' global positions: their cut's run, or all
+        rows = [c for c, d in zip(cuts(ref), dims, strict=True) if rhs[d] == "l"]
+        lo, hi = (
+            (rows[0].spec.start(rows[0].own), rows[0].spec.stop(rows[0].own))
+            if rows
+            else (0, ops[0].shape[-2])
+        )
+        ids = torch.arange(lo, hi, device=ref.local.device)
+        a["attn_mask"] = causal_rows(ids, a["key"].size(-2), a.get("attn_mask"))
+    return placed(ref, func(**a), dims)
 
 
 def _first_block(ops: list[Any]) -> ShardedTensor:

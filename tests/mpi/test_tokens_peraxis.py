@@ -5,7 +5,8 @@ into the batch (FuXi's windows of 4 on 2 x 2 blocks), against serial torch.
 
 A FuXi-like (Swin V2) window block in plain torch: the window partition, ``qkv.unbind(0)``,
 cosine attention through ``@`` with a bias, shifted with a mask per window through einsum (a
-plain weight per window among its operands), and through ``scaled_dot_product_attention``.
+plain weight per window among its operands), through ``scaled_dot_product_attention`` and
+its ``is_causal``.
 Float64, a 5 x 20 field (uneven over every grid here; the longitude cut moves to window
 boundaries first): the output, the input gradient and every parameter gradient after
 ``mpidp.sync_gradients``, asserted only after every collective; and the calls that stay
@@ -35,15 +36,15 @@ GRIDS = [g for g in [(2, 2), (2, 3), (3, 2)] if g[0] * g[1] == WORLD]
 
 class WindowBlock(nn.Module):
     """``x + attention(windows of x)`` on (B, H, W, C), optionally shifted along the longitude
-    with an additive mask per window, through ``how``: ``@`` or ``einsum`` (cosine scores), or
-    ``sdpa``."""
+    with an additive mask per window, through ``how``: ``@`` or ``einsum`` (cosine scores),
+    ``sdpa``, or ``causal`` (SDPA's ``is_causal``, no mask)."""
 
     def __init__(self, seed: int, shift: int, how: str) -> None:
         super().__init__()
         self.shift, self.how = shift, how
         self.qkv = nn.Linear(C, 3 * C).double()
         self.proj = nn.Linear(C, C).double()
-        self.bias = nn.Parameter(rand((HEADS, N, N), seed))
+        self.bias = nn.Parameter(rand((HEADS, N, N), seed)) if how != "causal" else None
         self.scale = nn.Parameter(rand((), seed + 1))
         self.mask = nn.Parameter(rand((NW, N, N), seed + 2)) if shift else None
         self.window = nn.Parameter(rand((NW,), seed + 3)) if how == "einsum" else None
@@ -54,7 +55,9 @@ class WindowBlock(nn.Module):
         s = s.view(B, H // WH, WH, W // WW, WW, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, N, C)
         qkv = self.qkv(s).reshape(-1, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if self.how == "sdpa":
+        if self.how == "causal":  # the rows' global positions mask the gathered keys
+            y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, is_causal=True)
+        elif self.how == "sdpa":
             mask = self.bias if self.mask is None else self.bias + self.mask.unsqueeze(1)
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, attn_mask=mask)
         else:
@@ -76,8 +79,9 @@ class WindowBlock(nn.Module):
 
 
 def model() -> nn.Module:
-    """Unshifted through ``@``; shifted (a mask per window) through einsum and SDPA."""
+    """Unshifted through ``@``; shifted (a mask per window) through einsum and SDPA; causal."""
     blocks = [WindowBlock(1, 0, "@"), WindowBlock(4, 2, "einsum"), WindowBlock(7, 2, "sdpa")]
+    blocks.append(WindowBlock(10, 0, "causal"))
     return nn.Sequential(*blocks)
 
 
@@ -134,8 +138,8 @@ def _qkv(m):
 
 REFUSED = {
     "the latitude contracted": lambda q, k, v, qkv: q.transpose(-2, -1) @ k,
-    "causal attention": lambda q, k, v, qkv: F.scaled_dot_product_attention(
-        q, k, v, is_causal=True
+    "dropout in attention": lambda q, k, v, qkv: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.5
     ),
     "unbind along a cut": lambda q, k, v, qkv: qkv.unbind(3),
     "einsum contracting the rows": lambda q, k, v, qkv: torch.einsum("bhid,bhjd->bhj", q, k),
