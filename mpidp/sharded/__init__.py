@@ -7,6 +7,7 @@ ShardedTensors. The types reach back up through the two registrations at the end
 file, made once, when the package is imported.
 """
 
+from mpidp.sharded import axis_products as _axis_products  # noqa: F401
 from mpidp.sharded import dispatch as _dispatch
 from mpidp.sharded import fft as _fft  # noqa: F401
 from mpidp.sharded import function as _function  # noqa: F401  (wraps Function.apply at the first ShardedTensor)

@@ -43,8 +43,7 @@ ON_BLOCKS = {
     "pnm_SRResNet": "match",
     "pnm_AFNO": "match",  # its patch embedding's tokens of blocks (mpidp.sharded.tokens)
     "pnm_SwinRNN": "match",  # cube tokens, its own shifted windows of 4 (one spans the 2 x 2)
-    "credit_FuXi": "match",  # windows of 2 on blocks: with 4, a window's rows are cut (lat) and
-    # its window index too (lon), a block that unbind / matmul do not take (refused)
+    "credit_FuXi": "match",  # its windows of 4: rows cut inside (lat), window index (lon)
     "credit_UNet": "match",
 }
 CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
