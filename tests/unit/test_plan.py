@@ -99,7 +99,8 @@ def test_a_strided_window_past_the_band_saves_only_its_rows():
     row = 2 * 8 * 8
     assert info.rows_out[-1] == 0 and info.halo_before[-1] < 0
     windows = [
-        max(0, n + b + a) for n, b, a in zip(info.rows_in, info.halo_before, info.halo_after)
+        max(0, n + b + a)
+        for n, b, a in zip(info.rows_in, info.halo_before, info.halo_after, strict=True)
     ]
     assert [r.activation_bytes for r in res.ranks] == [w * row for w in windows]
     assert res.ranks[-1].activation_bytes == 0
