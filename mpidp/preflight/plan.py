@@ -349,8 +349,8 @@ def _axis_share(
     if inside and (length == h_in or padded):
         # the rows a rank's window spans: its band grown by its halos, or shrunk by a negative
         # one (a strided layer's window can start past the band, or be empty)
-        ends = zip(lay.rows_in, lay.halo_before, lay.halo_after, strict=True)
-        return [max(0, n + b + a) / length for n, b, a in ends], any(pad)
+        spans = zip(lay.rows_in, lay.halo_before, lay.halo_after, strict=True)
+        return [max(0, n + b + a) / length for n, b, a in spans], any(pad)
     shares = lay.form.saved_shares(lay) if inside and lay.form else None
     if shares is not None:
         return shares, False
