@@ -22,7 +22,8 @@
 #
 # Limits: every stage runs under a limit of a few times MPIDP_TEST_TIMEOUT (default 600 s; the
 # MPI stages 2x, the launch and zoo stages 3x), generous for a loaded 2-core machine: quiet,
-# the longest stage (launch) takes about 7 minutes and the 3-rank MPI stage about 4. A stage
+# the longest stage (launch) took about 7 minutes as one stage (now two halves at once) and the
+# 3-rank MPI stage about 4. A stage
 # killed by its limit says so in one line (the stage, the last test it started, the limit and
 # the variable); the summary gives each stage's time and result (passed, FAILED, KILLED) and
 # names the ones that did not pass again at the end.
@@ -202,8 +203,21 @@ fi
 # Real jobs: examples trained at 1-4 ranks, torchrun, the faults, and every doc page's code in
 # one job at 1 rank and one at 2 (28 jobs before). It was 6-9 minutes on a 2-core machine with
 # 28 page jobs and longer trainings, and it varies with the load (354 s and 508 s measured an
-# hour apart, 427 s quiet), so the stage gets three times the limit.
-run_stage "launch tests" 3 "$py" -m pytest -q tests/launch
+# hour apart, 427 s quiet, 394-417 s as one stage), so each half gets three times the limit.
+# Two halves at once: the faults, the launchers and the test script (2- and 3-rank jobs that
+# mostly wait: out a deadline of 2-5 s, for a rank to abort, for a one-process command) beside
+# the examples and the docs (trainings at 1-4 ranks that keep both cores busy). No job of one
+# half shares a port, a file or a folder with the other's (torchrun --standalone, MPI and the
+# torch transport pick free ports; each test has its own folders), and their checks hold on a
+# loaded machine: the fault tests time the end of a job from its fault, not from its launch,
+# and look for each rank's own message, not for which rank's abort ended the job.
+launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
+  tests/launch/test_test_script.py)
+start_beside "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
+  "${launch_tests[@]}"
+run_stage "launch tests: examples, docs" 3 "$py" -m pytest -q tests/launch \
+  "${launch_tests[@]/#/--ignore=}"
+join_beside
 if stage_gate cluster; then  # root and apt-get (scripts/prereqs.sh); else listed, at once
   # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
   run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \

@@ -4,10 +4,16 @@ Two kinds of message travel here, never on a call's own path (a call pays nothin
 
 * **An error that ends one rank.** An exception that reaches the top of a rank (uncaught: the
   rank is ending, and under ``python -m mpi4py`` the job with it) is sent to every other rank
-  before the abort; each prints it, naming the rank it came from, so every rank's output says
-  why the job ended, not only the output of the rank that raised. A rank that heard of such an
-  error and is still running a few seconds later (the failed rank was not run by
-  ``python -m mpi4py``, which aborts the job) aborts the job itself: it would wait forever.
+  at once; each prints it, naming the rank it came from, so every rank's output says why the
+  job ended, not only the output of the rank that raised. The rank that raised lets the job
+  end only once its own message is out: at exit it flushes its output, then waits (10 s
+  at most) until every other rank has printed its error; a rank ending with an error
+  of its own confirms another's only once its own is out, so no rank's abort cuts off the
+  message of another that failed at the same time. (Its message may not be out while the
+  hook runs: torch.distributed's hook, chained around this one, holds it until it returns.)
+  A rank that heard of such an error and is still running a few seconds later (the failed
+  rank was not run by ``python -m mpi4py``, which aborts the job, or is slow to exit) aborts
+  the job itself: it would wait forever.
 * **A wait that has lasted** :func:`stuck_after` **seconds.** The waiting rank tells the ranks
   it waits for which call it is in. A rank that is itself waiting, for the sender, in another
   call (on another communicator, a call of another kind, or an exchange of another number:
@@ -23,6 +29,8 @@ without it nothing is installed and the deadline alone ends a stuck job.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import threading
 import time
@@ -33,13 +41,29 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-__all__ = ["Call", "install", "stuck_after"]
+__all__ = ["Call", "end_job", "install", "stuck_after"]
 
 TAG_ERROR, TAG_SEEN, TAG_STUCK = 11, 12, 13
-#: seconds the rank that failed waits for the others to confirm they printed its error
-CONFIRM_SECONDS = 3.0
+#: seconds the rank that failed waits at exit for the others to confirm they printed its error
+#: (a live rank does within a second, even on a loaded machine; one that has finished or
+#: died never does)
+CONFIRM_SECONDS = 10.0
 #: seconds a rank that heard of another rank's end waits for the abort before it aborts itself
 ABORT_AFTER = 5.0
+
+
+def end_job(message: str, code: int) -> None:
+    """Print ``message``, flush this rank's output, give the launcher a second to forward it
+    (it kills every rank, and may drop what it had not read, once one aborts), and abort the
+    job with ``code``."""
+    print(message, file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not stop the abort
+            stream.flush()
+    time.sleep(1.0)
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def stuck_after(limit: float) -> float:
@@ -87,18 +111,40 @@ class _Alarm:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.heard_end: float | None = None
         self.ending = False  # this rank is ending with an uncaught error of its own
+        self.ending_out = False  # ... and its own message is out (flushed, at exit)
         #: reports of peers' long waits: world rank -> (when it arrived here, their call)
         self.reports: dict[int, tuple[float, Call]] = {}
         self.reported: set[float] = set()
         self.sends: list[MPI.Request] = []
+        #: ranks whose error this rank heard while ending with its own, not yet confirmed:
+        #: confirmed once this rank's own message is out (at exit)
+        self.unconfirmed: list[int] = []
+        #: ranks told of this rank's error that have not yet confirmed they printed it
+        self.awaited: set[int] = set()
+        self.told: list[MPI.Request] = []  # kept: each holds its pickled message until sent
         # held while the watchdog thread talks; closed at exit, before mpi4py finalizes MPI
         # (an MPI call racing MPI_Finalize would abort a job that ended well)
         self.lock = threading.Lock()
         self.closed = False
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
+        """At exit (before mpi4py ends MPI, or aborts the job after an uncaught error): when
+        this rank is ending with an error, flush its output, confirm the errors it heard and
+        wait (:data:`CONFIRM_SECONDS` at most) until every rank it told has printed its error."""
+        try:
+            if self.ending and not MPI.Is_finalized():
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                with self.lock:
+                    self.ending_out = True
+                    for src in self.unconfirmed:
+                        self.comm.send(None, dest=src, tag=TAG_SEEN)
+                    self.unconfirmed = []
+                self._await_confirmations()
+        finally:
+            with self.lock:
+                self.closed = True
 
     # -- the watchdog thread ------------------------------------------------------------------
 
@@ -123,17 +169,19 @@ class _Alarm:
                     file=sys.stderr,
                     flush=True,
                 )
-            self.comm.send(None, dest=src, tag=TAG_SEEN)
+            if self.ending and not self.ending_out:
+                self.unconfirmed.append(src)  # confirmed when this rank's own message is out
+            else:
+                self.comm.send(None, dest=src, tag=TAG_SEEN)
             self.heard_end = self.heard_end or time.monotonic()
         now = time.monotonic()
         if self.heard_end is not None and now - self.heard_end > ABORT_AFTER:
-            print(
+            end_job(
                 f"mpidp: rank {self.rank} of {self.size}: the failed rank did not end the job "
-                f"(not run by python -m mpi4py?); aborting it",
-                file=sys.stderr,
-                flush=True,
+                f"within {ABORT_AFTER:g} s (not run by python -m mpi4py, or slow to exit); "
+                f"aborting it",
+                1,
             )
-            MPI.COMM_WORLD.Abort(1)
         while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_STUCK, status):
             src = status.Get_source()
             self.reports[src] = (now, self.comm.recv(source=src, tag=TAG_STUCK))
@@ -166,22 +214,28 @@ class _Alarm:
     # -- the rank that fails ------------------------------------------------------------------
 
     def announce(self, exc_type: type[BaseException], exc: BaseException) -> None:
-        """Send the uncaught error to every other rank and wait (a few seconds at most) until
-        each has printed it. Main thread, from ``sys.excepthook``."""
+        """Send the uncaught error to every other rank, without waiting: :meth:`close` waits
+        for their confirmations once this rank's own message is out. Main thread, from
+        ``sys.excepthook``."""
         if MPI.Is_finalized():
             return
         text = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         others = [r for r in range(self.size) if r != self.rank]
-        sends = [self.comm.isend(text, dest=r, tag=TAG_ERROR) for r in others]
-        waiting, end = set(others), time.monotonic() + CONFIRM_SECONDS
+        self.told += [self.comm.isend(text, dest=r, tag=TAG_ERROR) for r in others]
+        self.awaited.update(others)
+
+    def _await_confirmations(self) -> None:
+        """Wait until every rank told of this rank's error has printed it, for
+        :data:`CONFIRM_SECONDS` at most (an unconfirmed send is left to the abort that
+        follows)."""
+        end = time.monotonic() + CONFIRM_SECONDS
         status = MPI.Status()
-        while waiting and time.monotonic() < end:
+        while self.awaited and time.monotonic() < end:
             if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_SEEN, status):
-                waiting.discard(status.Get_source())
+                self.awaited.discard(status.Get_source())
                 self.comm.recv(source=status.Get_source(), tag=TAG_SEEN)
             else:
                 time.sleep(0.02)
-        del sends  # an unconfirmed send is left to the abort that follows
 
 
 _ALARM: _Alarm | None = None

@@ -8,12 +8,9 @@ call cannot be interrupted, so aborting is the only way out of a hang.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
-
-from mpi4py import MPI
 
 from mpidp.comm import alarm
 from mpidp.errors import CommError
@@ -68,12 +65,13 @@ class _Watchdog:
             waits = list(self.waits.values())
             for began, limit, what, t, _, _, _ in waits:
                 if now - began > limit:
-                    self._fire(
+                    alarm.end_job(
                         f"mpidp CommTimeout: {t._where()} (MPI group of {t.size}): {what} did not "
                         f"complete after {now - began:.1f} s (deadline {limit:g} s): another "
                         f"rank of the group has not entered the same call (it skipped it, is "
                         f"stuck, or died). Aborting the job. Raise the limit with MPIDP_TIMEOUT "
-                        f"or the manager's timeout if such a wait is expected"
+                        f"or the manager's timeout if such a wait is expected",
+                        75,
                     )
             listener = alarm.installed()
             if listener is not None:
@@ -81,17 +79,9 @@ class _Watchdog:
                 verdict = listener.poll(calls)
                 if verdict is not None:
                     t = next(w[3] for w in waits)
-                    self._fire(
-                        f"mpidp CommDeadlock: {t._where()} (MPI group of {t.size}): {verdict}"
+                    alarm.end_job(
+                        f"mpidp CommDeadlock: {t._where()} (MPI group of {t.size}): {verdict}", 75
                     )
-
-    @staticmethod
-    def _fire(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-        time.sleep(1.0)  # let the launcher forward the message before it kills the job
-        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-            MPI.COMM_WORLD.Abort(75)
-        os._exit(75)
 
 
 _WATCHDOG = _Watchdog()

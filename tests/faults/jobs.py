@@ -77,6 +77,7 @@ def second_init_on_one_rank() -> None:
     uncaught error under ``python -m mpi4py`` aborts the whole job: rank 1 must not wait."""
     manager = mpidp.init(domain_parallel_size=2)
     if ME == 0:
+        print(f"rank 0 raises at {time.time():.2f}", flush=True)
         mpidp.init(domain_parallel_size=1)
     manager.transport("world").all_gather_v(torch.zeros(1, 2), [1, 1])
     time.sleep(60)
@@ -383,6 +384,7 @@ def rollout_raises_on_one_rank() -> None:
     with RolloutWriter(path, ["a"], manager=manager) as out:
         out.write(torch.ones(1, rows, 4))
         if ME == 1:
+            print(f"rank 1 raises at {time.time():.2f}", flush=True)
             raise ValueError("the model diverged on rank 1 (injected)")
         out.write(torch.ones(1, rows, 4))
     time.sleep(60)
@@ -423,6 +425,7 @@ def layer_raises_on_one_rank() -> None:
     class Picky(nn.Module):
         def forward(self, x):
             if ME == 1:
+                print(f"rank 1 raises at {time.time():.2f}", flush=True)
                 raise RuntimeError("the layer's own check failed on this band (injected)")
             return x
 

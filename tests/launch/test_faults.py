@@ -44,6 +44,32 @@ def job_result(case: str, *args: str, n: int = 2, **env: str) -> subprocess.Comp
     return res
 
 
+def since_fault(out: str) -> float:
+    """Seconds from the fault (the first ``rank R ... at T`` line a job prints just before it:
+    a rank that raises, skips, saves or is killed) to now, the job having ended. Measured from
+    the fault, not from the launch: on a loaded machine python, torch and MPI take 10-20 s to
+    start, which is not what the bounds are about (the job ending in seconds, not at a 60 s
+    sleep or deadline)."""
+    stamps = [float(t) for t in re.findall(r"rank \d+ [\w -]+? at (\d{10}\.\d+)", out)]
+    assert stamps, out
+    return time.time() - min(stamps)
+
+
+def told_by_both(out: str, error: str, raised: int, heard: int) -> None:
+    """``error`` (its type and the start of its message) printed by the rank that raised it
+    (its traceback's last line) and by the rank that heard of it (the alarm channel's line),
+    whichever rank's abort ended the job: the rank that raised (``python -m mpi4py``), or the
+    other when the first is slow to exit. The launcher's own lines (``MPI_Abort``) are not
+    looked for: a launcher that kills the job may drop what it had not forwarded yet."""
+    text = " ".join(re.sub(r"\[rank\d\]: ", "", out).split())
+    relay = (
+        f"mpidp: rank {heard} of 2: the job ends because rank {raised} of 2 raised an error "
+        f"that nothing caught: {error}"
+    )
+    assert relay in text, out
+    assert text.count(error) == 2, out  # once in the relay, once in the raising rank's own
+
+
 def caught(out: str) -> list[tuple[int, float, str]]:
     # ranks' lines may be glued together by the launcher: each message ends with " ##"
     found = re.findall(r"CAUGHT rank (\d+) after ([\d.]+) s: (.*?) ##", out, re.S)
@@ -97,19 +123,18 @@ def test_init_with_different_layouts_is_an_error_on_every_rank():
 
 
 def test_a_second_init_on_one_rank_ends_the_job_at_once_with_its_message_on_every_rank():
-    start = time.monotonic()
     out = job("second-init-on-one-rank")
-    assert time.monotonic() - start < 30, out  # rank 1 sleeps 60 s: the abort ended it
+    assert since_fault(out) < 40, out  # rank 1 sleeps 60 s: the abort ended it
     text = " ".join(out.split())
-    assert (
-        "ConfigError: rank 0 of 2: mpidp is already initialised with domain_parallel_size=2" in text
+    # rank 1, waiting in a collective, says why the job ends too, naming the rank it came from
+    told_by_both(
+        out,
+        "mpidp.errors.ConfigError: rank 0 of 2: mpidp is already initialised with "
+        "domain_parallel_size=2",
+        raised=0,
+        heard=1,
     )
     assert "called again with domain_parallel_size=1" in text and "shutdown() first" in text
-    # rank 1, waiting in a collective, says why the job ends too, naming the rank it came from
-    assert (
-        "mpidp: rank 1 of 2: the job ends because rank 0 of 2 raised an error that nothing "
-        "caught: mpidp.errors.ConfigError: rank 0 of 2: mpidp is already initialised" in text
-    ), out
 
 
 def _aborted_after_deadline(out: str) -> str:
@@ -159,9 +184,8 @@ def test_a_bad_rendezvous_address_ends_every_rank_at_once_naming_it():
 
 
 def test_a_skipped_collective_aborts_the_job_at_the_deadline():
-    start = time.monotonic()
     out = job("skipped-collective", MPIDP_TIMEOUT="2")
-    assert time.monotonic() - start < 40, out  # rank 1 sleeps 60 s: the abort ended it
+    assert since_fault(out) < 40, out  # rank 1 sleeps 60 s: the abort ended it
     msg = _aborted_after_deadline(out)
     assert msg.startswith("rank 0 of 2 (MPI group of 2): all_gather_v did not complete")
 
@@ -181,9 +205,8 @@ def test_a_skipped_collective_on_the_torch_transport_names_the_call():
 
 
 def test_a_backward_skipped_on_one_rank_aborts_naming_the_peer():
-    start = time.monotonic()
     out = job("skipped-halo-backward", MPIDP_TIMEOUT="2")
-    assert time.monotonic() - start < 40, out
+    assert since_fault(out) < 40, out
     msg = _aborted_after_deadline(out)
     assert "halo) waiting for messages from ranks [1]" in msg
 
@@ -194,7 +217,6 @@ def test_an_error_on_one_rank_ends_the_job_without_python_m_mpi4py_too():
     whole deadline (here 60 s). It prints rank 0's error, and the job ends in seconds: by the
     launcher when rank 0's exit ends it, else by rank 1, which aborts a job still running a few
     seconds after it heard (which of the two comes first depends on the machine's load)."""
-    start = time.monotonic()
     res = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, JOBS, "second-init-on-one-rank"],
         env=clean_env(PYTHONPATH=str(ROOT), MPIDP_TIMEOUT="60"),
@@ -204,9 +226,8 @@ def test_an_error_on_one_rank_ends_the_job_without_python_m_mpi4py_too():
         cwd=ROOT,
     )
     out = res.stdout + res.stderr
-    assert time.monotonic() - start < 40 and res.returncode != 0, out
-    text = " ".join(re.sub(r"\[rank\d\]: ", "", out).split())
-    assert "mpidp: rank 1 of 2: the job ends because rank 0 of 2 raised an error" in text, out
+    assert since_fault(out) < 40 and res.returncode != 0, out
+    told_by_both(out, "mpidp.errors.ConfigError: rank 0 of 2: mpidp is already", raised=0, heard=1)
 
 
 def test_an_error_inside_one_ranks_rollout_reaches_every_rank(tmp_path):
@@ -215,15 +236,10 @@ def test_an_error_inside_one_ranks_rollout_reaches_every_rank(tmp_path):
     0's output names rank 1 and its error (it used to say nothing); the old file is intact."""
     path = tmp_path / "forecast.nc"
     path.write_bytes(b"the previous forecast")
-    start = time.monotonic()
     res = job_result("rollout-raises-on-one-rank", str(path))
-    assert time.monotonic() - start < 30, res.stdout
+    assert since_fault(res.stdout) < 40, res.stdout
     assert res.returncode != 0
-    text = " ".join(res.stdout.split())
-    assert (
-        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
-        "caught: ValueError: the model diverged on rank 1 (injected)" in text
-    ), res.stdout
+    told_by_both(res.stdout, "ValueError: the model diverged on rank 1 (injected)", 1, 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["forecast.nc"], res.stdout
     assert path.read_bytes() == b"the previous forecast"
 
@@ -232,15 +248,11 @@ def test_an_error_one_rank_raises_inside_a_converted_layer_reaches_every_rank():
     """A module of a converted model that raises on rank 1 only, while rank 0 waits in the next
     layer's halo exchange: the job ends within seconds and rank 0's output names rank 1 and its
     error (issue 44: an error one rank alone can raise inside a layer is every rank's)."""
-    start = time.monotonic()
     res = job_result("layer-raises-on-one-rank")
-    assert time.monotonic() - start < 30, res.stdout
+    assert since_fault(res.stdout) < 40, res.stdout
     assert res.returncode != 0
-    text = " ".join(res.stdout.split())
-    assert (
-        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
-        "caught: RuntimeError: the layer's own check failed on this band (injected)" in text
-    ), res.stdout
+    error = "RuntimeError: the layer's own check failed on this band (injected)"
+    told_by_both(res.stdout, error, raised=1, heard=0)
 
 
 def test_scatter_sizes_that_do_not_add_up_on_the_source_raise_on_every_rank():
@@ -268,10 +280,8 @@ def test_a_backward_skipped_on_one_rank_ends_the_job_in_seconds_not_at_the_deadl
     60 s (600 s by default), both ranks find within seconds that the other waits for them in
     another call, and each prints which two calls; the exchange's number in the messages' tags
     keeps the next step's rows from ever arriving as the backward's."""
-    start = time.monotonic()
     res = job_result("skipped-halo-backward-then-next", then, MPIDP_TIMEOUT="60")
-    took = time.monotonic() - start
-    assert took < 30 and res.returncode != 0, res.stdout
+    assert since_fault(res.stdout) < 40 and res.returncode != 0, res.stdout
     text = " ".join(res.stdout.split())
     for rank in (0, 1):
         found = re.search(
@@ -299,9 +309,8 @@ def test_a_rank_killed_mid_write_sharded_leaves_a_file_the_next_write_removes(tm
 
     path = tmp_path / "field.nc"
     path.write_bytes(b"the previous field")
-    start = time.monotonic()
     res = job_result("killed-mid-write-sharded", str(path), str(victim))
-    assert time.monotonic() - start < 30 and res.returncode != 0, res.stdout
+    assert since_fault(res.stdout) < 40 and res.returncode != 0, res.stdout
     assert f"rank {victim} killed mid-write" in res.stdout, res.stdout
     assert path.read_bytes() == b"the previous field"
     left = [p.name for p in tmp_path.iterdir() if p.name != "field.nc"]
@@ -319,12 +328,11 @@ def test_a_checkpoint_save_that_fills_the_disk_ends_the_job_in_seconds(tmp_path)
     with small_disk(tmp_path / "small", "2m") as mounted:
         path = tmp_path / "small" / "model.pt"
         path.write_bytes(b"the previous checkpoint")
-        start = time.monotonic()
         res = job_result("checkpoint-fills-disk", str(path), *([] if mounted else ["x"]))
-        took = time.monotonic() - start
+        took = since_fault(res.stdout)
         left = sorted(p.name for p in path.parent.iterdir())
         kept = path.read_bytes()
-    assert took < 30 and res.returncode != 0, res.stdout
+    assert took < 40 and res.returncode != 0, res.stdout
     text = " ".join(re.sub(r"\[rank\d\]: ", "", res.stdout).split())
     for rank in (0, 1):
         assert (
@@ -344,9 +352,8 @@ def test_a_rank_killed_mid_write_leaves_the_old_file_intact(tmp_path):
     write to that path: tests/mpi/test_io.py)."""
     path = tmp_path / "forecast.nc"
     path.write_bytes(b"the previous forecast")
-    start = time.monotonic()
     out = job("killed-mid-write", str(path), MPIDP_TIMEOUT="5")
-    assert time.monotonic() - start < 60, out
+    assert since_fault(out) < 40, out
     assert path.read_bytes() == b"the previous forecast"
     left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".forecast.nc.tmp-")]
     assert len(left) == 1, (left, out)
@@ -364,9 +371,8 @@ def test_a_rank_killed_mid_zarr_write_leaves_the_old_store_intact(tmp_path):
     path = tmp_path / "forecast.zarr"
     old = np.arange(32.0).reshape(1, 8, 4)
     write_sharded(path, "x", old, dims=("time", "latitude", "longitude"))
-    start = time.monotonic()
     out = job("killed-mid-zarr-write", str(path), MPIDP_TIMEOUT="5")
-    assert time.monotonic() - start < 60, out
+    assert since_fault(out) < 40, out
     assert "rank 0 writes step 2" in out, out
     with xr.open_zarr(path) as ds:
         np.testing.assert_array_equal(ds["x"].values, old)
@@ -487,25 +493,18 @@ def test_bad_inputs_raise_on_every_rank_naming_value_rank_and_fix(tmp_path):
 
 def test_a_band_of_another_height_on_one_rank_aborts_the_job(tmp_path):
     """ShardedTensor.from_local(band, spec=...) is local (no communication): the rank whose
-    band does not fit raises alone and ``python -m mpi4py`` aborts the job through MPI with
-    its message, naming the rows it should hold, while the other rank waits in its next
-    collective (it would sleep 60 s) and prints the same message, naming rank 1."""
-    start = time.monotonic()
+    band does not fit raises alone and prints its message, naming the rows it should hold,
+    while the other rank waits in its next collective (it would sleep 60 s) and prints the
+    same message, naming rank 1; the job ends in seconds with a non-zero code (through
+    ``python -m mpi4py``'s abort on rank 1, or rank 0's when rank 1 is slow to exit)."""
     res = job_result("band-height-on-one-rank")
-    assert time.monotonic() - start < 30, res.stdout
-    assert res.returncode != 0
-    text = " ".join(re.sub(r"\[rank\d\]: ", "", res.stdout).split())
+    assert since_fault(res.stdout) < 40 and res.returncode != 0, res.stdout
     want = (
-        "ConfigError: rank 1: from_local: the band has 7 rows but spec [7, 6] (13 rows) gives "
-        "domain rank 1 6; fix: pass this rank rows 7..12 of the field (its band of that spec), "
-        "or the spec of the partition this band belongs to, or none"
+        "mpidp.errors.ConfigError: rank 1: from_local: the band has 7 rows but spec [7, 6] (13 "
+        "rows) gives domain rank 1 6; fix: pass this rank rows 7..12 of the field (its band of "
+        "that spec), or the spec of the partition this band belongs to, or none"
     )
-    assert want in text, res.stdout
-    assert (
-        "mpidp: rank 0 of 2: the job ends because rank 1 of 2 raised an error that nothing "
-        f"caught: mpidp.errors.{want}" in text
-    ), res.stdout
-    assert "MPI_Abort" in text
+    told_by_both(res.stdout, want, raised=1, heard=0)
 
 
 def test_a_job_killed_mid_checkpoint_leaves_nothing_for_the_next_run(tmp_path):
@@ -519,9 +518,8 @@ def test_a_job_killed_mid_checkpoint_leaves_nothing_for_the_next_run(tmp_path):
     path = tmp_path / "model.pt"
     left: list[str] = []
     for run, sig in enumerate(["TERM", "KILL"], 1):
-        start = time.monotonic()
         res = job_result("killed-mid-checkpoint", str(path), sig, str(run))
-        assert time.monotonic() - start < 60, res.stdout
+        assert since_fault(res.stdout) < 40, res.stdout
         assert res.returncode != 0 and "rank 0 killed mid-write" in res.stdout, res.stdout
         assert torch.load(path, weights_only=False)["step"] == run, res.stdout
         tmp = sorted(p.name for p in tmp_path.iterdir() if p.name != "model.pt")
