@@ -96,7 +96,9 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
     DeviceMesh, a torch ProcessGroup, or None (mpidp's default manager). ``gradients``: the
     convention (None: whichever the found manager has; mpidp's own managers are ``"shares"``).
     A 1-D mesh or a group of the user's is bands (the grid ``(P, 1)``), also where a manager of
-    blocks over the same ranks exists; a 2-D mesh is its grid. Local: no communication."""
+    blocks over the same ranks exists; a 2-D mesh is its grid; the domain group of mpidp's own
+    manager (or the manager itself) under another convention keeps that manager's grid, blocks
+    too. Local: no communication."""
     if gradients is not None and gradients not in GRADIENTS:
         raise ConfigError(f"gradients={gradients!r}; pass one of {GRADIENTS}")
     if isinstance(domain, DistributedManager):
@@ -125,7 +127,8 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
         if m.domain_ranks == ranks and gradients in (None, m.gradients):
             if grid is None or m.grid == grid:
                 return m
-    return _adopt(group, mesh, gradients or "shares", None)
+    owner = next((m for m in own if group is m.domain_group), None)  # its grid: blocks too
+    return _adopt(group, mesh, gradients or "shares", owner)
 
 
 #: the dim names of the meshes mpidp builds (a manager's, mpidp.parallel.build_device_mesh's):
@@ -295,13 +298,21 @@ class AdoptedManager(DistributedManager):
         self._on_shutdown = []
         self._closed = False
         two = mesh is not None and mesh.ndim == 2
-        self._grid = (mesh.size(0), mesh.size(1)) if two else (len(ranks), 1)  # type: ignore[union-attr]
-        self._blocks = self._grid[1] > 1
-        self._grid_axes = (
-            _MeshAxes(self, mesh) if mesh is not None and min(self._grid) > 1 else None
+        # the domain group of mpidp's own manager (another gradient convention on it): its
+        # grid, blocks too, and its axis groups (the base closes them)
+        own = not two and base is not None and group is base.domain_group
+        self._grid = (
+            (mesh.size(0), mesh.size(1)) if two else base.grid if own else (len(ranks), 1)  # type: ignore[union-attr]
         )
-        if self._grid_axes is not None:
-            self._on_shutdown.append(self._grid_axes.close)
+        self._blocks = self._grid[1] > 1
+        if own:
+            self._grid_axes = getattr(base, "_grid_axes", None)
+        else:
+            self._grid_axes = (
+                _MeshAxes(self, mesh) if mesh is not None and min(self._grid) > 1 else None
+            )
+            if self._grid_axes is not None:
+                self._on_shutdown.append(self._grid_axes.close)
 
     @property
     def mpi_available(self) -> bool:
