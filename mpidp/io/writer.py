@@ -149,9 +149,9 @@ def write_sharded(
     ``dim``, ``spec`` and (without ``manager`` and ``group``) the manager.
 
     ``dim`` is the latitude dim (default -2), or a ``(latitude, longitude)`` pair. A plain
-    tensor is this rank's own block: where no coordinate gives the extent of an axis the ranks
-    cut, ranks that all pass the same values there (each the whole field) are refused, since
-    the file would hold it P times over. Over the domain group
+    tensor is this rank's own block: where no coordinate (nor ``spec``) gives the extent of an
+    axis the ranks cut, ranks that all pass the same values there (each the whole field) are
+    refused, since the file would hold it P times over. Over the domain group
     the ranks hold the blocks of the domain grid: when it cuts the longitude
     (``domain_parallel_size=(P_lat, P_lon)``, ``P_lon > 1``) the longitude dim is the second
     of ``dim``, else the one ``dims`` names ``longitude`` (or ``lon``); a variable without
@@ -190,9 +190,9 @@ def write_sharded(
         problems.append(f"dims {list(names)} name {len(names)} dimensions, the tensor has {x.ndim}")
     d, d_lon = grid.dims(x, -2 if dim is None else dim, names, problems)
     coords = dict(coords or {})
-    known = (
-        cut is not None or names[d] in coords,
-        cut is not None or d_lon is None or names[d_lon] in coords,
+    known = (  # the extents a spec (a ShardedTensor's cut) or a coordinate gives
+        spec is not None or names[d] in coords,
+        isinstance(spec, BlockSpec) or d_lon is None or names[d_lon] in coords,
     )
     if mode not in ("w", "a"):
         problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
@@ -230,9 +230,9 @@ def write_sharded(
     )
     me = 0 if t is None else t.rank
     bs = grid.blocks(table, where, me)
-    grid.refuse_copies([row[2] for row in table], known, where, me)
     if spec is not None:
         _check_spec(spec, bs, where, d, me)
+    grid.refuse_copies([row[2] for row in table], known, where, me)
     shape = tuple(
         bs.shape[0] if i == d else bs.shape[1] if i == d_lon else s for i, s in enumerate(x.shape)
     )
