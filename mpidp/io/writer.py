@@ -72,7 +72,7 @@ from mpidp.io.write_paths import (
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
-from mpidp.sharded import ShardedTensor
+from mpidp.sharded import Replicated, ShardedTensor
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
 
@@ -180,7 +180,10 @@ def write_sharded(
         problems += _other_cut(dim, cut, x_local.dim())
         dim, spec = cut if len(cut) == 2 else cut[0], held if spec is None else spec
         manager = x_local.manager if manager is None and group is None else manager
+    if isinstance(x_local, ShardedTensor):  # refused above unless cut: named on every rank
         x_local = x_local.to_local()
+    elif isinstance(x_local, Replicated):
+        x_local = x_local.as_subclass(torch.Tensor)
     t = io_transport(manager, group)
     grid = WriteGrid(manager, group, t)
     path = Path(path)

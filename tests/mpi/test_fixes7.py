@@ -125,7 +125,8 @@ def test_writers_refuse_the_whole_field_on_every_rank_as_plain_tensors(gm, share
 
 def test_writers_take_a_sharded_tensor(gm, shared, field):
     """A ShardedTensor (band or block, uneven) written by write_sharded and RolloutWriter
-    without coordinates reads back as the whole field; a plain block still writes."""
+    without coordinates reads back as the whole field; a plain block still writes; a value
+    every rank holds (Replicated) is refused on every rank."""
     x = shard(field, dim=(-2, -1), manager=gm)
     tag = f"{gm.grid[0]}x{gm.grid[1]}"
     one, steps = shared / f"one-{tag}.nc", shared / f"steps-{tag}.nc"
@@ -136,6 +137,8 @@ def test_writers_take_a_sharded_tensor(gm, shared, field):
     got, (a, b) = _read(one, ["a"])[0], _read(steps, ["a", "b"])
     want = field.numpy()
     failures = [] if np.array_equal(got, want) else ["write_sharded"]
+    said = _refusals(lambda: write_sharded(one, "b", x.full_tensor(), manager=gm), DataError)
+    failures += [s for s in said if not (s and "Replicated" in s)]
     if not (np.array_equal(a, want[0][None].repeat(2, 0)) and np.array_equal(b[1], want[1])):
         failures.append("RolloutWriter")
     assert not agreed(failures), failures
