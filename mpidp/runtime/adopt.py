@@ -104,7 +104,7 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
     if isinstance(domain, DistributedManager):
         if gradients is None or domain.gradients == gradients:
             return domain
-        return _adopt(domain.domain_group, domain.domain_mesh, gradients, domain)
+        return _adopt(domain.domain_group, domain.domain_mesh, gradients, domain, True)
     if domain is None:
         m = get_manager()
         return m if gradients in (None, m.gradients) else manager_for(m, gradients=gradients)
@@ -127,8 +127,9 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
         if m.domain_ranks == ranks and gradients in (None, m.gradients):
             if grid is None or m.grid == grid:
                 return m
-    owner = next((m for m in own if group is m.domain_group), None)  # its grid: blocks too
-    return _adopt(group, mesh, gradients or "shares", owner)
+    # mpidp's own domain group (grid None) under another convention: its manager's grid
+    owner = next((m for m in own if grid is None and group is m.domain_group), None)
+    return _adopt(group, mesh, gradients or "shares", owner, owner is not None)
 
 
 #: the dim names of the meshes mpidp builds (a manager's, mpidp.parallel.build_device_mesh's):
@@ -184,17 +185,19 @@ def _own_managers() -> list[DistributedManager]:
     return [m for m in found if not m._closed]
 
 
-def _adopt(group: Any, mesh: DeviceMesh | None, gradients: str, base: Any) -> AdoptedManager:
+def _adopt(
+    group: Any, mesh: DeviceMesh | None, gradients: str, base: Any, base_grid: bool = False
+) -> AdoptedManager:
     base = base if base is not None else (get_manager() if is_initialized() else None)
     ranks = group_ranks(mesh if mesh is not None else group)
     if mesh is not None and mesh.ndim == 2:  # a sliced mesh is a new object; its groups are not
         axes = (id(mesh.get_group(0)), id(mesh.get_group(1)))
         key: tuple[Any, ...] = (ranks, gradients, id(base), *axes)
     else:
-        key = (ranks, gradients, id(base), id(group))
+        key = (ranks, gradients, id(base), id(group), base_grid)
     made = _ADOPTED.get(key)
     if made is None or made._closed:
-        made = _ADOPTED[key] = AdoptedManager(group, ranks, mesh, gradients, base)
+        made = _ADOPTED[key] = AdoptedManager(group, ranks, mesh, gradients, base, base_grid)
         if base is not None:
             base._on_shutdown.append(made.shutdown)
     return made
@@ -246,7 +249,8 @@ class AdoptedManager(DistributedManager):
     (in the group's order), the rest of the job as the base manager (mpidp's default, when
     there is one) or torch.distributed sees it. It owns no process group; its data-parallel
     partners are unknown to it (``dp_world_size`` 1). Over a 2-D mesh its :attr:`grid` is the
-    mesh's shape."""
+    mesh's shape; with ``base_grid`` (the domain group of mpidp's own manager ``base`` under
+    another gradient convention) ``base``'s grid, blocks too."""
 
     def __init__(
         self,
@@ -255,6 +259,7 @@ class AdoptedManager(DistributedManager):
         mesh: DeviceMesh | None,
         gradients: str,
         base: DistributedManager | None,
+        base_grid: bool = False,
     ) -> None:
         # no DistributedManager.__init__: nothing here is collective
         self._base = base
@@ -298,9 +303,9 @@ class AdoptedManager(DistributedManager):
         self._on_shutdown = []
         self._closed = False
         two = mesh is not None and mesh.ndim == 2
-        # the domain group of mpidp's own manager (another gradient convention on it): its
-        # grid, blocks too, and its axis groups (the base closes them)
-        own = not two and base is not None and group is base.domain_group
+        # ``base_grid``: the domain group of mpidp's own manager ``base`` under another
+        # gradient convention: its grid, blocks too, and its axis groups (the base closes them)
+        own = base_grid and base is not None
         self._grid = (
             (mesh.size(0), mesh.size(1)) if two else base.grid if own else (len(ranks), 1)  # type: ignore[union-attr]
         )
