@@ -3,9 +3,10 @@
 ``run_case(name, manager)`` builds the case (cases_pnm.py / cases_credit.py), runs it serially
 on the full tensor on every rank (same seed), then on ShardedTensors, and compares output,
 input gradient and every parameter gradient (after mpidp.sync_gradients); it returns the
-result as a dict (``status``: match, mismatch, refused or crash). tests/zoo/test_zoo.py runs
-every case of a group in one job; as a script (run_zoo.py's), one case, each rank writing
-<outdir>/<case>_P<n>_r<rank>.json: python -m mpi4py harness.py <case> <outdir>
+result as a dict (``status``: match, mismatch, refused -- an UnsupportedOp or ConfigError,
+with its message -- or crash). tests/zoo/test_zoo.py runs every case of a group in one job;
+as a script (run_zoo.py's), one case, each rank writing <outdir>/<case>_P<n>_r<rank>.json:
+python -m mpi4py harness.py <case> <outdir>
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import time
 import traceback
 
 import torch
+
+from mpidp.errors import ConfigError
+from mpidp.sharded import UnsupportedOp
+
+#: the errors that are refusals (an op or set-up mpidp cannot run exactly, refused on every
+#: rank), not crashes: a report counts them apart
+REFUSALS = (UnsupportedOp, ConfigError)
 
 
 def tb_tail(n=12):
@@ -37,6 +45,22 @@ def model_frame():
         return ""
     f = keep[-1]
     return f"{f.filename.split('site-packages/')[-1]}:{f.lineno} in {f.name}: {f.line}"
+
+
+def refused(e, stage):
+    """The result fields of a refusal ``e`` (one of :data:`REFUSALS`) raised at ``stage``: what
+    cannot be done exactly, refused with its message on every rank -- never a wrong number, so
+    a report tells it from a crash (a bug)."""
+    msg = str(e)
+    return {
+        "status": "refused",
+        "refusal": type(e).__name__,
+        "stage": stage,
+        "message_first_line": (msg.splitlines() or [""])[0],
+        "message": msg[:3000],
+        "traceback": tb_tail(6),
+        "model_frame": model_frame(),
+    }
 
 
 def tensors_of(y):
@@ -109,7 +133,7 @@ def run_serial(spec, model, ins):
 def run_case(case_name, m, group=None):
     """The comparison of one case on manager ``m``'s domain group, as a dict."""
     import mpidp
-    from mpidp.sharded import ShardedTensor, UnsupportedOp
+    from mpidp.sharded import ShardedTensor
 
     t0 = time.time()
     group = group or os.environ.get("ZOO_GROUP", "pnm")
@@ -229,16 +253,8 @@ def run_case(case_name, m, group=None):
         ok = not problems and worst <= tol
         result["status"] = "match" if ok else "mismatch"
         result["problems"] = problems
-    except UnsupportedOp as e:
-        msg = str(e)
-        result.update(
-            status="refused",
-            stage=stage,
-            message_first_line=msg.splitlines()[0],
-            message=msg[:3000],
-            traceback=tb_tail(6),
-            model_frame=model_frame(),
-        )
+    except REFUSALS as e:
+        result.update(refused(e, stage))
     except Exception as e:
         result.update(
             status="crash",
@@ -294,6 +310,8 @@ if __name__ == "__main__":
         if os.environ.get("ZOO_ALLOW_EMPTY"):
             manager.partition = mpidp.Balanced(allow_empty=True)
         out = run_case(case_name, manager)
+    except REFUSALS as e:  # the set-up refused (a grid that does not fit the world)
+        out = {"case": case_name, "P": world, "rank": rank, **refused(e, "import")}
     except Exception:
         out = {
             "case": case_name,

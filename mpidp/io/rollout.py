@@ -33,37 +33,34 @@ from mpidp.io.write_paths import (
     as_numpy,
     choose_method,
     consolidated,
+    content_digest,
     in_turns,
+    sharded_cut,
     whose_band,
     writes_zarr,
 )
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
-from mpidp.sharded import Replicated, ShardedTensor
+from mpidp.sharded import ShardedTensor
 
 __all__ = ["RolloutWriter"]
 
 
-def _cut_problems(x: Any) -> list[str]:
-    """What keeps ``x`` from being a rank's block or band of a step: a ShardedTensor cut
-    along other dims than its last two (blocks) or its rows (a band), a spectrum, or a value
-    every rank holds (:class:`~mpidp.sharded.Replicated`: each rank would write it whole)."""
-    if isinstance(x, Replicated):
-        return [
-            "a value every rank holds (Replicated, e.g. full_tensor()); pass this rank's "
-            "block: the ShardedTensor itself, or its to_local()"
-        ]
-    if not isinstance(x, ShardedTensor):
-        return []
+def _cut_problems(x: Any) -> tuple[tuple[int, int] | None, list[str]]:
+    """The global ``(rows, columns)`` of a ShardedTensor step (None for a plain one: its
+    extent is learned from the ranks' parts) and what keeps ``x`` from being a rank's block or
+    band of a step (:func:`~mpidp.io.write_paths.sharded_cut`), or cut along other dims than
+    its last two (blocks) or its rows (a band)."""
+    cut, _, problems = sharded_cut(x)
+    if cut is None:
+        return None, problems
     n = x.dim()
-    cut = tuple(d % n for d in (x.grid.dims if x.grid is not None else (x.shard_dim,)))
-    if x.spectral or cut not in ((n - 2, n - 1), (n - 2,)):
-        what = "a spectrum" if x.spectral else f"a ShardedTensor cut along dims {cut} of {n}"
-        return [
-            f"{what}: a step is cut along its rows (bands) or its last two dims (blocks); "
-            f"pass a field so cut"
-        ]
-    return []
+    if cut not in ((n - 2, n - 1), (n - 2,)):
+        return None, [
+            f"a ShardedTensor cut along dims {cut} of {n}: a step is cut along its rows "
+            f"(bands) or its last two dims (blocks); pass a field so cut"
+        ]  # fmt: skip
+    return (x.shape[-2], x.shape[-1]), []
 
 
 class RolloutWriter:
@@ -82,7 +79,10 @@ class RolloutWriter:
     Each rank writes its own block of the domain grid (``domain_parallel_size=(P_lat,
     P_lon)``): its rows x columns of every channel; on bands (``P_lon = 1``, or another
     ``group``: its ranks in a column) its rows of every longitude. The ranks' blocks are
-    learned at each step from their sizes and checked to tile the grid.
+    learned at each step from their sizes and checked to tile the grid, whose size the
+    coordinates give, else a ShardedTensor step's shape; a first plain step without them is
+    refused when the ranks of each latitude column (longitude row) pass the same values: each
+    passed the whole field, which the file would hold P times over.
 
     A ``path`` ending in ``.zarr`` (or ``format="zarr"``) is written as a Zarr store (format
     ``zarr_format``), chunked one step by ``chunk_rows`` rows (default: the first step's
@@ -170,7 +170,7 @@ class RolloutWriter:
         """Append one time step: ``x_local`` is this rank's block, ``(channels, rows,
         columns)`` (on bands every column; a leading batch dimension of 1 is accepted), or
         the ShardedTensor whose block (band) it is: a converted model's output. Collective."""
-        problems = _cut_problems(x_local)
+        grid, problems = _cut_problems(x_local)
         if isinstance(x_local, ShardedTensor):
             x_local = x_local.to_local()
         x = as_numpy(x_local)
@@ -186,16 +186,24 @@ class RolloutWriter:
         facts = {"channels": x.shape[0] if x.ndim == 3 else x.shape, "time": time}
         step, me = self.steps, 0 if self.t is None else self.t.rank
         where = f"RolloutWriter({str(self.path)!r}).write, step {step}"
+        # a plain step on a grid nothing sizes yet (no coordinates, no earlier step): its
+        # digest finds ranks that each passed the whole field
+        known = (
+            grid is not None or "latitude" in self.coords,
+            grid is not None or "longitude" in self.coords,
+        )
+        copies = self.blocks is None and self.grid.unsized(known) and x.ndim == 3
         table = check_everywhere(
             self.t,
             problems,
             facts,
             where,
             "every rank writes its own block (band) of every channel at each step",
-            list(x.shape[1:]) if x.ndim == 3 else [0, 0],
+            [*x.shape[1:], content_digest(x, copies)] if x.ndim == 3 else [0, 0, -1],
         )
         bs = self.grid.blocks(table, where, me)
-        self._check_grid(bs, step, me)
+        self.grid.refuse_copies([row[2] for row in table], known, where, me)
+        self._check_grid(bs, step, me, grid)
         self.blocks = bs  # a new cut of the same grid (manager.set_partition) is written as is
         if self.zarr:
             error = self._write_zarr(x, step, time, bs)
@@ -215,9 +223,12 @@ class RolloutWriter:
             raise
         self.steps += 1
 
-    def _check_grid(self, bs: BlockSpec, step: int, me: int) -> None:
-        """That the blocks ``bs`` of step ``step`` tile the grid of the coordinates and of the
-        earlier steps (the same :class:`~mpidp.DataError` on every rank: ``bs`` is agreed)."""
+    def _check_grid(
+        self, bs: BlockSpec, step: int, me: int, known: tuple[int, int] | None = None
+    ) -> None:
+        """That the blocks ``bs`` of step ``step`` tile the grid of the coordinates (else the
+        ``known`` grid of a ShardedTensor step) and of the earlier steps (the same
+        :class:`~mpidp.DataError` on every rank: ``bs`` is agreed)."""
         (h, w), bands = bs.shape, bs.lon.parts == 1
         lat, lon = list(bs.lat.sizes), list(bs.lon.sizes)
         kind = "bands" if bands else "blocks"
@@ -229,8 +240,8 @@ class RolloutWriter:
                 f"{kind} of the same grid at every step"
             )
         grid = tuple(
-            len(self.coords[k]) if k in self.coords else n
-            for k, n in (("latitude", h), ("longitude", w))
+            len(self.coords[k]) if k in self.coords else n if known is None else known[i]
+            for i, (k, n) in enumerate((("latitude", h), ("longitude", w)))
         )
         if grid == (h, w):
             return

@@ -8,6 +8,7 @@ the CF attributes of the coordinates written.
 from __future__ import annotations
 
 import errno
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from mpidp.io.source import LON_NAMES
 from mpidp.runtime.grid import BlockSpec, axis_transport
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec, balanced_sizes
+from mpidp.sharded import Replicated, ShardedTensor
 
 __all__ = [
     "COORDINATE_ATTRS",
@@ -34,8 +36,10 @@ __all__ = [
     "as_numpy",
     "choose_method",
     "consolidated",
+    "content_digest",
     "in_turns",
     "parallel_hdf5_available",
+    "sharded_cut",
     "whose_band",
     "writes_zarr",
 ]
@@ -103,7 +107,7 @@ class WriteGrid:
         return lat, lon
 
     def blocks(self, table: list[list[int]], where: str, rank: int) -> BlockSpec:
-        """The blocks the ranks hold (``table``: each rank's rows and columns), checked to
+        """The blocks the ranks hold (``table``: each rank's rows and columns, first), checked to
         tile the grid: the ranks of a grid row hold the same rows, of a column the same
         columns."""
         p_lat, p_lon = self.shape
@@ -113,7 +117,7 @@ class WriteGrid:
             f"rank {r} holds {row[0]} x {row[1]} where its grid row and column give "
             f"{lat[r // p_lon]} x {lon[r % p_lon]}"
             for r, row in enumerate(table)
-            if row != [lat[r // p_lon], lon[r % p_lon]]
+            if row[:2] != [lat[r // p_lon], lon[r % p_lon]]
         ]
         if off:
             raise DataError(
@@ -122,6 +126,82 @@ class WriteGrid:
                 f"(mpidp.shard_tensor(x, dim=(-2, -1)))"
             )
         return BlockSpec(ShardSpec.from_sizes(lat), ShardSpec.from_sizes(lon))
+
+    def unsized(self, known: tuple[bool, bool]) -> bool:
+        """Whether an axis the ranks cut has no ``known`` extent (then a plain part's
+        :func:`content_digest` is taken, for :meth:`refuse_copies`)."""
+        return any(p > 1 and not k for p, k in zip(self.shape, known, strict=True))
+
+    def refuse_copies(
+        self, digests: Sequence[int], known: tuple[bool, bool], where: str, rank: int
+    ) -> None:
+        """Refuse plain parts that are copies of one another (``digests``: each rank's
+        :func:`content_digest`, -1 where not taken) along an axis whose extent nothing else
+        gives (``known``: a coordinate or a ShardedTensor gives the latitude's, the
+        longitude's). When every rank of each latitude column (longitude row) holds the same
+        values, each passed the whole field rather than its band (block), and the file would
+        hold P copies of it, silently. The same :class:`~mpidp.DataError` on every rank
+        (``digests`` are agreed)."""
+        p_lat, p_lon = self.shape
+        if min(digests, default=-1) < 0:
+            return
+        lines = {
+            "latitude column": [digests[j::p_lon] for j in range(p_lon)],
+            "longitude row": [digests[i * p_lon : (i + 1) * p_lon] for i in range(p_lat)],
+        }
+        for k, (axis, parts) in enumerate(lines.items()):
+            if len(parts[0]) == 1 or known[k] or any(len(set(line)) > 1 for line in parts):
+                continue
+            what, n = ("rows", "latitudes") if k == 0 else ("columns", "longitudes")
+            raise DataError(
+                f"rank {rank}: {where}: every rank of each {axis} passed the same values (a "
+                f"plain tensor): the whole field rather than its own {what}, which the file "
+                f"would hold {len(parts[0])} times over; fix: pass the ShardedTensor (a "
+                f"converted model's output, mpidp.shard(x, dim=...)), or each rank its own "
+                f"{what} (manager.block_spec(shape) gives them), or the {n} (coordinates) so "
+                f"that the grid's size is known (also when the ranks' parts are equal indeed)"
+            )
+
+
+def sharded_cut(x: Any) -> tuple[tuple[int, ...] | None, ShardSpec | BlockSpec | None, list[str]]:
+    """How a writer takes ``x``: for a ShardedTensor the dims it is cut along (its latitude,
+    and its longitude on blocks: non-negative) and its cut (a band's ShardSpec, the
+    BlockSpec of blocks), with what keeps it from being written as this rank's band or block
+    (a spectrum, tokens, merged dims holding several blocks); for a plain tensor ``(None,
+    None, [])``. A :class:`~mpidp.sharded.Replicated` value is refused: every rank would
+    write it whole."""
+    if isinstance(x, Replicated):
+        return None, None, [
+            "a value every rank holds (Replicated, e.g. full_tensor()): each rank would write "
+            "it whole; pass this rank's band or block: the ShardedTensor itself, or its "
+            "to_local()"
+        ]  # fmt: skip
+    if not isinstance(x, ShardedTensor):
+        return None, None, []
+    g = x.grid
+    if x.spectral or x.blocks > 1 or (g is not None and not isinstance(g, BlockSpec)):
+        tokens = g is not None and not isinstance(g, BlockSpec)
+        what = (
+            "a spectrum" if x.spectral else "tokens" if tokens
+            else f"{x.blocks} blocks merged along dim {x.shard_dim}"
+        )  # fmt: skip
+        return None, None, [
+            f"a ShardedTensor of {what}: a writer takes a field cut into bands or blocks; "
+            f"pass the field so cut"
+        ]  # fmt: skip
+    if g is None:
+        return (x.shard_dim,), x.spec, []
+    n = x.dim()
+    return (g.dims[0] % n, g.dims[1] % n), g, []
+
+
+def content_digest(x: np.ndarray, take: bool) -> int:
+    """A checksum of ``x``'s shape and bytes when ``take`` (else -1): the ranks compare it to
+    find parts that are copies of one another (:meth:`WriteGrid.refuse_copies`)."""
+    if not take:
+        return -1
+    head = zlib.crc32(repr(x.shape).encode())
+    return zlib.crc32(np.ascontiguousarray(x).reshape(-1).view(np.uint8).data, head)
 
 
 def parallel_hdf5_available() -> bool:

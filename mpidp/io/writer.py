@@ -63,13 +63,16 @@ from mpidp.io.write_paths import (
     as_numpy,
     choose_method,
     consolidated,
+    content_digest,
     in_turns,
     parallel_hdf5_available,
+    sharded_cut,
     writes_zarr,
 )
 from mpidp.runtime.grid import BlockSpec
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
+from mpidp.sharded import Replicated, ShardedTensor
 
 __all__ = ["METHODS", "RolloutWriter", "parallel_hdf5_available", "write_sharded"]
 
@@ -113,11 +116,20 @@ def _check_spec(
         )
 
 
+def _other_cut(dim: Dim | None, cut: tuple[int, ...], n: int) -> list[str]:
+    """What is wrong with a ``dim`` passed beside a ShardedTensor cut along ``cut``."""
+    pair = dim if isinstance(dim, (tuple, list)) else (dim,)
+    given = [d % n if isinstance(d, int) and n else d for d in pair]
+    if dim is None or all(a == b for a, b in zip(given, cut, strict=False)):
+        return []
+    return [f"dim={dim} but the ShardedTensor is cut along dims {cut}; leave dim out"]
+
+
 def write_sharded(
     path: str | os.PathLike[str],
     name: str,
     x_local: torch.Tensor | np.ndarray,
-    dim: Dim = -2,
+    dim: Dim | None = None,
     spec: ShardSpec | Sequence[int] | BlockSpec | None = None,
     manager: DistributedManager | None = None,
     *,
@@ -132,9 +144,14 @@ def write_sharded(
     zarr_format: int = 3,
 ) -> Path:
     """Write the field whose block (band) this rank holds (``x_local``) as variable ``name``
-    of the HDF5/netCDF-4 file (or Zarr store) ``path``; returns the path.
+    of the HDF5/netCDF-4 file (or Zarr store) ``path``; returns the path. ``x_local`` may be
+    the ShardedTensor whose block (band) it is (a converted model's output): its cut gives
+    ``dim``, ``spec`` and (without ``manager`` and ``group``) the manager.
 
-    ``dim`` is the latitude dim, or a ``(latitude, longitude)`` pair. Over the domain group
+    ``dim`` is the latitude dim (default -2), or a ``(latitude, longitude)`` pair. A plain
+    tensor is this rank's own block: where no coordinate (nor ``spec``) gives the extent of an
+    axis the ranks cut, ranks that all pass the same values there (each the whole field) are
+    refused, since the file would hold it P times over. Over the domain group
     the ranks hold the blocks of the domain grid: when it cuts the longitude
     (``domain_parallel_size=(P_lat, P_lon)``, ``P_lon > 1``) the longitude dim is the second
     of ``dim``, else the one ``dims`` names ``longitude`` (or ``lon``); a variable without
@@ -158,21 +175,33 @@ def write_sharded(
     Collective over ``group`` (default: the domain group); atomic (a temporary file renamed on
     success). Bad arguments on any rank raise the same :class:`~mpidp.DataError` everywhere.
     """
+    cut, held, problems = sharded_cut(x_local)
+    if cut is not None and isinstance(x_local, ShardedTensor):  # its cut: dims, blocks, grid
+        problems += _other_cut(dim, cut, x_local.dim())
+        dim, spec = cut if len(cut) == 2 else cut[0], held if spec is None else spec
+        manager = x_local.manager if manager is None and group is None else manager
+    if isinstance(x_local, ShardedTensor):  # refused above unless cut: named on every rank
+        x_local = x_local.to_local()
+    elif isinstance(x_local, Replicated):
+        x_local = x_local.as_subclass(torch.Tensor)
     t = io_transport(manager, group)
     grid = WriteGrid(manager, group, t)
     path = Path(path)
     x = as_numpy(x_local)
-    problems: list[str] = []
     names = tuple(dims) if dims is not None else default_dims(x.ndim)
     if len(names) != x.ndim:
         problems.append(f"dims {list(names)} name {len(names)} dimensions, the tensor has {x.ndim}")
-    d, d_lon = grid.dims(x, dim, names, problems)
+    d, d_lon = grid.dims(x, -2 if dim is None else dim, names, problems)
+    coords = dict(coords or {})
+    known = (  # the extents a spec (a ShardedTensor's cut) or a coordinate gives
+        spec is not None or names[d] in coords,
+        isinstance(spec, BlockSpec) or d_lon is None or names[d_lon] in coords,
+    )
     if mode not in ("w", "a"):
         problems.append(f"mode={mode!r} is not 'w' (replace the file) or 'a' (add a variable)")
     zarr = writes_zarr(path, format, method, zarr_format, chunk_rows, problems)
     _check_target(path, mode, zarr, problems)
     how = "zarr" if zarr else choose_method(method, t, problems)
-    coords = dict(coords or {})
     facts = {
         "path": os.path.realpath(path),
         "name": name,
@@ -196,12 +225,17 @@ def write_sharded(
         facts,
         f"{where} got bad or inconsistent arguments",
         "every rank passes the same path, name, dims, coords and mode, and its own block",
-        [x.shape[d] if x.ndim else 0, x.shape[d_lon] if d_lon is not None else 0],
+        [
+            x.shape[d] if x.ndim else 0,
+            x.shape[d_lon] if d_lon is not None else 0,
+            content_digest(x, grid.unsized(known)),
+        ],
     )
     me = 0 if t is None else t.rank
     bs = grid.blocks(table, where, me)
     if spec is not None:
         _check_spec(spec, bs, where, d, me)
+    grid.refuse_copies([row[2] for row in table], known, where, me)
     shape = tuple(
         bs.shape[0] if i == d else bs.shape[1] if i == d_lon else s for i, s in enumerate(x.shape)
     )

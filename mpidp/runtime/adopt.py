@@ -97,13 +97,15 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
     DeviceMesh, a torch ProcessGroup, or None (mpidp's default manager). ``gradients``: the
     convention (None: whichever the found manager has; mpidp's own managers are ``"shares"``).
     A 1-D mesh or a group of the user's is bands (the grid ``(P, 1)``), also where a manager of
-    blocks over the same ranks exists; a 2-D mesh is its grid. Local: no communication."""
+    blocks over the same ranks exists; a 2-D mesh is its grid; the domain group of mpidp's own
+    manager (or the manager itself) under another convention keeps that manager's grid, blocks
+    too. Local: no communication."""
     if gradients is not None and gradients not in GRADIENTS:
         raise ConfigError(f"gradients={gradients!r}; pass one of {GRADIENTS}")
     if isinstance(domain, DistributedManager):
         if gradients is None or domain.gradients == gradients:
             return domain
-        return _adopt(domain.domain_group, domain.domain_mesh, gradients, domain)
+        return _adopt(domain.domain_group, domain.domain_mesh, gradients, domain, True)
     if domain is None:
         m = get_manager()
         return m if gradients in (None, m.gradients) else manager_for(m, gradients=gradients)
@@ -126,7 +128,9 @@ def manager_for(domain: Any, *, gradients: str | None = None) -> DistributedMana
         if m.domain_ranks == ranks and gradients in (None, m.gradients):
             if grid is None or m.grid == grid:
                 return m
-    return _adopt(group, mesh, gradients or "shares", None)
+    # mpidp's own domain group (grid None) under another convention: its manager's grid
+    owner = next((m for m in own if grid is None and group is m.domain_group), None)
+    return _adopt(group, mesh, gradients or "shares", owner, owner is not None)
 
 
 #: the dim names of the meshes mpidp builds (a manager's, mpidp.parallel.build_device_mesh's):
@@ -182,17 +186,19 @@ def _own_managers() -> list[DistributedManager]:
     return [m for m in found if not m._closed]
 
 
-def _adopt(group: Any, mesh: DeviceMesh | None, gradients: str, base: Any) -> AdoptedManager:
+def _adopt(
+    group: Any, mesh: DeviceMesh | None, gradients: str, base: Any, base_grid: bool = False
+) -> AdoptedManager:
     base = base if base is not None else (get_manager() if is_initialized() else None)
     ranks = group_ranks(mesh if mesh is not None else group)
     if mesh is not None and mesh.ndim == 2:  # a sliced mesh is a new object; its groups are not
         axes = (id(mesh.get_group(0)), id(mesh.get_group(1)))
         key: tuple[Any, ...] = (ranks, gradients, id(base), *axes)
     else:
-        key = (ranks, gradients, id(base), id(group))
+        key = (ranks, gradients, id(base), id(group), base_grid)
     made = _ADOPTED.get(key)
     if made is None or made._closed:
-        made = _ADOPTED[key] = AdoptedManager(group, ranks, mesh, gradients, base)
+        made = _ADOPTED[key] = AdoptedManager(group, ranks, mesh, gradients, base, base_grid)
         if base is not None:
             base._on_shutdown.append(made.shutdown)
     return made
@@ -244,7 +250,8 @@ class AdoptedManager(DistributedManager):
     (in the group's order), the rest of the job as the base manager (mpidp's default, when
     there is one) or torch.distributed sees it. It owns no process group; its data-parallel
     partners are unknown to it (``dp_world_size`` 1). Over a 2-D mesh its :attr:`grid` is the
-    mesh's shape."""
+    mesh's shape; with ``base_grid`` (the domain group of mpidp's own manager ``base`` under
+    another gradient convention) ``base``'s grid, blocks too."""
 
     def __init__(
         self,
@@ -253,6 +260,7 @@ class AdoptedManager(DistributedManager):
         mesh: DeviceMesh | None,
         gradients: str,
         base: DistributedManager | None,
+        base_grid: bool = False,
     ) -> None:
         # no DistributedManager.__init__: nothing here is collective
         self._base = base
@@ -296,13 +304,21 @@ class AdoptedManager(DistributedManager):
         self._on_shutdown = []
         self._closed = False
         two = mesh is not None and mesh.ndim == 2
-        self._grid = (mesh.size(0), mesh.size(1)) if two else (len(ranks), 1)  # type: ignore[union-attr]
-        self._blocks = self._grid[1] > 1
-        self._grid_axes = (
-            _MeshAxes(self, mesh) if mesh is not None and min(self._grid) > 1 else None
+        # ``base_grid``: the domain group of mpidp's own manager ``base`` under another
+        # gradient convention: its grid, blocks too, and its axis groups (the base closes them)
+        own = base_grid and base is not None
+        self._grid = (
+            (mesh.size(0), mesh.size(1)) if two else base.grid if own else (len(ranks), 1)  # type: ignore[union-attr]
         )
-        if self._grid_axes is not None:
-            self._on_shutdown.append(self._grid_axes.close)
+        self._blocks = self._grid[1] > 1
+        if own:
+            self._grid_axes = getattr(base, "_grid_axes", None)
+        else:
+            self._grid_axes = (
+                _MeshAxes(self, mesh) if mesh is not None and min(self._grid) > 1 else None
+            )
+            if self._grid_axes is not None:
+                self._on_shutdown.append(self._grid_axes.close)
 
     @property
     def mpi_available(self) -> bool:

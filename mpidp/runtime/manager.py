@@ -201,6 +201,7 @@ class DistributedManager:
         self._grid_axes = GridAxes.build(self)
         if self._grid_axes is not None:
             self._on_shutdown.append(self._grid_axes.close)
+        self._group_references = self._references()
         self._warn_if_oversubscribed(env)
 
     # -- construction steps -------------------------------------------------------------------
@@ -396,6 +397,17 @@ class DistributedManager:
             "domain_rank": self.domain_rank,
         }
 
+    def _references(self) -> list[int]:
+        """How many references each process group that a model wrapped over this manager
+        (DDP, FSDP2) may hold has: the domain and data-parallel groups, and the default group
+        when this manager made it. Counted at construction (torch's own registries included)
+        and again at shutdown: a count that grew means something took the group since."""
+        found: list[Any] = [self.domain_group, self.data_parallel_group]
+        if self._owns_process_group and dist.is_initialized():
+            found.append(dist.group.WORLD)
+        groups = list({id(g): g for g in found if g is not None}.values())
+        return [sys.getrefcount(g) for g in groups]
+
     def shutdown(self, sync: bool = True) -> None:
         """Free the communicators and, if this manager created it, the process group.
 
@@ -412,14 +424,22 @@ class DistributedManager:
             if self._mpi_runs_job():
                 comm.Free()
         self._transports.clear()
+        # Models wrapped by DDP/FSDP2 sit in reference cycles that keep their process groups
+        # (two gloo threads and open sockets each) alive until the cyclic collector runs;
+        # measured: with ~25 such groups left, a small MPI all-reduce was 20-40x slower. So
+        # the collector runs, but only when something took a reference to one of this
+        # manager's groups since it was made (a wrapped model, live or garbage): a full
+        # collection walks the whole heap (0.9 s on a large one), for nothing otherwise.
+        taken = any(
+            now > then
+            for now, then in zip(self._references(), self._group_references, strict=False)
+        )
         if not self._owns_process_group and dist.is_initialized():
             # The mesh's groups are this manager's; the default group (and with it every
             # group) is torn down by whoever created it. Local: no communication.
             _destroy_groups(self.mesh)
-        # Models wrapped by DDP/FSDP2 sit in reference cycles that keep their process groups
-        # (two gloo threads and open sockets each) alive until the cyclic collector runs;
-        # measured: with ~25 such groups left, a small MPI all-reduce was 20-40x slower.
-        gc.collect()
+        if taken:
+            gc.collect()
         if self._owns_process_group and dist.is_initialized():
             # Every rank arrives before any tears down: a rank that destroys the group (rank 0
             # takes the rendezvous store with it) while a peer still uses it can abort the peer

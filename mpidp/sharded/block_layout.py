@@ -70,20 +70,39 @@ def _grid(spec: Any, dims: tuple[int, int], m: DistributedManager, shape: Any) -
 
 
 def check_block(bs: BlockSpec, m: DistributedManager, what: str, local: Any = None) -> None:
-    """``bs`` cuts the manager's grid and, given ``local``, this rank's block is that shape."""
+    """``bs`` cuts the manager's grid and, given ``local``, this rank's block is that shape.
+
+    With ``local`` (a rank's own part: its shape, and a ``bs`` learned along each axis group,
+    can differ by rank) the ranks agree first (:meth:`~mpidp.comm.Transport.agree`: one
+    all-gather of two ints over the domain group, collective), so a bad block on one rank, or
+    columns that learned other rows than their neighbours, raise the same ConfigError on
+    every rank instead of leaving the others waiting in their next collective."""
+    problems = []
     if bs.grid != m.grid:
-        raise ConfigError(
-            f"rank {m.rank}: {what}: {bs!r} cuts a {bs.grid[0]} x {bs.grid[1]} grid but the "
-            f"domain grid is {m.grid[0]} x {m.grid[1]}; pass manager.block_spec(shape, dims)"
+        problems.append(
+            f"{bs!r} cuts a {bs.grid[0]} x {bs.grid[1]} grid but the domain grid is "
+            f"{m.grid[0]} x {m.grid[1]}; pass manager.block_spec(shape, dims)"
         )
-    if local is not None:
+    elif local is not None:
         have = (local.size(bs.dims[0]), local.size(bs.dims[1]))
         if have != bs.block_shape(m.domain_rank):
-            raise ConfigError(
-                f"rank {m.rank}: {what}: this rank's block has {have} (rows, columns) along "
-                f"dims {bs.dims} but {bs!r} gives domain rank {m.domain_rank} "
-                f"{bs.block_shape(m.domain_rank)}; pass this rank's block of that spec"
+            problems.append(
+                f"this rank's block has {have} (rows, columns) along dims {bs.dims} but "
+                f"{bs!r} gives domain rank {m.domain_rank} {bs.block_shape(m.domain_rank)}"
             )
+    if local is None or m.domain_world_size == 1:  # bs from arguments: the same everywhere
+        if problems:
+            raise ConfigError(f"rank {m.rank}: {what}: {problems[0]}")
+        return
+    blocks = {"blocks": (list(bs.lat.sizes), list(bs.lon.sizes))}
+    _, lines = m.transport(None, local.device).agree(problems, blocks)
+    if lines:
+        raise ConfigError(
+            f"rank {m.rank}: {what}: the ranks' blocks do not tile the {m.grid[0]} x "
+            f"{m.grid[1]} grid:\n  " + "\n  ".join(lines) + "\nfix: pass each rank its own "
+            "block of one BlockSpec (manager.block_spec(shape, dims) gives each rank's rows "
+            "and columns)"
+        )
 
 
 def block_of(

@@ -127,12 +127,12 @@ def killed_mid_write() -> None:
     manager = mpidp.init(domain_parallel_size=2)
     rows = manager.spec(8).sizes[manager.domain_rank]
     with RolloutWriter(path, ["a"], manager=manager) as out:
-        out.write(torch.ones(1, rows, 4))
+        out.write(torch.full((1, rows, 4), ME + 1.0))  # bands that differ: not copies
         MPI.COMM_WORLD.Barrier()
         if ME == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank 0 writes step 2 at {time.time():.2f}", flush=True)
-        out.write(torch.ones(1, rows, 4))
+        out.write(torch.full((1, rows, 4), ME + 1.0))
 
 
 def killed_mid_zarr_write() -> None:
@@ -148,12 +148,12 @@ def killed_mid_zarr_write() -> None:
     manager = mpidp.init(domain_parallel_size=2)
     rows = manager.spec(8).sizes[manager.domain_rank]
     with RolloutWriter(path, ["x"], manager=manager, chunk_rows=3) as out:
-        out.write(torch.full((1, rows, 4), 7.0))
+        out.write(torch.full((1, rows, 4), 7.0 + ME))  # bands that differ: not copies
         MPI.COMM_WORLD.Barrier()
         if ME == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank 0 writes step 2 at {time.time():.2f}", flush=True)
-        out.write(torch.full((1, rows, 4), 8.0))
+        out.write(torch.full((1, rows, 4), 8.0 + ME))
 
 
 def rollout_fills_disk() -> None:
@@ -182,7 +182,7 @@ def rollout_fills_disk() -> None:
     def rollout() -> None:
         with RolloutWriter(path, ["a", "b"], manager=manager) as out:
             for _ in range(1000):
-                out.write(torch.ones(2, rows, 128))
+                out.write(torch.full((2, rows, 128), ME + 1.0))  # not copies of one field
 
     caught(rollout)
 
@@ -335,7 +335,7 @@ def killed_mid_write_sharded() -> None:
         return real(*args)
 
     writer._rows_slab = killed
-    write_sharded(path, "a", torch.ones(1, rows, 4), manager=manager)
+    write_sharded(path, "a", torch.full((1, rows, 4), ME + 1.0), manager=manager)
 
 
 def checkpoint_fills_disk() -> None:
@@ -382,11 +382,11 @@ def rollout_raises_on_one_rank() -> None:
     manager = mpidp.init(domain_parallel_size=2)
     rows = manager.spec(8).sizes[manager.domain_rank]
     with RolloutWriter(path, ["a"], manager=manager) as out:
-        out.write(torch.ones(1, rows, 4))
+        out.write(torch.full((1, rows, 4), ME + 1.0))  # bands that differ: not copies
         if ME == 1:
             print(f"rank 1 raises at {time.time():.2f}", flush=True)
             raise ValueError("the model diverged on rank 1 (injected)")
-        out.write(torch.ones(1, rows, 4))
+        out.write(torch.full((1, rows, 4), ME + 1.0))
     time.sleep(60)
 
 
