@@ -53,11 +53,10 @@ __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 META_METHODS: set[Any] = set()
 META_GETTERS: set[str] = set()
 
-#: What the first ShardedTensor of a process turns on, once: the module-stack tracking that
-#: names the module of a refused op (:func:`mpidp.sharded.where.track`, added by
-#: ``mpidp/sharded/__init__.py``) and the bridge that runs a user's ``torch.autograd.Function``
-#: on ShardedTensors (:mod:`mpidp.sharded.function` adds its ``install``), each through
-#: :func:`on_first`. A program that imports mpidp and never shards runs torch as it is.
+#: What the first ShardedTensor of a process turns on, once: the bridge that runs a user's
+#: ``torch.autograd.Function`` on ShardedTensors (:mod:`mpidp.sharded.function` adds its
+#: ``install`` through :func:`on_first`). A program that imports mpidp and never shards runs
+#: torch as it is.
 _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
 #: set once the process makes a block ShardedTensor: until then dispatch never looks for one
