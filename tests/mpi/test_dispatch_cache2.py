@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import rand, refusal
-from test_dispatch_cache import SHAPE, _differs, _run, _serial
+from test_dispatch_cache import GRIDS, SHAPE, _differs, _run, _serial
 from torch import nn
 
 import mpidp
@@ -32,6 +32,13 @@ from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded import UnsupportedOp
 
 pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")
+def gm(request):
+    """Bands, and at 4 and 6 ranks a grid of blocks with both axes cut."""
+    with mpidp.DistributedManager(domain_parallel_size=request.param) as m:
+        yield m
 
 
 class _Net(nn.Module):
@@ -49,18 +56,20 @@ class _Net(nn.Module):
         return self.conv(self.up(self.norm(self.pconv(x))))
 
 
-def test_functional_layer_plans_follow_the_call(manager):
+def test_functional_layer_plans_follow_the_call(gm):
     """The fed model called with one layout twice (the second call takes the plans), then a
-    longer field whose cut gives rank 0 the same band shape, then new parameters (other
-    tensors, other values), then the first layout again: every call equals serial. A band
-    cut along the channels is still refused on every rank after the plans exist."""
+    longer field whose cut gives rank 0 the same band shape (on blocks: a longer field), then
+    new parameters (other tensors, other values), then the first layout again: every call
+    equals serial. On bands, a band cut along the channels is still refused on every rank
+    after the plans exist."""
     torch.manual_seed(30)
     serial = _Net().double()
     fed = copy.deepcopy(serial)
-    p = manager.domain_world_size
-    first = manager.partition.spec(SHAPE[2], p)
+    first = gm.partition.spec(SHAPE[2], gm.domain_world_size)
     same_band = ShardSpec((first.sizes[0], *(n + 1 for n in first.sizes[1:])))
     short, longer = rand(SHAPE, 2), rand((2, 3, same_band.total, 20), 3)
+    if gm._blocks:  # (a block's cut is the policy's)
+        same_band = None
     bad = []
     for name, full, spec in [
         ("first", short, None),
@@ -75,9 +84,11 @@ def test_functional_layer_plans_follow_the_call(manager):
                 net.conv.weight = nn.Parameter(torch.randn_like(net.conv.weight))
                 net.pconv.bias = nn.Parameter(torch.randn_like(net.pconv.bias))
         want = _serial(serial, serial, full)
-        bad += [f"{name}: {b}" for b in _differs(_run(manager, fed, fed, full, spec), want)]
-    channels = mpidp.shard(rand((1, 4, 13, 20), 4), 1, manager)
-    said = refusal(lambda: F.conv2d(channels, fed.conv.weight, None, padding=1), UnsupportedOp)
+        bad += [f"{name}: {b}" for b in _differs(_run(gm, fed, fed, full, spec), want)]
+    said = "sharded along dim 1"
+    if not gm._blocks:
+        channels = mpidp.shard(rand((1, 4, 13, 20), 4), 1, gm)
+        said = refusal(lambda: F.conv2d(channels, fed.conv.weight, None, padding=1), UnsupportedOp)
     assert not bad
     assert said is not None and "sharded along dim 1" in said, said
 
