@@ -61,6 +61,9 @@ _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
 #: set once the process makes a block ShardedTensor: until then dispatch never looks for one
 GRID_SEEN: list[bool] = []
+#: set once the process makes a ShardedTensor whose sharded dim holds merged blocks
+#: (``blocks > 1``): until then dispatch never looks for one
+MERGED_SEEN: list[bool] = []
 
 Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -143,6 +146,8 @@ class ShardedTensor(torch.Tensor):
             spectral = True
         else:
             spectral = False
+        if blocks > 1 and not MERGED_SEEN:
+            MERGED_SEEN.append(True)
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
