@@ -87,7 +87,7 @@ def test_functional_layer_plans_follow_the_call(gm):
         bad += [f"{name}: {b}" for b in _differs(_run(gm, fed, fed, full, spec), want)]
     said = "sharded along dim 1"
     if not gm._blocks:
-        channels = mpidp.shard(rand((1, 4, 13, 20), 4), 1, gm)
+        channels = mpidp.shard(rand((1, 6, 13, 20), 4), 1, gm)  # 6: a channel a rank
         said = refusal(lambda: F.conv2d(channels, fed.conv.weight, None, padding=1), UnsupportedOp)
     assert not bad
     assert said is not None and "sharded along dim 1" in said, said
