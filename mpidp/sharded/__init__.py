@@ -25,15 +25,12 @@ from mpidp.sharded import select as _select  # noqa: F401
 from mpidp.sharded import shapes as _shapes  # noqa: F401
 from mpidp.sharded import tensor as _tensor
 from mpidp.sharded import tokens_attention as _tokens_attention  # noqa: F401
-from mpidp.sharded import where as _where
 from mpidp.sharded.dispatch import UnsupportedOp, allow_fallback, handled, register
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated, shard
 
 _modules.install()  # converted layers are the kernels of their module types
 # every torch function on a ShardedTensor or Replicated value goes to the dispatcher
 _tensor.use_dispatcher(_dispatch.dispatch)
-# the first ShardedTensor turns on the module-stack tracking that names where a refusal ran
-_tensor.on_first(_where.track)
 
 __all__ = [
     "Replicated",

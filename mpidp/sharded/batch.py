@@ -34,6 +34,7 @@ from mpidp.ops.collectives import copy_to
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.cuts import Cut, cuts, part, placed, same_cuts
 from mpidp.sharded.tensor import Replicated, ShardedTensor
+from mpidp.sharded.walk import holds
 
 __all__ = ["READS", "NOT_LOCAL", "batch_local", "reads"]
 
@@ -370,9 +371,8 @@ def _is_rep(a: torch.Tensor) -> bool:
 
 
 def _deep(a: Any, x: ShardedTensor) -> Any:
-    """A container argument holding a ShardedTensor does not fit the rule."""
-    if isinstance(a, list | tuple | dict):
-        leaves, _ = tree_flatten(a)
-        if any(isinstance(v, torch.Tensor) for v in leaves):
-            return NOT_LOCAL
+    """A container argument holding a tensor does not fit the rule (one plain walk: the
+    container is nearly always a tuple of numbers, a pad or a size)."""
+    if isinstance(a, list | tuple | dict) and holds(a, torch.Tensor):
+        return NOT_LOCAL
     return a

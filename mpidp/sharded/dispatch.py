@@ -36,6 +36,7 @@ from mpidp.sharded.block_layout import TokenSpec, spectral_call
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
+    MERGED_SEEN,
     Replicated,
     ShardedTensor,
     has_sharded,
@@ -293,8 +294,10 @@ _DEPTH: list[Any] = []
 def _whole(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the call's ShardedTensors live under the ``"whole"`` gradient convention (one
     attribute read on the common path: a ShardedTensor among the positional arguments)."""
-    ref = next((a for a in args if isinstance(a, ShardedTensor)), None)
-    if ref is None:
+    for ref in args:
+        if isinstance(ref, ShardedTensor):
+            break
+    else:
         ref = first((args, kwargs), _is_sharded)
     return ref is not None and ref.manager.gradients == "whole" and torch.is_grad_enabled()
 
@@ -365,7 +368,8 @@ def _band_dispatch(
             return _grid_dispatch(func, args, kwargs, block)
     handler = _HANDLERS.get(key(func))
     if handler is not None:
-        if handler not in _BLOCKS_OK and _has_blocks(args, kwargs):
+        # (no merged blocks were ever made: nothing to look for)
+        if handler not in _BLOCKS_OK and MERGED_SEEN and _has_blocks(args, kwargs):
             raise refuse(
                 func,
                 args,

@@ -5,12 +5,19 @@ domain-parallel layer, and run on the band with the ShardedTensor's partition kn
 (:func:`mpidp.layers.base.known_spec`: no all-gather to learn it). The result's partition is
 the manager's policy applied to the global output length, which a run of the serial function
 on meta tensors gives (:func:`meta_result`).
+
+A layer call is planned (:class:`_Plan`): what its handler decided for one call signature (the
+band's layout, the other arguments' values, the parameters by identity: :func:`_signature`),
+the domain-parallel layer it built and its result's cut, is kept, and the next call of the
+same signature runs that layer on its band at once. A call of any other signature (another
+layout, shape, argument or parameter) takes the handler, which checks it (and refuses) as
+ever, and plans it anew.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,7 +27,8 @@ from mpidp.layers.base import known_spec
 from mpidp.layers.registry import layer_for
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import BlockSpec
-from mpidp.sharded.dispatch import Handler, refuse
+from mpidp.runtime.partition import ShardSpec
+from mpidp.sharded.dispatch import WATCHERS, Handler, refuse
 from mpidp.sharded.dispatch import register as _register
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 
@@ -58,7 +66,13 @@ def register(*funcs: Any, grid: bool = False, spectral: bool = False) -> Any:
                 )
             if x.spectral and not spectral:
                 raise spectrum_refused(func, args, kwargs)
-            return handler(func, args, kwargs)
+            sig = _signature(func, args, kwargs)
+            if sig is None:
+                return handler(func, args, kwargs)
+            plan = _PLANS.get(sig[0])
+            if plan is not None:
+                return _on_part(plan.layer, x, plan.call, plan.lat, plan.lon)
+            return _planning(handler, func, args, kwargs, sig)
 
         _register(*funcs, grid=grid)(checked)
         return handler
@@ -122,12 +136,20 @@ def band_weight(a: Any, x: ShardedTensor) -> Any:
 
 
 def run_layer(
-    func: Any, args: Any, kwargs: Any, module: nn.Module, x: ShardedTensor, *call: Any
+    func: Any,
+    args: Any,
+    kwargs: Any,
+    module: nn.Module,
+    x: ShardedTensor,
+    *call: Any,
+    shape: Sequence[int] | None = None,
 ) -> ShardedTensor:
     """``module``'s domain-parallel wrapper on ``x``'s band; the result on the manager's
-    partition of the global output length. On a block (``x.grid``) the wrapper runs per axis
-    (:meth:`~mpidp.layers.base.DomainParallel._axes`: the longitude is the dim after the
-    latitude), and the result is cut by the policy along each axis."""
+    partition of the global output length (of ``shape``, the global output shape where the
+    handler knows it: many ops on meta tensors import torch's compiler, 1.7 s; else the
+    serial call's on meta tensors, :func:`meta_result`). On a block (``x.grid``) the wrapper
+    runs per axis (:meth:`~mpidp.layers.base.DomainParallel._axes`: the longitude is the dim
+    after the latitude), and the result is cut by the policy along each axis."""
     m = x.manager
     found = layer_for(type(module))
     if found is None:
@@ -135,21 +157,119 @@ def run_layer(
     wrapper = found[1]
     dp = wrapper.from_module(module, m, x.shard_dim - x.dim())
     g = x.grid
+    shape = shape or meta_result(func, args, kwargs)
     if g is None:
-        with known_spec(x.local, x.shard_dim, x.spec):
-            y = dp(x.local, *call)
-        n_out = meta_result(func, args, kwargs)[x.shard_dim]
-        spec = m.partition.derived(n_out, m.domain_world_size)
-        return ShardedTensor(y, spec, x.shard_dim, m)
-    if g.dims[1] != g.dims[0] + 1:
-        raise refuse(
-            func, args, kwargs, "a block whose longitude does not follow its latitude", "permute"
-        )
-    with known_spec(x.local, g.dims[0], g.lat), known_spec(x.local, g.dims[1], g.lon):
-        y = dp(x.local, *call)
-    shape = meta_result(func, args, kwargs)
-    lat, lon = (m.partition.derived(shape[d], p) for d, p in zip(g.dims, m.grid, strict=True))
+        lat, lon = m.partition.derived(shape[x.shard_dim], m.domain_world_size), None
+    else:
+        if g.dims[1] != g.dims[0] + 1:
+            raise refuse(
+                func,
+                args,
+                kwargs,
+                "a block whose longitude does not follow its latitude",
+                "permute",
+            )
+        lat, lon = (m.partition.derived(shape[d], p) for d, p in zip(g.dims, m.grid, strict=True))
+    out = _on_part(dp, x, call, lat, lon)
+    if _RECORDING:
+        _RECORDING[-1].append((out, dp, x, call, lat, lon))
+    return out
+
+
+def _on_part(
+    dp: Any, x: ShardedTensor, call: tuple[Any, ...], lat: ShardSpec, lon: ShardSpec | None
+) -> ShardedTensor:
+    """The layer ``dp`` on ``x``'s band (or block), its partition known; the result cut by
+    ``lat`` (and on a block ``lon`` along the next dim)."""
+    g, m, local = x._grid, x._manager, x._local
+    if g is None:
+        with known_spec(local, x._dim, x._spec):
+            return ShardedTensor(dp(local, *call), lat, x._dim, m)
+    assert lon is not None and isinstance(g, BlockSpec)
+    with known_spec(local, g.dims[0], g.lat), known_spec(local, g.dims[1], g.lon):
+        y = dp(local, *call)
     return ShardedTensor(y, lat, g.dims[0], m, grid=BlockSpec(lat, lon, g.dims))
+
+
+class _Plan(NamedTuple):
+    """What a layer handler decided for one call signature (:func:`_signature`): the
+    domain-parallel layer it built (holding the call's parameters, :attr:`tensors`), the
+    further arguments of its call, and the cut of its result."""
+
+    layer: Any
+    call: tuple[Any, ...]
+    lat: ShardSpec
+    lon: ShardSpec | None
+    #: the call's parameters, held: the signature names them by ``id``, which no other
+    #: tensor takes while they live
+    tensors: tuple[torch.Tensor, ...]
+
+
+#: the plans by call signature; cleared when full (every rank makes the same calls: the same
+#: plans everywhere)
+_PLANS: dict[Any, _Plan] = {}
+#: the layers :func:`run_layer` ran while a handler is planned (one list per planned call)
+_RECORDING: list[list[Any]] = []
+_VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, list[Any]] | None:
+    """(The key of a plannable call, its parameters), or None: the input a band or block
+    ShardedTensor as the first argument, then parameters (``nn.Parameter``: a model's own,
+    named by identity, shape and dtype), Python values and tuples of them. What else the
+    handler reads of the call (a tensor computed per call, a container) is not a plan's."""
+    x = args[0] if args else None
+    if type(x) is not ShardedTensor or x._manager.gradients == "whole" or WATCHERS:
+        return None
+    local = x._local
+    sig: list[Any] = [func, local.shape, local.dtype, local.device, local.requires_grad]
+    sig += (x._spec, x._dim, x._manager, x._grid, x._blocks, x._spectral, len(args))
+    tensors: list[Any] = []
+    for k, a in (*enumerate(args[1:]), *kwargs.items()):
+        t = type(a)
+        if t is nn.Parameter:
+            sig += (k, id(a), a.shape, a.dtype)
+            tensors.append(a)
+        elif t in _VALUES or t is torch.Size:
+            sig += (k, t, a)
+        elif (t is tuple or t is list) and all(type(v) in _VALUES for v in a):
+            sig += (k, t, tuple(a), tuple(map(type, a)))
+        else:
+            return None
+    return tuple(sig), tensors
+
+
+def _planning(
+    handler: Handler, func: Any, args: Any, kwargs: Any, sig: tuple[Any, list[Any]]
+) -> Any:
+    """The handler on a call of a new signature; its plan kept when it ran one layer on the
+    input as it is (:func:`run_layer`) and returned that layer's result, the layer holding no
+    tensor but the call's parameters."""
+    ran: list[Any] = []
+    _RECORDING.append(ran)
+    try:
+        out = handler(func, args, kwargs)
+    finally:
+        _RECORDING.pop()
+    if len(ran) == 1 and ran[0][0] is out and ran[0][2] is args[0]:
+        _, dp, _, call, lat, lon = ran[0]
+        if _holds_only(dp, sig[1]) and not any(isinstance(c, torch.Tensor) for c in call):
+            if len(_PLANS) >= 1024:
+                _PLANS.clear()
+            _PLANS[sig[0]] = _Plan(dp, call, lat, lon, tuple(sig[1]))
+    return out
+
+
+def _holds_only(dp: nn.Module, tensors: list[Any]) -> bool:
+    """Whether every tensor ``dp`` holds (attributes, in lists too, parameters, buffers) is
+    one of ``tensors``, and it has no submodules."""
+    if dp._modules:
+        return False
+    for v in (*dp.__dict__.values(), *dp._parameters.values(), *dp._buffers.values()):
+        for item in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(item, torch.Tensor) and not any(item is t for t in tensors):
+                return False
+    return True
 
 
 def check_spatial(func: Any, args: Any, kwargs: Any, x: ShardedTensor, n: int) -> None:

@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpidp.layers.base import DomainParallel, known_spec
-from mpidp.layers.interpolate import interpolate as band_interpolate
 from mpidp.layers.periodic import PeriodicConv2d, padded_conv2d, periodic_conv2d
 from mpidp.layers.shuffle import shuffle, unshuffle
 from mpidp.runtime.partition import ShardSpec
@@ -111,7 +109,9 @@ def _periodic_conv(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return padded_conv2d(*(a[n] for n in names))
     periodic = as_tuple(a["padding"], 2)
     mod = _conv_module(PeriodicConv2d, 2, a, (0, 0), periodic_padding=periodic, pole=a["pole"])
-    return run_layer(func, args, kwargs, mod, x)
+    # the shape of the convolution padded alike (the pole rows' roll would import dynamo)
+    conv = (x, a["weight"], a["bias"], a["stride"], periodic, a["dilation"], a["groups"])
+    return run_layer(func, args, kwargs, mod, x, shape=meta_result(F.conv2d, conv, {}))
 
 
 def _conv_module(cls: type[nn.Module], n: int, a: dict[str, Any], padding: Any, **more: Any) -> Any:
@@ -271,42 +271,17 @@ def _interpolate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         a["mode"], a["align_corners"] = "bilinear", True
     x = a["input"]
     check_spatial(func, args, kwargs, x, x.dim() - 2)
-    if x.grid is not None and not (a["antialias"] or a["recompute_scale_factor"]):
-        # the converted Upsample on the block, per axis (a scale factor keeps its meaning)
-        keep = ("size", "scale_factor", "mode", "align_corners")
-        mod = module_with(
-            nn.Upsample, name="", recompute_scale_factor=None, **{k: a[k] for k in keep}
-        )
-        return run_layer(F.interpolate, (x,), {k: a[k] for k in keep}, mod, x)
     if a["antialias"] or a["recompute_scale_factor"]:
         raise refuse(
             func, args, kwargs, "antialias / recompute_scale_factor on bands", "leave them off"
         )
-    if x.dim() > 3 and x.shard_dim != x.dim() - 2:
+    if x.grid is None and x.dim() > 3 and x.shard_dim != x.dim() - 2:
         raise refuse(func, args, kwargs, "bands along a dim other than H", "shard along H")
-    shard_dim = x.shard_dim - x.dim()
-    with known_spec(x.local, x.shard_dim, x.spec):
-        y = band_interpolate(
-            x.local,
-            a["size"],
-            a["scale_factor"],
-            a["mode"],
-            a["align_corners"],
-            shard_dim=shard_dim,
-            layer=_owner(x),
-        )
-    m = x.manager
-    n_out = meta_result(
-        F.interpolate, (x,), {k: a[k] for k in ("size", "scale_factor", "mode", "align_corners")}
-    )[x.shard_dim]
-    return ShardedTensor(y, m.partition.derived(n_out, m.domain_world_size), x.shard_dim, m)
-
-
-def _owner(x: ShardedTensor) -> DomainParallel:
-    """The layer :func:`mpidp.layers.interpolate.interpolate` asks for its manager."""
-    owner = DomainParallel()
-    owner._dp_setup(x.manager, x.shard_dim - x.dim())
-    return owner
+    # the converted Upsample on the band, or per axis on the block (a scale factor keeps its
+    # meaning)
+    keep = {k: a[k] for k in ("size", "scale_factor", "mode", "align_corners")}
+    mod = module_with(nn.Upsample, name="", recompute_scale_factor=None, **keep)
+    return run_layer(F.interpolate, (x,), keep, mod, x)
 
 
 @register(F.pixel_shuffle, F.pixel_unshuffle)

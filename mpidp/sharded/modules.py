@@ -81,11 +81,6 @@ def _unwrap(args: Any, ref: ShardedTensor) -> Any:
 
 @contextlib.contextmanager
 def _known(sharded: list[ShardedTensor]) -> Iterator[list[Any]]:
-    if len(sharded) == 1 and sharded[0]._grid is None:  # one band (nearly every call)
-        a = sharded[0]
-        with known_spec(a._local, a._dim, a._spec), band_call(((a._local, a._dim),)) as notes:
-            yield notes
-        return
     with contextlib.ExitStack() as stack:
         for a in sharded:
             stack.enter_context(known_spec(a.local, a.shard_dim, a.spec))
@@ -208,9 +203,16 @@ def _call(
     layer made), or (the torch form's output, None) when the layer does not apply to the
     layout (:class:`LayoutMismatch`)."""
     whole = _whole_parameters(layer, t) if t.whole else _NOTHING
+    a = sharded[0]
     try:
-        with _known(sharded) as notes, whole:
-            out = forward(layer, *_unwrap(args, sharded[0]), **_unwrap(kwargs, sharded[0]))
+        if len(args) == 1 and args[0] is a and not kwargs and a._grid is None:  # one band
+            local = a._local  # (nearly every call: no walk, no stack of contexts)
+            band = ((local, a._dim),)
+            with known_spec(local, a._dim, a._spec), band_call(band) as notes, whole:
+                out = forward(layer, local)
+        else:
+            with _known(sharded) as notes, whole:
+                out = forward(layer, *_unwrap(args, a), **_unwrap(kwargs, a))
     except LayoutMismatch:
         return torch_forward(layer)(layer, *args, **kwargs), None
     except MpidpError as err:  # a layer's own error (too few rows): named where it happened
@@ -302,10 +304,10 @@ def _plain(o: Any) -> bool:
 
 
 def _band(o: torch.Tensor, d: int, spec: ShardSpec, ref: ShardedTensor, who: str) -> Any:
-    m = ref.manager
-    if spec.parts == 1:
+    m = ref._manager
+    if spec.parts == 1 and o.dim() > d and o.size(d) != spec.total:
         spec = ShardSpec((o.size(d),))
-    if o.dim() <= d or o.size(d) != spec.sizes[ref.rank]:
+    if o.dim() <= d or o.size(d) != spec.sizes[m.domain_rank]:
         raise MpidpError(
             f"rank {m.rank}: internal error: {who} returned {tuple(o.shape)} for a band of "
             f"{list(spec.sizes)} rows along dim {d}; report it with the model"
@@ -316,8 +318,8 @@ def _band(o: torch.Tensor, d: int, spec: ShardSpec, ref: ShardedTensor, who: str
 def _band_outputs(out: Any, ref: ShardedTensor, learn: bool, who: str) -> Any:
     """A band module's tensor outputs of the input's rank as bands along its sharded dim: with
     ``learn`` their partition is learned (one all-gather of the lengths), else the input's."""
-    if type(out) is torch.Tensor and out.dim() == ref.dim() and not learn:  # one band: no walk
-        return _band(out, ref.shard_dim, ref.spec, ref, who)
+    if type(out) is torch.Tensor and out.dim() == ref._local.dim() and not learn:  # one band
+        return _band(out, ref._dim, ref._spec, ref, who)
     outs, tree = tree_flatten(out)
     local = tuple(ref.local.shape)
     at = []
@@ -476,14 +478,17 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][3].__enter__()  # its layers bound to None: on m, whatever the default
         return args, kwargs
     sharded = _sharded(args, kwargs)
-    if any(a.grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
+    if any(a._grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
         calls.append(None)
         return None
-    if not sharded or not all(_fits(a.shard_dim - a.dim(), dim) and a.blocks == 1 for a in sharded):
+    # (the wrapper's own fields: each of its properties is a Python call)
+    if not sharded or not all(
+        _fits(a._dim - a._local.dim(), dim) and a._blocks == 1 for a in sharded
+    ):
         calls.append(None)
         return None
     ref = sharded[0]
-    empty = ref.local.size(ref.shard_dim) == 0
+    empty = ref._local.size(ref._dim) == 0
     calls.append(("band", ref, empty))
     args, kwargs = _unwrap(args, ref), _unwrap(kwargs, ref)
     if empty:  # torch refuses some zero-row inputs (a 1x1 conv): one zero row, dropped after

@@ -1,6 +1,7 @@
 """Handlers: normalisation (group, batch, instance and layer norm) on bands, through the same
 code as the converted norm layers (one implementation, two front ends;
-:mod:`mpidp.sharded.layer_calls`).
+:mod:`mpidp.sharded.layer_calls`). A norm keeps its input's shape (given to the layer's run:
+no run on meta tensors, whose norms import torch's compiler).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _group_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         weight=w,
         bias=band_weight(a["bias"], x),
     )
-    return run_layer(func, args, kwargs, mod, x)
+    return run_layer(func, args, kwargs, mod, x, shape=x.shape)
 
 
 def _statistics_norm(
@@ -92,7 +93,7 @@ def _batch_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     mod.training = bool(a["training"])
     if mod.momentum is None:
         mod.momentum = 0.0
-    return run_layer(func, args, kwargs, mod, x)
+    return run_layer(func, args, kwargs, mod, x, shape=x.shape)
 
 
 @register(F.instance_norm, grid=True)
@@ -100,7 +101,7 @@ def _instance_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     x, a, attrs = _statistics_norm(func, args, kwargs, "use_input_stats", True)
     mod = module_with(nn.InstanceNorm2d if x.dim() == 4 else nn.InstanceNorm3d, **attrs)
     mod.training = bool(a["use_input_stats"])
-    return run_layer(func, args, kwargs, mod, x)
+    return run_layer(func, args, kwargs, mod, x, shape=x.shape)
 
 
 @register(F.layer_norm, grid=True)
@@ -123,4 +124,4 @@ def _layer_norm(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
         weight=w,
         bias=b,
     )
-    return run_layer(func, args, kwargs, mod, x)
+    return run_layer(func, args, kwargs, mod, x, shape=x.shape)

@@ -53,15 +53,17 @@ __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 META_METHODS: set[Any] = set()
 META_GETTERS: set[str] = set()
 
-#: What the first ShardedTensor of a process turns on, once: the module-stack tracking that
-#: names the module of a refused op (:func:`mpidp.sharded.where.track`, added by
-#: ``mpidp/sharded/__init__.py``) and the bridge that runs a user's ``torch.autograd.Function``
-#: on ShardedTensors (:mod:`mpidp.sharded.function` adds its ``install``), each through
-#: :func:`on_first`. A program that imports mpidp and never shards runs torch as it is.
+#: What the first ShardedTensor of a process turns on, once: the bridge that runs a user's
+#: ``torch.autograd.Function`` on ShardedTensors (:mod:`mpidp.sharded.function` adds its
+#: ``install`` through :func:`on_first`). A program that imports mpidp and never shards runs
+#: torch as it is.
 _ON_FIRST: list[Any] = []
 _FIRST_DONE: list[bool] = []
 #: set once the process makes a block ShardedTensor: until then dispatch never looks for one
 GRID_SEEN: list[bool] = []
+#: set once the process makes a ShardedTensor whose sharded dim holds merged blocks
+#: (``blocks > 1``): until then dispatch never looks for one
+MERGED_SEEN: list[bool] = []
 
 Dispatcher = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -144,6 +146,8 @@ class ShardedTensor(torch.Tensor):
             spectral = True
         else:
             spectral = False
+        if blocks > 1 and not MERGED_SEEN:
+            MERGED_SEEN.append(True)
         shape[dim] = blocks * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False

@@ -1,56 +1,61 @@
 """Where in a user's model an op on a ShardedTensor runs: the module path a refusal names.
 
-Once the first ShardedTensor exists, two global module hooks keep the stack of modules that
-were called with a ShardedTensor argument (a check of the positional arguments per module
-call, nothing else). A refusal then names the innermost one by its path from the outermost
-(``decoder.up2 (Conv2d)``), or the model's own ``forward``.
+The modules running now are read off the Python stack when a refusal is raised (the frames
+of torch's ``Module._call_impl``, each with its module and its arguments): the stack of those
+called with a ShardedTensor among their positional arguments, and of those :func:`entered`
+names (a converted model called with plain bands). A refusal then names the innermost one by
+its path from the outermost (``decoder.up2 (Conv2d)``), or the model's own ``forward``.
+Nothing runs per module call: no global hook slows the modules of the process (plain ones
+included) to answer a question asked only when a call is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
-from typing import Any
 
 from torch import nn
 
 from mpidp.sharded.tensor import ShardedTensor
 
-__all__ = ["entered", "locate", "location", "module_path", "relocated", "running", "track"]
+__all__ = ["entered", "locate", "location", "module_path", "relocated", "running", "stack"]
 
-_STACK: list[nn.Module] = []
 _FUNCTIONS: list[str] = []  # the user's autograd.Function running now: "Name.forward"
-_ON: list[Any] = []
+#: the modules :func:`entered` now (converted models running their forward)
+_ENTERED: list[nn.Module] = []
+#: the code of torch's module call, whose frames hold the module (``self``) and ``args``
+_CALL = nn.Module._call_impl.__code__
 
 
-def _sharded_args(args: Any) -> bool:
-    return any(isinstance(a, ShardedTensor) for a in args)
-
-
-def _push(module: nn.Module, args: Any) -> None:
-    if _sharded_args(args):
-        _STACK.append(module)
-
-
-def _pop(module: nn.Module, args: Any, out: Any) -> None:
-    if module in _STACK:  # runs on the way out of an exception too (always_call)
-        while _STACK and _STACK.pop() is not module:
-            pass
-
-
-def track() -> None:
-    """Install the hooks (once per process)."""
-    if not _ON:
-        _ON.append(nn.modules.module.register_module_forward_pre_hook(_push))
-        _ON.append(nn.modules.module.register_module_forward_hook(_pop, always_call=True))
+def stack() -> list[nn.Module]:
+    """The modules running now that were called with a ShardedTensor positional argument or
+    :func:`entered`, outermost first (read off the Python stack)."""
+    found: list[nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL:
+            local = frame.f_locals
+            module, args = local["self"], local.get("args", ())
+            if any(module is e for e in _ENTERED) or any(
+                isinstance(a, ShardedTensor) for a in args
+            ):
+                found.append(module)
+        frame = frame.f_back  # type: ignore[assignment]
+    found.reverse()
+    return found
 
 
 def module_path() -> str:
     """The running module's path from the outermost (``decoder.up2 (Conv2d)``), ``""`` for
     the outermost module's own forward or outside any module."""
-    if not _STACK:
+    return _path(stack())
+
+
+def _path(modules: list[nn.Module]) -> str:
+    if not modules:
         return ""
-    root, inner = _STACK[0], _STACK[-1]
+    root, inner = modules[0], modules[-1]
     if inner is root:
         return ""
     path = next((p for p, mod in root.named_modules() if mod is inner), None)
@@ -61,24 +66,24 @@ def location() -> str:
     """``in module decoder.up2 (Conv2d) of UNet``, ``in UNet.forward``, or ``""`` outside
     any module."""
     where = f"in autograd.Function {_FUNCTIONS[-1]}" if _FUNCTIONS else ""
-    if not _STACK:
+    modules = stack()
+    if not modules:
         return where
-    path, root = module_path(), type(_STACK[0]).__name__
+    path, root = _path(modules), type(modules[0]).__name__
     module = f"in module {path} of {root}" if path else f"in {root}.forward"
     return f"{where}, {module}" if where else module
 
 
 @contextlib.contextmanager
 def entered(module: nn.Module) -> Iterator[None]:
-    """``module`` is the root while its forward runs (a converted model, called with plain
-    bands, is not seen by the hooks; called with ShardedTensors, the hooks pushed it already)."""
-    depth = len(_STACK)
-    if not (_STACK and _STACK[-1] is module):
-        _STACK.append(module)
+    """``module`` is on the stack while its forward runs, whatever its arguments (a converted
+    model, called with plain bands; called with ShardedTensors it is there already)."""
+    depth = len(_ENTERED)
+    _ENTERED.append(module)
     try:
         yield
     finally:
-        del _STACK[depth:]
+        del _ENTERED[depth:]
 
 
 def relocated(err: Exception) -> Exception | None:
