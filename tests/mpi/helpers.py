@@ -6,8 +6,11 @@ module's tests once on each)."""
 from __future__ import annotations
 
 import contextlib
+import socket
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 
 import mpidp
@@ -19,6 +22,29 @@ WORLD = MPI.COMM_WORLD.Get_size()
 ALL_GRIDS = [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2)]
 #: the grids whose product is the world: one domain group of every rank
 GRIDS = [g for g in ALL_GRIDS if g[0] * g[1] == WORLD]
+
+
+@contextlib.contextmanager
+def own_process_group() -> Iterator[None]:
+    """The user's own torch.distributed set-up, as their scripts make it (gloo over TCP on rank
+    0's free port, no mpidp); destroyed on exit."""
+    assert not mpidp.is_initialized()
+    port = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+    port = MPI.COMM_WORLD.bcast(port)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=MPI.COMM_WORLD.Get_rank(),
+        world_size=WORLD,
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def grid_id(grid):

@@ -30,10 +30,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import close, rand, refusal
+from helpers import close, own_process_group, rand, refusal
 from mpi4py import MPI
 from test_compat_credit import serial_net
-from test_dropin_setups import _free_port
 from torch import nn
 
 import mpidp
@@ -63,14 +62,9 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def own_torch():
     """The user's own torch.distributed set-up (no mpidp)."""
-    assert not mpidp.is_initialized()
-    port = MPI.COMM_WORLD.bcast(_free_port() if ME == 0 else None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=WORLD
-    )
-    yield
-    adopt.release()
-    dist.destroy_process_group()
+    with own_process_group():
+        yield
+        adopt.release()
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -15,12 +15,10 @@ the user's back. Checks are asserted after every collective.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import test_compat_pnm_blocks as blocks_test
 import torch
-import torch.distributed as dist
+from helpers import own_process_group
 from mpi4py import MPI
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -41,22 +39,11 @@ Net, recipe, rel, uneven = blocks_test.Net, blocks_test.recipe, blocks_test.rel,
 serial = blocks_test.serial
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def own_torch():
     """The user's own torch.distributed set-up, as PhysicsNeMo's examples make it (no mpidp)."""
-    assert not mpidp.is_initialized()
-    port = COMM.bcast(_free_port() if ME == 0 else None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=WORLD
-    )
-    yield
-    dist.destroy_process_group()
+    with own_process_group():
+        yield
 
 
 @pytest.fixture(scope="module", params=GRIDS, ids=lambda g: f"{g[0]}x{g[1]}")

@@ -8,8 +8,6 @@ the whole tensor: without a mesh to take, ``from_local`` is refused on every ran
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +21,7 @@ import mpidp
 from mpidp.compat.physicsnemo.distributed import DistributedManager
 from mpidp.compat.physicsnemo.domain_parallel import ShardTensor, scatter_tensor
 from mpidp.errors import ConfigError
-from tests.mpi.helpers import rand
+from tests.mpi.helpers import own_process_group, rand
 
 WORLD = MPI.COMM_WORLD.Get_size()
 ME = MPI.COMM_WORLD.Get_rank()
@@ -31,22 +29,11 @@ TOL = {"rtol": 1e-10, "atol": 1e-12}
 H, W = 13, 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def own_torch():
     """The user's own torch.distributed set-up, as a torchrun script makes it (no mpidp)."""
-    assert not mpidp.is_initialized()
-    port = MPI.COMM_WORLD.bcast(_free_port() if ME == 0 else None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=WORLD
-    )
-    yield
-    dist.destroy_process_group()
+    with own_process_group():
+        yield
 
 
 def _model_groups():
