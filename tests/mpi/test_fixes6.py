@@ -23,9 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import rand, refusal
+from helpers import own_process_group, rand, refusal
 from mpi4py import MPI
-from test_dropin_setups import _free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -62,13 +61,8 @@ def own_then_blocks():
     """The user's own torch.distributed (gloo, no mpidp.init first), then a manager of blocks
     over the same ranks, the grid (1, P): what a 1-D mesh or group must not be taken for."""
     assert not dist.is_initialized()
-    port = MPI.COMM_WORLD.bcast(_free_port() if ME == 0 else None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=ME, world_size=WORLD
-    )
-    with mpidp.init(domain_parallel_size=(1, WORLD)) as m:
+    with own_process_group(), mpidp.init(domain_parallel_size=(1, WORLD)) as m:
         yield m
-    dist.destroy_process_group()
 
 
 def _conv():
