@@ -3,7 +3,6 @@ matches it (:func:`build_device_mesh`, :class:`ParallelMesh`)."""
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,10 +15,10 @@ from mpidp.comm import TorchTransport, Transport
 from mpidp.errors import ConfigError
 from mpidp.ops.training import sum_in_buckets, sync_gradients
 from mpidp.parallel.config import MESH_DIMS, ParallelismConfig
+from mpidp.runtime.groups import destroy_groups, group_references, release_groups
 from mpidp.runtime.manager import (
     MESH_MANAGERS,
     DistributedManager,
-    _destroy_groups,
     get_manager,
     init,
     is_initialized,
@@ -59,6 +58,7 @@ class ParallelMesh:
         coordinate = mesh.get_coordinate()
         assert coordinate is not None  # every rank of the world is in the mesh
         self.dp_rank, self.tp_rank, self.domain_rank = (int(c) for c in coordinate)
+        self._group_references = group_references(self._groups())
 
     def __getitem__(self, name: str) -> DeviceMesh:
         if name not in self.submeshes:
@@ -88,9 +88,20 @@ class ParallelMesh:
             comm = _MPI_GROUPS.pop(_group_ranks(self.mesh[name]), None)
             if comm is not None:
                 comm.Free()
-        if dist.is_initialized():
-            _destroy_groups(self.mesh)
-        gc.collect()  # the process groups go once nothing (cyclic garbage included) holds them
+
+        def destroy() -> None:
+            if dist.is_initialized():
+                destroy_groups(self.mesh)
+
+        # the groups go once nothing holds them: the cyclic collector runs when something
+        # (a DDP/FSDP2 model, live or garbage) took one since (mpidp.runtime.groups)
+        release_groups(self._group_references, self._groups(), destroy)
+
+    def _groups(self) -> list[Any]:
+        """The process group of each mesh dimension (none once torch.distributed is gone)."""
+        if not dist.is_initialized():
+            return []
+        return [self.mesh.get_group(d) for d in range(self.mesh.ndim)]
 
     def __enter__(self) -> ParallelMesh:
         return self

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
-import gc
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +31,7 @@ from mpidp.runtime.agree import agree, same_everywhere
 from mpidp.runtime.bootstrap import detect_launch
 from mpidp.runtime.device import BACKENDS, choose_device
 from mpidp.runtime.grid import AXES, BlockSpec, GridAxes, axis_transport, block_spec, grid_shape
+from mpidp.runtime.groups import destroy_groups, group_references, release_groups
 from mpidp.runtime.oversubscribed import oversubscribed_message as oversubscribed_message
 from mpidp.runtime.oversubscribed import warn_if_oversubscribed
 from mpidp.runtime.partition import Balanced, PartitionPolicy, ShardSpec
@@ -201,7 +201,7 @@ class DistributedManager:
         self._grid_axes = GridAxes.build(self)
         if self._grid_axes is not None:
             self._on_shutdown.append(self._grid_axes.close)
-        self._group_references = self._references()
+        self._group_references = group_references(self._groups())
         self._warn_if_oversubscribed(env)
 
     # -- construction steps -------------------------------------------------------------------
@@ -397,16 +397,14 @@ class DistributedManager:
             "domain_rank": self.domain_rank,
         }
 
-    def _references(self) -> list[int]:
-        """How many references each process group that a model wrapped over this manager
-        (DDP, FSDP2) may hold has: the domain and data-parallel groups, and the default group
-        when this manager made it. Counted at construction (torch's own registries included)
-        and again at shutdown: a count that grew means something took the group since."""
+    def _groups(self) -> list[Any]:
+        """The process groups that a model wrapped over this manager (DDP, FSDP2) may hold:
+        the domain and data-parallel groups, and the default group when this manager made it
+        (their references are counted at construction and again at shutdown)."""
         found: list[Any] = [self.domain_group, self.data_parallel_group]
         if self._owns_process_group and dist.is_initialized():
             found.append(dist.group.WORLD)
-        groups = list({id(g): g for g in found if g is not None}.values())
-        return [sys.getrefcount(g) for g in groups]
+        return found
 
     def shutdown(self, sync: bool = True) -> None:
         """Free the communicators and, if this manager created it, the process group.
@@ -424,22 +422,15 @@ class DistributedManager:
             if self._mpi_runs_job():
                 comm.Free()
         self._transports.clear()
-        # Models wrapped by DDP/FSDP2 sit in reference cycles that keep their process groups
-        # (two gloo threads and open sockets each) alive until the cyclic collector runs;
-        # measured: with ~25 such groups left, a small MPI all-reduce was 20-40x slower. So
-        # the collector runs, but only when something took a reference to one of this
-        # manager's groups since it was made (a wrapped model, live or garbage): a full
-        # collection walks the whole heap (0.9 s on a large one), for nothing otherwise.
-        taken = any(
-            now > then
-            for now, then in zip(self._references(), self._group_references, strict=False)
-        )
-        if not self._owns_process_group and dist.is_initialized():
-            # The mesh's groups are this manager's; the default group (and with it every
-            # group) is torn down by whoever created it. Local: no communication.
-            _destroy_groups(self.mesh)
-        if taken:
-            gc.collect()
+
+        def destroy() -> None:
+            if not self._owns_process_group and dist.is_initialized():
+                # The mesh's groups are this manager's; the default group (and with it every
+                # group) is torn down by whoever created it. Local: no communication.
+                destroy_groups(self.mesh)
+
+        # the cyclic collector, only when something took one of the groups (mpidp.runtime.groups)
+        release_groups(self._group_references, self._groups(), destroy)
         if self._owns_process_group and dist.is_initialized():
             # Every rank arrives before any tears down: a rank that destroys the group (rank 0
             # takes the rendezvous store with it) while a peer still uses it can abort the peer
@@ -482,18 +473,6 @@ class DistributedManager:
             f"dp_rank={self.dp_rank}, domain_rank={self.domain_rank}, "
             f"transport={self.transport_policy})"
         )
-
-
-def _destroy_groups(mesh: DeviceMesh) -> None:
-    """Destroy the process groups of every dimension of ``mesh`` (each group's threads and
-    connections go with it; a job that builds many meshes would otherwise keep them all)."""
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        if group is not dist.group.WORLD:
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError):
-                pass  # destroyed already
 
 
 def _caller_level() -> int:

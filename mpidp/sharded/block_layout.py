@@ -27,6 +27,7 @@ from mpidp.ops.collectives import all_gather_v, all_gather_v_replicated
 from mpidp.runtime.grid import BlockSpec, axis_transport
 from mpidp.runtime.manager import DistributedManager
 from mpidp.runtime.partition import ShardSpec
+from mpidp.sharded.layout import agree_parts
 
 __all__ = [
     "SPECTRAL_CALL",
@@ -73,8 +74,8 @@ def check_block(bs: BlockSpec, m: DistributedManager, what: str, local: Any = No
     """``bs`` cuts the manager's grid and, given ``local``, this rank's block is that shape.
 
     With ``local`` (a rank's own part: its shape, and a ``bs`` learned along each axis group,
-    can differ by rank) the ranks agree first (:meth:`~mpidp.comm.Transport.agree`: one
-    all-gather of two ints over the domain group, collective), so a bad block on one rank, or
+    can differ by rank) the ranks agree first, as a band's check does
+    (:func:`~mpidp.sharded.layout.agree_parts`; collective), so a bad block on one rank, or
     columns that learned other rows than their neighbours, raise the same ConfigError on
     every rank instead of leaving the others waiting in their next collective."""
     problems = []
@@ -90,19 +91,12 @@ def check_block(bs: BlockSpec, m: DistributedManager, what: str, local: Any = No
                 f"this rank's block has {have} (rows, columns) along dims {bs.dims} but "
                 f"{bs!r} gives domain rank {m.domain_rank} {bs.block_shape(m.domain_rank)}"
             )
-    if local is None or m.domain_world_size == 1:  # bs from arguments: the same everywhere
-        if problems:
-            raise ConfigError(f"rank {m.rank}: {what}: {problems[0]}")
-        return
-    blocks = {"blocks": (list(bs.lat.sizes), list(bs.lon.sizes))}
-    _, lines = m.transport(None, local.device).agree(problems, blocks)
-    if lines:
-        raise ConfigError(
-            f"rank {m.rank}: {what}: the ranks' blocks do not tile the {m.grid[0]} x "
-            f"{m.grid[1]} grid:\n  " + "\n  ".join(lines) + "\nfix: pass each rank its own "
-            "block of one BlockSpec (manager.block_spec(shape, dims) gives each rank's rows "
-            "and columns)"
-        )
+    fix = (
+        "pass each rank its own block of one BlockSpec (manager.block_spec(shape, dims) gives "
+        "each rank's rows and columns)"
+    )
+    facts = {"blocks": (list(bs.lat.sizes), list(bs.lon.sizes))}
+    agree_parts(m, what, problems, facts, local, fix)
 
 
 def block_of(

@@ -26,6 +26,7 @@ from mpidp.sharded.rows import move_to_dim, to_spec
 
 __all__ = [
     "Cut",
+    "agree_parts",
     "band_of",
     "check_spec",
     "chunk_spec",
@@ -198,22 +199,61 @@ def normal_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def check_spec(spec: ShardSpec, m: DistributedManager, rows: int | None, what: str) -> None:
+def check_spec(
+    spec: ShardSpec,
+    m: DistributedManager,
+    rows: int | None,
+    what: str,
+    local: torch.Tensor | None = None,
+) -> None:
     """``spec`` has one part per domain rank and, given ``rows``, this rank's part is that
-    long."""
+    long. With ``local`` (a rank's own band: its rows, and a spec passed to each rank, can
+    differ by rank) the ranks agree first, as on blocks (:func:`agree_parts`: bands are the
+    grid (P, 1)); collective then."""
+    problems = []
     if spec.parts != m.domain_world_size:
-        raise ConfigError(
-            f"rank {m.rank}: {what}: spec {list(spec.sizes)} has {spec.parts} parts but the "
-            f"domain group has {m.domain_world_size} ranks; pass one size per rank"
+        problems.append(
+            f"spec {list(spec.sizes)} has {spec.parts} parts but the domain group has "
+            f"{m.domain_world_size} ranks; pass one size per rank"
         )
-    if rows is not None and spec.sizes[m.domain_rank] != rows:
+    elif rows is not None and spec.sizes[m.domain_rank] != rows:
         me, sizes = m.domain_rank, list(spec.sizes)
         lo = sum(sizes[:me])
+        problems.append(
+            f"the band has {rows} rows but spec {sizes} ({sum(sizes)} rows) gives domain rank "
+            f"{me} {sizes[me]}; fix: pass this rank rows {lo}..{lo + sizes[me] - 1} of the "
+            f"field (its band of that spec), or the spec of the partition this band belongs "
+            f"to, or none (then it is learned from the bands)"
+        )
+    fix = "pass each rank its band of one spec (the same sizes on every rank), or none"
+    agree_parts(m, what, problems, {"bands": list(spec.sizes)}, local, fix)
+
+
+def agree_parts(
+    m: DistributedManager,
+    what: str,
+    problems: list[str],
+    facts: dict[str, Any],
+    local: torch.Tensor | None,
+    fix: str,
+) -> None:
+    """Raise this rank's first problem with the layout of its part (bands or blocks) or, given
+    ``local`` (the rank's own part, whose shape and layout can differ by rank), what any rank
+    found or passed otherwise: the ranks agree first (:meth:`~mpidp.comm.Transport.agree`: one
+    all-gather of two ints over the domain group, collective), so one rank's bad part raises
+    the same ConfigError, naming it, on every rank instead of leaving the others waiting in
+    their next collective. ``facts`` (``{"bands": sizes}``, ``{"blocks": ...}``) must be the
+    same everywhere; ``fix`` ends the message."""
+    if local is None or m.domain_world_size == 1:  # from arguments: the same everywhere
+        if problems:
+            raise ConfigError(f"rank {m.rank}: {what}: {problems[0]}")
+        return
+    _, lines = m.transport(None, local.device).agree(problems, facts)
+    if lines:
+        kind = next(iter(facts))
         raise ConfigError(
-            f"rank {m.rank}: {what}: the band has {rows} rows but spec {sizes} "
-            f"({sum(sizes)} rows) gives domain rank {me} {sizes[me]}; fix: pass this rank rows "
-            f"{lo}..{lo + sizes[me] - 1} of the field (its band of that spec), or the spec of "
-            f"the partition this band belongs to, or none (then it is learned from the bands)"
+            f"rank {m.rank}: {what}: the ranks' {kind} do not tile the {m.grid[0]} x "
+            f"{m.grid[1]} grid:\n  " + "\n  ".join(lines) + f"\nfix: {fix}"
         )
 
 

@@ -316,12 +316,15 @@ class ShardedTensor(torch.Tensor):
         1-D domain ``device_mesh`` (None: the default manager's): ``[Shard(d)]`` a band,
         ``[Replicate()]`` a value every rank holds (a :class:`Replicated`), ``[Partial()]``
         a summand per rank (reduced here, one all-reduce). With neither, a band along -2
-        (mpidp's default; DTensor's is Replicate). The ranks' extents: ``spec`` (checked here),
+        (mpidp's default; DTensor's is Replicate). The ranks' extents: ``spec``,
         ShardTensor's ``sharding_shapes`` (``{0: [shape per rank]}``, or ``"chunk"`` with
-        ``global_shape``: torch.chunk's cut, no communication), else learned in one small
-        all-gather (``"infer"``; collective). On a grid that cuts the longitude, ``local`` is
-        this rank's block along ``dim=(lat, lon)`` (default ``(-2, -1)``), ``spec`` a
-        :class:`~mpidp.runtime.grid.BlockSpec` or, when None, learned along each axis."""
+        ``global_shape``: torch.chunk's cut), else learned in one small all-gather
+        (``"infer"``). On a grid that cuts the longitude, ``local`` is this rank's block along
+        ``dim=(lat, lon)`` (default ``(-2, -1)``), ``spec`` a
+        :class:`~mpidp.runtime.grid.BlockSpec` or, when None, learned along each axis. Bands
+        and blocks alike, the ranks then agree on the extents (one small all-gather): a part
+        that does not fit them, or extents that differ by rank, raise the same ConfigError on
+        every rank. Collective over the domain group (but for ``placements``)."""
         if isinstance(device_mesh, int):
             raise ConfigError(
                 f"from_local(band, {device_mesh}): the second argument is the device mesh; "
@@ -348,7 +351,7 @@ class ShardedTensor(torch.Tensor):
         if isinstance(spec, BlockSpec):
             spec = spec.lat
         spec = spec if isinstance(spec, ShardSpec) else ShardSpec(tuple(spec))
-        pl.check_spec(spec, m, local.size(d), "from_local")
+        pl.check_spec(spec, m, local.size(d), "from_local", local)
         return cls(local, spec, d, m)
 
     def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:

@@ -265,8 +265,9 @@ def bad_inputs() -> None:
 
 def band_height_on_one_rank() -> None:
     """ShardedTensor.from_local(band, spec=...) with a band one row taller on rank 1 only: the
-    check is local (no communication), so rank 1 raises alone, uncaught; ``python -m mpi4py``
-    aborts the job through MPI with the message while rank 0 waits in its next collective."""
+    ranks agree on the bands (as on blocks), so both raise the same ConfigError, uncaught, and
+    ``python -m mpi4py`` aborts the job through MPI with it (were the check local, rank 0
+    would wait in its next collective and sleep 60 s: the test's time bound)."""
     manager = mpidp.init(domain_parallel_size=2)
     spec = manager.spec(13)
     band = torch.zeros(1, spec.sizes[ME] + ME, 8)
