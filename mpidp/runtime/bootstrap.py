@@ -24,9 +24,11 @@ specific local-rank variable is present, the launcher is reported as ``slurm``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import socket
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import hostlist
 
@@ -135,32 +137,67 @@ def _torchrun(env: Mapping[str, str], host: str) -> LaunchInfo:
     )
 
 
-def _mpi_like(
-    env: Mapping[str, str],
-    host: str,
-    launcher: str,
-    rank_var: str,
-    size_vars: tuple[str, ...],
-    local_rank_vars: tuple[str, ...],
-    local_size_vars: tuple[str, ...],
-    job_vars: tuple[str, ...],
-) -> LaunchInfo:
-    size_var = _first(env, size_vars)
+class _MpiVars(NamedTuple):
+    """Where one MPI launcher keeps a rank's numbers: the rank's variable, and for the world
+    size, the node-local rank and size and the job id the variables to try, first found wins."""
+
+    rank: str
+    size: tuple[str, ...]
+    local_rank: tuple[str, ...]
+    local_size: tuple[str, ...]
+    job: tuple[str, ...]
+
+
+_MPI_VARS = {
+    "openmpi": _MpiVars(
+        "OMPI_COMM_WORLD_RANK",
+        ("OMPI_COMM_WORLD_SIZE",),
+        ("OMPI_COMM_WORLD_LOCAL_RANK",),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
+        ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"),
+    ),
+    "pals": _MpiVars(
+        "PALS_RANKID",
+        ("PALS_SIZE", "PMI_SIZE"),
+        ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+        ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"),
+        ("PALS_APID", "PBS_JOBID"),
+    ),
+    "mpich": _MpiVars(
+        "PMI_RANK",
+        ("PMI_SIZE",),
+        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+        ("PMI_JOBID", "PBS_JOBID"),
+    ),
+    "pmix": _MpiVars(
+        "PMIX_RANK",
+        ("PMIX_SIZE", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_LOCAL_RANK",),
+        ("PMIX_LOCAL_SIZE",),
+        ("PMIX_NAMESPACE",),
+    ),
+}
+
+
+def _mpi_like(launcher: str, env: Mapping[str, str], host: str) -> LaunchInfo:
+    v = _MPI_VARS[launcher]
+    size_var = _first(env, v.size)
     if size_var is None:
         raise LaunchError(
-            f"{rank_var} is set but none of {', '.join(size_vars)} is: cannot tell the world "
+            f"{v.rank} is set but none of {', '.join(v.size)} is: cannot tell the world "
             f"size; launch with a supported launcher or set {OVERRIDE_VAR}"
         )
     world = _int(env, size_var)
-    lr_var = _first(env, local_rank_vars)
-    ls_var = _first(env, local_size_vars)
-    job_var = _first(env, job_vars)
+    lr_var = _first(env, v.local_rank)
+    ls_var = _first(env, v.local_size)
+    job_var = _first(env, v.job)
     # Without local variables assume one node: the manager replaces both with MPI's answer.
     return LaunchInfo(
         launcher=launcher,
-        rank=_int(env, rank_var),
+        rank=_int(env, v.rank),
         world_size=world,
-        local_rank=_int(env, lr_var) if lr_var else _int(env, rank_var),
+        local_rank=_int(env, lr_var) if lr_var else _int(env, v.rank),
         local_world_size=_int(env, ls_var) if ls_var else world,
         host=host,
         job_id=env[job_var] if job_var else None,
@@ -209,64 +246,9 @@ def _single(env: Mapping[str, str], host: str) -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0, 1, host)
 
 
-def _openmpi(env: Mapping[str, str], host: str) -> LaunchInfo:
-    return _mpi_like(
-        env,
-        host,
-        "openmpi",
-        "OMPI_COMM_WORLD_RANK",
-        ("OMPI_COMM_WORLD_SIZE",),
-        ("OMPI_COMM_WORLD_LOCAL_RANK",),
-        ("OMPI_COMM_WORLD_LOCAL_SIZE",),
-        ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"),
-    )
-
-
-def _pals(env: Mapping[str, str], host: str) -> LaunchInfo:
-    return _mpi_like(
-        env,
-        host,
-        "pals",
-        "PALS_RANKID",
-        ("PALS_SIZE", "PMI_SIZE"),
-        ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
-        ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE"),
-        ("PALS_APID", "PBS_JOBID"),
-    )
-
-
-def _mpich(env: Mapping[str, str], host: str) -> LaunchInfo:
-    return _mpi_like(
-        env,
-        host,
-        "mpich",
-        "PMI_RANK",
-        ("PMI_SIZE",),
-        ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
-        ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
-        ("PMI_JOBID", "PBS_JOBID"),
-    )
-
-
-def _pmix(env: Mapping[str, str], host: str) -> LaunchInfo:
-    return _mpi_like(
-        env,
-        host,
-        "pmix",
-        "PMIX_RANK",
-        ("PMIX_SIZE", "OMPI_COMM_WORLD_SIZE"),
-        ("PMIX_LOCAL_RANK",),
-        ("PMIX_LOCAL_SIZE",),
-        ("PMIX_NAMESPACE",),
-    )
-
-
-_READERS = {
+_READERS: dict[str, Callable[[Mapping[str, str], str], LaunchInfo]] = {
     "torchrun": _torchrun,
-    "openmpi": _openmpi,
-    "pals": _pals,
-    "mpich": _mpich,
-    "pmix": _pmix,
+    **{name: functools.partial(_mpi_like, name) for name in _MPI_VARS},
     "slurm": _slurm,
     "single": _single,
 }
@@ -274,10 +256,7 @@ _READERS = {
 # The variables whose presence selects a launcher, in precedence order.
 _MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK")),
-    ("openmpi", ("OMPI_COMM_WORLD_RANK",)),
-    ("pals", ("PALS_RANKID",)),
-    ("mpich", ("PMI_RANK",)),
-    ("pmix", ("PMIX_RANK",)),
+    *((name, (v.rank,)) for name, v in _MPI_VARS.items()),
     ("slurm", ("SLURM_PROCID",)),
 )
 
