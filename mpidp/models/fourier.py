@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from mpidp.models.patch import PatchNet
+from mpidp.models.patch import PatchNet, PreNormBlock
 
 __all__ = ["AFNOBlock", "AFNOFilter", "AFNONet", "FNO2d", "SpectralConv2d"]
 
@@ -109,21 +109,12 @@ class AFNOFilter(_Spectral):
         return self._irfft2(Y, (X.size(1), self._width(x))) + x
 
 
-class AFNOBlock(nn.Module):
+class AFNOBlock(PreNormBlock):
     """One AFNO block on channels-last tokens (B, h, w, D): LayerNorm + AFNO filter + residual,
     then LayerNorm + channel MLP (``mlp_ratio`` x D hidden, GELU) + residual."""
 
     def __init__(self, dim: int, grid: tuple[int, int], mlp_ratio: float, **filter_args) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.filter = AFNOFilter(dim, grid, **filter_args)
-        self.norm2 = nn.LayerNorm(dim)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.filter(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        super().__init__(dim, "filter", AFNOFilter(dim, grid, **filter_args), mlp_ratio)
 
 
 class AFNONet(PatchNet):

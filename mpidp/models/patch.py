@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["PatchNet", "PatchRecovery", "PositionEmbedding"]
+__all__ = ["PatchNet", "PatchRecovery", "PositionEmbedding", "PreNormBlock"]
 
 
 class PositionEmbedding(nn.Module):
@@ -21,6 +21,26 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.weight
+
+
+class PreNormBlock(nn.Module):
+    """A transformer block on channels-last tokens (B, h, w, D): LayerNorm, the token
+    ``mixer`` (an AFNO filter, windowed attention) and the residual, then LayerNorm, a channel
+    MLP (``mlp_ratio`` x D hidden, GELU) and the residual. The mixer is the submodule
+    ``mixer_name`` (the serial model's state_dict keys: ``norm1``, it, ``norm2``, ``mlp``)."""
+
+    def __init__(self, dim: int, mixer_name: str, mixer: nn.Module, mlp_ratio: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.add_module(mixer_name, mixer)
+        self._mixer = mixer_name
+        self.norm2 = nn.LayerNorm(dim)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + getattr(self, self._mixer)(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
 
 
 class PatchRecovery(nn.Module):

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from mpidp.models.patch import PatchNet
+from mpidp.models.patch import PatchNet, PreNormBlock
 
 __all__ = ["SwinBlock", "SwinNet", "WindowAttention"]
 
@@ -175,7 +175,7 @@ class WindowAttention(nn.Module):
         return torch.zeros(diff.shape, device=diff.device).masked_fill(diff, -100.0)
 
 
-class SwinBlock(nn.Module):
+class SwinBlock(PreNormBlock):
     """A Swin / Pangu transformer block on channels-last tokens: LayerNorm, windowed attention
     (:class:`WindowAttention`) and the residual, then LayerNorm, an MLP and the residual."""
 
@@ -188,16 +188,8 @@ class SwinBlock(nn.Module):
         earth_grid: tuple[int, ...] | None = None,
         mlp_ratio: float = 2.0,
     ) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim)
-        self.attn = WindowAttention(dim, heads, window, shift, earth_grid)
-        self.norm2 = nn.LayerNorm(dim)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        attn = WindowAttention(dim, heads, window, shift, earth_grid)
+        super().__init__(dim, "attn", attn, mlp_ratio)
 
 
 class SwinNet(PatchNet):
