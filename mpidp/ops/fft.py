@@ -40,7 +40,7 @@ The spectral layout and the steps the transforms share are in :mod:`mpidp.ops.sp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,6 +107,47 @@ def _bands_only(manager: DistributedManager | None, group: Any, what: str) -> No
         raise blocks_refused(m, what)
 
 
+class _Dims2(NamedTuple):
+    """A 2-D transform's dims of its input (non-negative): the transformed ``a`` and ``b``,
+    the sharded ``sd`` (one of them) and the other, ``local``; the sizes ``s`` asks along
+    ``local`` and along ``sd`` (None: the input's)."""
+
+    a: int
+    b: int
+    sd: int
+    local: int
+    local_n: int | None
+    shard_n: int | None
+
+
+def _dims2(
+    x: torch.Tensor,
+    s: Sequence[int] | None,
+    dim: Sequence[int],
+    shard_dim: int,
+    manager: DistributedManager | None,
+    group: Any,
+    halving: str | None,
+) -> _Dims2 | None:
+    """The dims of a 2-D transform of ``x``; None when neither transformed dim is the sharded
+    one (the transform is torch's, local; refused on blocks on every rank alike). A real
+    transform (``halving`` names it) halves the local dim: ``dim[1]`` sharded is a
+    ConfigError."""
+    a, b, sd = two_dims(x, dim, shard_dim)
+    if sd not in (a, b):
+        _bands_only(manager, group, f"a 2-D transform over dims {(a, b)} without shard_dim {sd}")
+        return None
+    if halving is not None and sd == b:
+        raise ConfigError(
+            f"{halving} over dim=({a}, {b}) would halve dim {b}, the sharded one: mpidp.ops.fft "
+            f"halves the local dim; pass dim=({b}, {a}) (the sharded dim first, W last), or "
+            f"call {halving}_halved_cut for a field cut along the halved dim"
+        )
+    if sd == a:
+        return _Dims2(a, b, sd, b, size_arg(s, 1), size_arg(s, 0))
+    return _Dims2(a, b, sd, a, size_arg(s, 0), size_arg(s, 1))
+
+
 def _forward2(
     x: torch.Tensor,
     s: Sequence[int] | None,
@@ -119,19 +160,11 @@ def _forward2(
     out_spec: Spec,
     shard_dim: int,
 ) -> torch.Tensor:
-    a, b, sd = two_dims(x, dim, shard_dim)
-    if sd not in (a, b):  # both transformed dims are local
-        _bands_only(manager, group, f"a 2-D transform over dims {(a, b)} without shard_dim {sd}")
+    d = _dims2(x, s, dim, shard_dim, manager, group, "rfft2" if real else None)
+    if d is None:  # both transformed dims are local
         op = torch.fft.rfft2 if real else torch.fft.fft2
-        return op(x, s=s, dim=(a, b), norm=norm)
-    if real and sd == b:
-        raise ConfigError(
-            f"rfft2 over dim=({a}, {b}) halves dim {b}, the sharded one: mpidp.ops.fft halves the "
-            f"local dim; pass dim=({b}, {a}) (the sharded dim first, W last), or call "
-            f"rfft2_halved_cut for a field cut along the halved dim"
-        )
-    local, local_n = (b, size_arg(s, 1)) if sd == a else (a, size_arg(s, 0))
-    shard_n = size_arg(s, 0) if sd == a else size_arg(s, 1)
+        return op(x, s=s, dim=dim, norm=norm)
+    a, b, sd, local, local_n, shard_n = d
     m, t = context(x, manager, group)
     t_lon = lon_row(m, group, x.device)
     if t_lon is None:
@@ -163,18 +196,11 @@ def _inverse2(
     out_spec: Spec | BlockSpec,
     shard_dim: int,
 ) -> torch.Tensor:
-    a, b, sd = two_dims(X, dim, shard_dim)
-    if sd not in (a, b):
-        _bands_only(manager, group, f"a 2-D transform over dims {(a, b)} without shard_dim {sd}")
+    d = _dims2(X, s, dim, shard_dim, manager, group, "irfft2" if real else None)
+    if d is None:  # both transformed dims are local
         op = torch.fft.irfft2 if real else torch.fft.ifft2
-        return op(X, s=s, dim=(a, b), norm=norm)
-    if real and sd == b:
-        raise ConfigError(
-            f"irfft2 over dim=({a}, {b}) would restore the sharded dim {b} from half its "
-            f"modes: mpidp.ops.fft halves the local dim; pass dim=({b}, {a})"
-        )
-    local, local_n = (b, size_arg(s, 1)) if sd == a else (a, size_arg(s, 0))
-    shard_n = size_arg(s, 0) if sd == a else size_arg(s, 1)
+        return op(X, s=s, dim=dim, norm=norm)
+    a, b, sd, local, local_n, shard_n = d
     m, t = context(X, manager, group)
     split = input_spec(X, local, t, spec)
     if t.size == 1:
