@@ -140,13 +140,9 @@ class _AllGatherV(torch.autograd.Function):
         return _ReduceScatterV.apply(g, ctx.t, ctx.sizes, ctx.dim, "sum"), None, None, None
 
 
-class _AllGatherVReplicated(torch.autograd.Function):
-    """Replicated downstream: backward keeps this rank's slice of the (equal) gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t: Transport, sizes: list[int], dim: int) -> Any:
-        ctx.t, ctx.sizes, ctx.dim = t, sizes, dim
-        return _fresh(t.all_gather_v(x, sizes, dim), x)
+class _AllGatherVReplicated(_AllGatherV):
+    """Replicated downstream: :class:`_AllGatherV`'s forward; backward keeps this rank's
+    slice of the (equal) gradients."""
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
