@@ -28,12 +28,12 @@ def run_worker(script: str | Path, ranks: int, args: list[str]) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timed_round_robin(
+def round_times(
     fns: dict[str, Callable[[], object]], comm: MPI.Comm, repeats: int
-) -> dict[str, float]:
-    """Time several implementations interleaved: every round calls each once (barrier-aligned),
-    so a slow spell of this shared machine hits all of them alike. Median over the rounds of
-    the slowest rank, in ms (one warm-up round)."""
+) -> dict[str, list[float]]:
+    """Several implementations timed interleaved: every round calls each once (barrier-aligned,
+    after one warm-up round), so a slow spell of this shared machine hits all of them alike.
+    Per name, this rank's time of each round (seconds)."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -43,6 +43,14 @@ def timed_round_robin(
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def timed_round_robin(
+    fns: dict[str, Callable[[], object]], comm: MPI.Comm, repeats: int
+) -> dict[str, float]:
+    """:func:`round_times`' median over the rounds of the slowest rank, in ms."""
+    samples = round_times(fns, comm, repeats)
     return {
         name: comm.allreduce(statistics.median(s), op=MPI.MAX) * 1e3 for name, s in samples.items()
     }

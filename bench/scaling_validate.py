@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +21,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def interleaved(fns: dict[str, Any], comm: Any, rounds: int) -> dict[str, list[float]]:
-    """Each of ``fns`` timed once a round (barrier-aligned, after one warm-up round), so a slow
-    spell of the machine hits them alike: per name, every round's time of the slowest rank
-    (seconds), for :func:`~mpidp.preflight.scaling.excess` to pair round by round."""
-    from mpi4py import MPI
+    """Each of ``fns`` timed once a round (:func:`common.round_times`): per name, every round's
+    time of the slowest rank (seconds), for :func:`~mpidp.preflight.scaling.excess` to pair
+    round by round."""
+    from common import round_times
 
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return samples
+    everyone = comm.allgather(round_times(fns, comm, rounds))
+    return {name: [max(r[name][k] for r in everyone) for k in range(rounds)] for name in fns}
 
 
 #: the layer kinds whose converted call is timed against torch's (the plan's kinds)
