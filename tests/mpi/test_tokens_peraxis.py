@@ -58,12 +58,13 @@ class WindowBlock(nn.Module):
         if self.how == "causal":  # the rows' global positions mask the gathered keys
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, is_causal=True)
         elif self.how == "sdpa":
-            mask = self.bias if self.mask is None else self.bias + self.mask.unsqueeze(1)
+            mask = self.bias  # a mask per window: one of every batch entry's windows
+            mask = mask if self.mask is None else (mask + self.mask.unsqueeze(1)).repeat(B, 1, 1, 1)
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, attn_mask=mask)
         else:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
             if self.how == "einsum":
-                attn = torch.einsum("bhid,bhjd,b->bhij", q, k, self.window)
+                attn = torch.einsum("bhid,bhjd,b->bhij", q, k, self.window.repeat(B))
             else:
                 attn = q @ k.transpose(-2, -1)
             attn = attn * self.scale.exp() + self.bias
