@@ -113,12 +113,18 @@ def _rows_merged(s):
     return s.view(2, W // WW, H, WW, C).permute(4, 0, 2, 1, 3).reshape(1, C, 2 * H, W)
 
 
+def _converted_conv(s, m):
+    conv = torch.nn.Conv2d(C, 1, 3, padding=1).double()
+    return mpidp.convert_to_domain_parallel(conv, m)(_rows_merged(s))
+
+
 REFUSED = {
-    "a slice of the merged windows": lambda s: s[1:3],
-    "a roll of the merged windows": lambda s: s.roll(1, 0),
-    "a conv over the merged rows": lambda s: torch.nn.functional.conv2d(
+    "a slice of the merged windows": lambda s, m: s[1:3],
+    "a roll of the merged windows": lambda s, m: s.roll(1, 0),
+    "a conv over the merged rows": lambda s, m: torch.nn.functional.conv2d(
         _rows_merged(s), torch.ones(1, C, 3, 3, dtype=s.dtype), padding=1
     ),
+    "a converted conv over the merged rows": _converted_conv,
 }
 
 
@@ -129,7 +135,7 @@ def test_what_reads_across_the_merged_windows_is_refused_on_every_rank(bm, name)
     if bm.grid[1] == 1:
         pytest.skip("bands: the band rules of merged blocks")
     _, s = _windows(bm)
-    msg = refusal(lambda: REFUSED[name](s), MpidpError)
+    msg = refusal(lambda: REFUSED[name](s, bm), MpidpError)
     ok = msg is not None and "merged" in msg and "fix" in msg
     failed = agreed([] if ok else [f"rank {bm.rank} grid {bm.grid}: {msg}"])
     assert not failed, failed
