@@ -97,14 +97,24 @@ def _windows(m, b=2):
     return full, s
 
 
-def test_merged_windows_gather_to_the_serial_layout(bm):
+def test_merged_windows_gather_and_reduce_as_the_serial_layout(bm):
     """``full_tensor`` of the merged layout is the serial window partition (each rank's
-    strided windows of every batch entry back in their place)."""
+    strided windows of every batch entry back in their place); reductions over both cut dims
+    (every entry once) and over neither (per token) are the serial ones."""
     full, s = _windows(bm)
     want = full.view(2, 1, H, W // WW, WW, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, N, C)
     got = s.full_tensor()
-    assert got.shape == want.shape == s.shape
-    failed = agreed([] if torch.equal(got, want) else [f"rank {bm.rank} grid {bm.grid}"])
+    failed = [] if got.shape == want.shape == s.shape and torch.equal(got, want) else ["gather"]
+    for name, f in {
+        "mean": lambda t: t.mean(dim=(0, 1)),
+        "amax": lambda t: t.amax(dim=(0, 1)),
+        "sum per token": lambda t: t.sum(-1),
+    }.items():
+        y = f(s)
+        y = y.full_tensor() if isinstance(y, mpidp.ShardedTensor) else y
+        if not torch.allclose(y, f(want), rtol=1e-12, atol=1e-12):
+            failed.append(name)
+    failed = agreed([f"rank {bm.rank} grid {bm.grid}: {f}" for f in failed])
     assert not failed, failed
 
 
