@@ -146,16 +146,26 @@ class BlockSpec:
 
     Domain rank ``d`` owns rows ``lat.slice(i_lat)`` and columns ``lon.slice(i_lon)`` with
     ``(i_lat, i_lon) = divmod(d, P_lon)``. ``dims`` are the tensor dims (latitude, longitude).
+
+    ``lead`` (per axis, latitude then longitude; 1 for a field) counts the blocks merged
+    before each cut into its dim, as a band's ``blocks``: a window partition at a batch above 1
+    folds the batch into the window index that holds a cut, so that dim is ``lead`` runs of the
+    axis's global entries and each rank holds its own part of every run (a strided set, as
+    DTensor's ``_StridedShard``; :class:`~mpidp.sharded.layout.Cut`).
     """
 
     lat: ShardSpec
     lon: ShardSpec
     dims: tuple[int, int] = (-2, -1)
+    lead: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "lead", tuple(int(n) for n in self.lead))
         if len(self.dims) != 2:
             raise ConfigError(f"BlockSpec dims {self.dims}: give two dims (latitude, longitude)")
+        if len(self.lead) != 2 or min(self.lead) < 1:
+            raise ConfigError(f"BlockSpec lead {self.lead}: give two counts >= 1 (per axis)")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -185,8 +195,14 @@ class BlockSpec:
         i_lat, i_lon = self.coords(rank)
         return self.lat.sizes[i_lat], self.lon.sizes[i_lon]
 
+    @property
+    def merged(self) -> bool:
+        """Whether blocks are merged before a cut (a ``lead`` above 1)."""
+        return self.lead != (1, 1)
+
     def __repr__(self) -> str:
-        return f"BlockSpec(lat={self.lat.sizes}, lon={self.lon.sizes}, dims={self.dims})"
+        lead = f", lead={self.lead}" if self.merged else ""
+        return f"BlockSpec(lat={self.lat.sizes}, lon={self.lon.sizes}, dims={self.dims}{lead})"
 
 
 def block_spec(

@@ -64,7 +64,10 @@ def _gathered(t: torch.Tensor, ref: ShardedTensor, i: int, cut: Cut, at: int) ->
     that axis, in their global order; the backward sums each rank's gradient back to its
     owner (each rank's rows used them differently). Collective over the axis group."""
     group = axis_transport(ref.manager, AXES[i], t.device)
-    return all_gather_v(t, cut.spec, at, group=group)
+    if cut.blocks == 1:
+        return all_gather_v(t, cut.spec, at, group=group)
+    runs = t.unflatten(at, (cut.blocks, cut.spec.sizes[cut.own]))  # each merged block's run
+    return all_gather_v(runs, cut.spec, at + 1, group=group).flatten(at, at + 1)
 
 
 def _by_letters(terms: list[str], rhs: str, ops: list[Any], call: Call) -> tuple[list[Any], Any]:
@@ -123,7 +126,7 @@ def _gathers(
     g, h = q.grid, o.grid
     assert isinstance(g, BlockSpec)
     own = [term[d] for d in h.dims] if isinstance(h, BlockSpec) else []
-    fits = isinstance(h, BlockSpec) and (h.lat, h.lon) == (g.lat, g.lon)
+    fits = isinstance(h, BlockSpec) and (h.lat, h.lon, h.lead) == (g.lat, g.lon, g.lead)
     # each axis under its letter, or under one of its own while the axis's letter is on no
     # dim of ``o`` (a dim it holds whole would not line up with the block's part)
     fits = fits and all(
@@ -141,7 +144,7 @@ def _gathers(
     return [(i, h.dims[i]) for i in range(2) if own[i] != letters[i]]
 
 
-@register_grid(torch.einsum)
+@register_grid(torch.einsum, blocks=True)
 def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``torch.einsum`` with a block among the operands: :func:`_by_letters`."""
     call = (func, args, kwargs)
@@ -153,7 +156,7 @@ def _einsum(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return placed(_first_block(ops), torch.einsum(f"{lhs}->{rhs}", *local), dims)
 
 
-@register_grid(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
+@register_grid(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, blocks=True)
 def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``a @ b`` (both 2-D or more) as the einsum ``...ij,...jk->...ik``: a block's cuts in
     the batch dims or its rows (``q @ k.transpose(-2, -1)``, ``attn @ v``), or a second
@@ -170,7 +173,7 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
-@register_grid(F.scaled_dot_product_attention)
+@register_grid(F.scaled_dot_product_attention, blocks=True)
 def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Attention as the einsums ``...le,...se->...ls`` (plus the mask ``...ls``) and
     ``...ls,...sv->...lv``: a block query's cuts in its batch dims or its rows (dim -2),
@@ -196,14 +199,12 @@ def _sdpa(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     local, dims = _by_letters(lhs.split(","), rhs, ops, call)
     a.update(zip(names, local, strict=True))
     ref = _first_block(ops)
-    if a.pop("is_causal", False):  # the query rows' global positions: their cut's run, or all
+    if a.pop("is_causal", False):  # the query rows' global positions: their cut's, or all
         rows = [c for c, d in zip(cuts(ref), dims, strict=True) if rhs[d] == "l"]
-        lo, hi = (
-            (rows[0].spec.start(rows[0].own), rows[0].spec.stop(rows[0].own))
-            if rows
-            else (0, ops[0].shape[-2])
-        )
-        ids = torch.arange(lo, hi, device=ref.local.device)
+        n = ops[0].shape[-2]
+        ids = torch.arange(n, device=ref.local.device)
+        if rows:  # this rank's rows of each merged block's run
+            ids = rows[0].part(ids, 0)
         a["attn_mask"] = causal_rows(ids, a["key"].size(-2), a.get("attn_mask"))
     return placed(ref, func(**a), dims)
 
@@ -212,7 +213,7 @@ def _first_block(ops: list[Any]) -> ShardedTensor:
     return next(o for o in ops if _is_block(o))
 
 
-@register_grid(torch.unbind, torch.Tensor.unbind)
+@register_grid(torch.unbind, torch.Tensor.unbind, blocks=True)
 def _unbind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Along a dim that is not cut (``q, k, v = qkv.unbind(0)``): on the block, each cut
     keeping its axis."""

@@ -36,7 +36,9 @@ __all__ = [
     "blocks_of_parts",
     "check_block",
     "is_pair",
+    "merged_back",
     "spectral_call",
+    "unmerged",
     "whole_of",
 ]
 
@@ -153,13 +155,42 @@ def whole_of(
     the backward sums every rank's gradient (:func:`~mpidp.ops.collectives.all_gather_v`).
     Collective."""
     if isinstance(bs, BlockSpec):
-        return gather_blocks(local, bs.dims, m, bs)
+        if not bs.merged:
+            return gather_blocks(local, bs.dims, m, bs)
+        split, dims = unmerged(local, bs, m)
+        whole = gather_blocks(split, dims, m, replace(bs, dims=dims, lead=(1, 1)))
+        return merged_back(whole, bs, dims)
     t = m.transport(None, local.device)
     ranks = range(bs.counts.parts)
     order = torch.cat([bs.index(r, local.device) for r in ranks])  # the gathered tokens' ids
     gather = all_gather_v if partial else all_gather_v_replicated
     whole = gather(local, bs.counts, bs.dim, group=t)
     return whole.index_select(bs.dim, torch.argsort(order))
+
+
+def unmerged(
+    local: torch.Tensor, bs: BlockSpec, m: DistributedManager
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A block whose cuts hold ``bs.lead`` blocks merged before them (``BlockSpec.lead``)
+    with each axis's lead as a dim of its own just before the cut: ``(local, cut dims)``, each
+    cut dim then exactly the axis's own entries (a block of a field, one per lead index).
+    No communication; :func:`merged_back` undoes it."""
+    sizes = bs.block_shape(m.domain_rank)
+    dims = list(bs.dims)
+    for i in sorted(range(2), key=lambda i: -bs.dims[i]):  # the later dim first: no shifts
+        if bs.lead[i] > 1:
+            local = local.unflatten(bs.dims[i], (bs.lead[i], sizes[i]))
+            for j in range(2):
+                dims[j] += j == i or bs.dims[j] > bs.dims[i]
+    return local, (dims[0], dims[1])
+
+
+def merged_back(t: torch.Tensor, bs: BlockSpec, dims: tuple[int, int]) -> torch.Tensor:
+    """:func:`unmerged`'s split dims of ``t`` (at ``dims``, the cuts of ``bs``) merged back."""
+    for i in sorted(range(2), key=lambda i: -dims[i]):
+        if bs.lead[i] > 1:
+            t = t.flatten(dims[i] - 1, dims[i])
+    return t
 
 
 @dataclass(frozen=True)

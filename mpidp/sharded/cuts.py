@@ -1,7 +1,9 @@
 """A ShardedTensor's layout as its cuts, one per cut axis, so that a rule is written once per
 axis: a band is the layout of one cut (its sharded dim over the domain group, holding
 ``blocks`` merged blocks), a latitude x longitude block the layout of two (the latitude dim
-over the latitude column, the longitude dim over the longitude row; DESIGN.md, "Blocks").
+over the latitude column, the longitude dim over the longitude row; DESIGN.md, "Blocks"). A
+block's cut holds ``grid.lead`` blocks merged before it (a batch folded into a window index)
+as a band's holds its ``blocks``.
 
 The element-wise rule (:mod:`mpidp.sharded.pointwise`) and the batch rule
 (:mod:`mpidp.sharded.batch`) loop over :func:`cuts`: a plain argument of the global length
@@ -11,9 +13,10 @@ cuts at the dims they land on (:func:`placed`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from mpidp.runtime.grid import BlockSpec
 from mpidp.sharded.block_layout import TokenSpec
 from mpidp.sharded.layout import Cut
 from mpidp.sharded.tensor import ShardedTensor
@@ -29,7 +32,7 @@ def cuts(x: ShardedTensor) -> tuple[Cut, ...]:
     if isinstance(g, TokenSpec):
         return (Cut(g.dim, x._spec, x.rank, 1, g),)
     i_lat, i_lon = x._manager.grid_coords
-    return Cut(g.dims[0], g.lat, i_lat, 1), Cut(g.dims[1], g.lon, i_lon, 1)
+    return Cut(g.dims[0], g.lat, i_lat, g.lead[0]), Cut(g.dims[1], g.lon, i_lon, g.lead[1])
 
 
 def part(x: ShardedTensor, cut: Cut, t: torch.Tensor, at: int) -> torch.Tensor:
@@ -45,7 +48,7 @@ def placed(x: ShardedTensor, local: torch.Tensor, dims: tuple[int, ...]) -> Shar
         return x.like(local, dims[0])
     if isinstance(g, TokenSpec):
         return ShardedTensor(local, x._spec, dims[0], x._manager, grid=g.at(dims[0]))
-    grid = BlockSpec(g.lat, g.lon, (dims[0], dims[1]))
+    grid = replace(g, dims=(dims[0], dims[1]))
     return ShardedTensor(local, g.lat, dims[0], x._manager, grid=grid)
 
 

@@ -133,14 +133,19 @@ def register(*funcs: Any, blocks: bool = False, grid: bool = False) -> Callable[
     return deco
 
 
-def register_grid(*funcs: Any, tokens: bool = False) -> Callable[[Handler], Handler]:
+def register_grid(
+    *funcs: Any, tokens: bool = False, blocks: bool = False
+) -> Callable[[Handler], Handler]:
     """Decorator: the handler of ``funcs`` when a call has a latitude x longitude block among
     its arguments (the band handler, if any, keeps the calls without one); ``tokens=True``:
-    when it has tokens of blocks."""
+    when it has tokens of blocks. ``blocks=True``: it also takes blocks whose cuts hold
+    blocks merged before them (``BlockSpec.lead``), as :func:`register`'s ``blocks``."""
 
     def deco(handler: Handler) -> Handler:
         for f in funcs:
             (_TOKENS if tokens else _GRID)[key(f)] = handler
+        if blocks:
+            _BLOCKS_OK.add(handler)
         return handler
 
     return deco
@@ -227,6 +232,8 @@ def describe(args: Any, kwargs: Any) -> str:
             blocks = f" in {a.blocks} blocks" if a.blocks > 1 else ""
             if a.grid is not None:
                 blocks += f" and along dim {a.grid.dims[1]} {list(a.grid.lon.sizes)}"
+                if isinstance(a.grid, BlockSpec) and a.grid.merged:
+                    blocks += f", blocks merged before each cut {a.grid.lead}"
             if a.spectral:
                 blocks += " (a spectrum of blocks)"
             return (
@@ -415,6 +422,14 @@ def _is_spectrum(a: Any) -> bool:
     return isinstance(a, ShardedTensor) and a._spectral
 
 
+#: the fix for a call on a block whose cut holds merged blocks (``BlockSpec.lead``)
+MERGED_FIX = "reshape the window index back out of the batch (window_reverse) first"
+
+
+def _is_merged_block(a: Any) -> bool:
+    return isinstance(a, ShardedTensor) and isinstance(a._grid, BlockSpec) and a._grid.merged
+
+
 def _is_merged(a: Any) -> bool:
     return isinstance(a, ShardedTensor) and a._blocks > 1
 
@@ -436,6 +451,15 @@ def _grid_dispatch(
         band = _HANDLERS.get(k)
         handler = band if band in _GRID_OK else None
     if handler is not None:
+        if handler not in _BLOCKS_OK and first((args, kwargs), _is_merged_block) is not None:
+            raise refuse(
+                func,
+                args,
+                kwargs,
+                "a cut of its block holds blocks merged before it (a batch folded into a "
+                "window index) and this function reads across that dim",
+                MERGED_FIX,
+            )
         return handler(func, args, kwargs)
     if _FALLBACK["on"]:
         return _gather_fallback(func, args, kwargs)

@@ -13,6 +13,7 @@ layers' calls, metadata, copies) do not know is refused on every rank
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from mpidp.ops.collectives import fetch_global_rows
 from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.runtime.partition import ShardSpec
 from mpidp.sharded.cuts import placed
-from mpidp.sharded.dispatch import _HANDLERS, key, refuse, register_grid
+from mpidp.sharded.dispatch import _HANDLERS, MERGED_FIX, key, refuse, register_grid
 from mpidp.sharded.pointwise import to_blocks
 from mpidp.sharded.select import index_parts, kept
 from mpidp.sharded.shapes import _aligned, _groups, plan_cut
@@ -60,6 +61,8 @@ def _sliced(x: ShardedTensor, parts: list[Any], call: tuple[Any, Any, Any]) -> S
             spec, i = cuts[dim]
             if isinstance(p, int):
                 raise refuse(*call, "an integer index along a cut dim", "slice it (i:i+1)")
+            if p != slice(None) and g.lead[g.dims.index(dim)] > 1:
+                raise refuse(*call, "a slice of a cut dim that holds merged blocks", MERGED_FIX)
             if p != slice(None):
                 spec, p = kept(spec, i, *p.indices(spec.total))
             out_specs[dim] = (out, spec)
@@ -68,11 +71,11 @@ def _sliced(x: ShardedTensor, parts: list[Any], call: tuple[Any, Any, Any]) -> S
             out += 1
         dim += 1
     (lat_at, lat), (lon_at, lon) = out_specs[g.dims[0]], out_specs[g.dims[1]]
-    grid = BlockSpec(lat, lon, (lat_at, lon_at))
+    grid = BlockSpec(lat, lon, (lat_at, lon_at), g.lead)
     return ShardedTensor(x.local[tuple(local_idx)], lat, lat_at, x.manager, grid=grid)
 
 
-@register_grid(torch.Tensor.__getitem__)
+@register_grid(torch.Tensor.__getitem__, blocks=True)
 def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     if not isinstance(x, ShardedTensor) or x.grid is None:
@@ -80,7 +83,7 @@ def _getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _sliced(x, index_parts(x, args[1]), (func, args, kwargs))
 
 
-@register_grid(torch.narrow, torch.Tensor.narrow)
+@register_grid(torch.narrow, torch.Tensor.narrow, blocks=True)
 def _narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x, dim, start, length = args[0], int(args[1]) % args[0].dim(), int(args[2]), int(args[3])
     start %= x.shape[dim]
@@ -92,7 +95,7 @@ def _narrow(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # -- reductions ---------------------------------------------------------------------------------
 
 
-@register_grid(*_REDUCE)
+@register_grid(*_REDUCE, blocks=True)
 def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A reduction over neither cut dim runs on the block; over both, the band rule's exact
     global value over the domain group (a partial sum and one all-reduce; amax with torch's
@@ -124,7 +127,7 @@ def _reduce(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return placed(x, local, tuple(d - sum(1 for r in dims if r < d) for d in g.dims))
 
 
-@register_grid(torch.roll, torch.Tensor.roll)
+@register_grid(torch.roll, torch.Tensor.roll, blocks=True)
 def _roll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A roll (a shifted window's cyclic shift): along a cut dim the band rule over that
     axis's group (each rank fetches the rows or columns that roll into its block, one
@@ -144,9 +147,11 @@ def _roll(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
     rest = [(s, d) for s, d in pairs if d not in g.dims]
     local = x.local.roll(*map(list, zip(*rest, strict=True))) if rest else x.local
-    for axis, d, spec in zip(AXES, g.dims, (g.lat, g.lon), strict=True):
+    for axis, d, spec, lead in zip(AXES, g.dims, (g.lat, g.lon), g.lead, strict=True):
         n = spec.total
-        shift = sum(s for s, e in pairs if e == d) % n
+        shift = sum(s for s, e in pairs if e == d) % (n * lead)
+        if shift and lead > 1:
+            raise refuse(func, args, kwargs, "a roll of a cut dim with merged blocks", MERGED_FIX)
         if shift:  # rows [a, b) come from [a - shift, b - shift) mod n
             wanted = [_rolled(spec.start(q), spec.stop(q), shift, n) for q in range(spec.parts)]
             t = axis_transport(x.manager, axis, local.device)
@@ -183,7 +188,7 @@ _MOVES = (
 _MARKS = (1_000_003, 1_000_033)
 
 
-@register_grid(*_MOVES)
+@register_grid(*_MOVES, blocks=True)
 def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Where the cut dims go: the op applied to a meta tensor of the global shape whose cut
     dims are marked by sizes no other dim has. A squeeze that could take a cut dim (a field
@@ -200,14 +205,17 @@ def _move(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return placed(x, func(x.local, *args[1:], **kwargs), dims)
 
 
-@register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape)
+@register_grid(torch.Tensor.view, torch.Tensor.reshape, torch.reshape, blocks=True)
 def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The band rule once per cut dim (:func:`~mpidp.sharded.shapes.plan_cut`): a cut dim
     merged with the dims after it (a pixel shuffle's (H, r) -> H r) or split (a patch's
     H -> (H / p, p)) stays cut, each rank's rows becoming its entries of the new dim; where a
     boundary falls off the new unit, the rows that change owner move first, along that axis
-    alone. The two cut dims merged into one dim are tokens (:mod:`mpidp.sharded.tokens`);
-    kept apart, nothing may be merged before them."""
+    alone. The two cut dims merged into one dim are tokens (:mod:`mpidp.sharded.tokens`).
+    Kept apart, the dims merged before a cut dim (a batch above 1 with the window index that
+    holds the cut) become its ``lead`` (:class:`~mpidp.runtime.grid.BlockSpec`): the band
+    rule's merged blocks, each rank holding its part of every run; split off again
+    (``window_reverse``) they leave it."""
     x = args[0]
     g = _block_of(x)
     raw = args[1:] if len(args) > 1 else (kwargs.get("shape"),)
@@ -224,31 +232,26 @@ def _view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if runs[0] == runs[1]:  # rows x columns flattened: tokens (mpidp.sharded.tokens)
         return block_to_tokens(x, new, call)
     plans = [
-        plan_cut(old, new, d, spec, 1, "reshape", call)
-        for d, spec in zip(g.dims, (g.lat, g.lon), strict=True)
+        plan_cut(old, new, d, spec, lead, "reshape", call)
+        for d, spec, lead in zip(g.dims, (g.lat, g.lon), g.lead, strict=True)
     ]
-    if any(blocks != 1 for _, blocks, _, _ in plans):
-        raise refuse(
-            *call,
-            "a reshape that merges dims before a cut dim into it",
-            "keep the dims before each cut dim out of its run",
-        )
     aligned = [
         _aligned(spec, unit) for spec, (_, _, unit, _) in zip((g.lat, g.lon), plans, strict=True)
     ]
-    x = to_blocks(x, BlockSpec(aligned[0], aligned[1], g.dims), call)
+    x = to_blocks(x, replace(g, lat=aligned[0], lon=aligned[1]), call)
     specs = [
         ShardSpec(tuple(s * num // den for s in spec.sizes))
         for spec, (_, _, _, (num, den)) in zip(aligned, plans, strict=True)
     ]
     local_new = list(new)
-    for (k, _, _, _), spec, i in zip(plans, specs, x.manager.grid_coords, strict=True):
-        local_new[k] = spec.sizes[i]
-    out = BlockSpec(specs[0], specs[1], (plans[0][0], plans[1][0]))
+    for (k, merged, _, _), spec, i in zip(plans, specs, x.manager.grid_coords, strict=True):
+        local_new[k] = merged * spec.sizes[i]
+    dims, lead = (plans[0][0], plans[1][0]), (plans[0][1], plans[1][1])
+    out = BlockSpec(specs[0], specs[1], dims, lead)
     return ShardedTensor(x.local.reshape(local_new), out.lat, out.dims[0], x.manager, grid=out)
 
 
-@register_grid(torch.flatten, torch.Tensor.flatten)
+@register_grid(torch.flatten, torch.Tensor.flatten, blocks=True)
 def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     x = args[0]
     start = int(args[1] if len(args) > 1 else kwargs.get("start_dim", 0)) % max(x.dim(), 1)
@@ -257,7 +260,7 @@ def _flatten(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _view(torch.reshape, (x, shape), {})
 
 
-@register_grid(torch.cat, torch.concat, torch.concatenate, torch.stack)
+@register_grid(torch.cat, torch.concat, torch.concatenate, torch.stack, blocks=True)
 def _join(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Blocks of one layout joined along a dim that is not cut: the blocks joined."""
     tensors = list(args[0] if args else kwargs["tensors"])

@@ -373,6 +373,13 @@ def dtensor_dim(dt: Any, m: DistributedManager) -> tuple[int, int]:
 def redistribute(x: Any, device_mesh: Any, placements: Any, spec: Any, dim: int | None) -> Any:
     """The body of :meth:`mpidp.ShardedTensor.redistribute` (its docstring says what it does).
     Collective."""
+    g = x._grid
+    if isinstance(g, BlockSpec) and g.merged:  # (the ranks' grids are one: refused on all)
+        raise ConfigError(
+            f"rank {x.rank}: redistribute of a block whose cuts hold merged blocks ({g!r}): "
+            f"each rank holds a strided part of those dims; fix: .full_tensor(), or reshape "
+            f"the merged blocks out of the cut dims (window_reverse) first"
+        )
     if mesh_ndim(x._manager) == 2 and placements is not None and spec is dim is None:
         return _on_mesh2d(x, device_mesh, tuple(placements))
     if x._grid is not None:

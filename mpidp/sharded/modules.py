@@ -229,7 +229,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     if any(a.spectral for a in sharded):
         raise spectrum_refused(type(layer), args, kwargs)
     t = ref.transport
-    if any(a.blocks > 1 for a in sharded):  # blocks merged before the band: op by op
+    if any(a.blocks > 1 or _merged_block(a) for a in sharded):  # merged before a cut: op by op
         return torch_forward(layer)(layer, *args, **kwargs)
     out, notes = _call(layer, forward, args, kwargs, sharded, t)
     if notes is None:
@@ -241,6 +241,10 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
         # shape, or other notes, come back here)
         _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim)
     return y
+
+
+def _merged_block(a: ShardedTensor) -> bool:
+    return isinstance(a._grid, BlockSpec) and a._grid.merged
 
 
 def _wrap_out(

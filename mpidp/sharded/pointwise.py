@@ -24,6 +24,7 @@ from mpidp.ops.collectives import copy_to, repartition
 from mpidp.runtime.grid import AXES, BlockSpec, axis_transport
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.batch import NOT_LOCAL
+from mpidp.sharded.block_layout import merged_back, unmerged
 from mpidp.sharded.cuts import cuts, part, placed
 from mpidp.sharded.dispatch import fast_path, refuse, register
 from mpidp.sharded.rows import along, to_spec
@@ -451,15 +452,16 @@ def to_blocks(x: ShardedTensor, g: BlockSpec, call: tuple[Any, Any, Any]) -> Sha
     assert have is not None
     if have == g:
         return x
-    if have.dims != g.dims or have.shape != g.shape:
+    if have.dims != g.dims or have.shape != g.shape or have.lead != g.lead:
         raise refuse(
             *call, f"blocks of {have!r} meet blocks of {g!r}", "give them one global shape"
         )
-    local = x.local
-    for axis, d, a, b in zip(AXES, g.dims, (have.lat, have.lon), (g.lat, g.lon), strict=True):
+    local, dims = unmerged(x.local, have, x.manager)  # each lead run moves alike
+    for axis, d, a, b in zip(AXES, dims, (have.lat, have.lon), (g.lat, g.lon), strict=True):
         if a != b:  # the same on every rank: every rank of the axis group takes part
             t = axis_transport(x.manager, axis, local.device)
             local = repartition(local, a.sizes, b.sizes, d, group=t)
+    local = merged_back(local, g, dims)
     return ShardedTensor(local, g.lat, g.dims[0], x.manager, grid=g)
 
 

@@ -131,12 +131,13 @@ class ShardedTensor(torch.Tensor):
         spectral: bool = False,
     ) -> ShardedTensor:
         shape = list(local.shape)
+        rows = blocks  # the runs of ``spec`` along ``dim``: a band's blocks, a block's lead
         if grid is not None:  # a block: spec and dim are its latitude's; tokens: their counts'
             if isinstance(grid, bl.TokenSpec):
                 spec, dim = grid.counts, grid.dim
             else:
-                spec, dim = grid.lat, grid.dims[0]
-            shape[grid.dims[1]] = grid.lon.total
+                spec, dim, rows = grid.lat, grid.dims[0], grid.lead[0]
+                shape[grid.dims[1]] = grid.lead[1] * grid.lon.total
             spectral = False
             if not GRID_SEEN:
                 GRID_SEEN.append(True)
@@ -148,7 +149,7 @@ class ShardedTensor(torch.Tensor):
             spectral = False
         if blocks > 1 and not MERGED_SEEN:
             MERGED_SEEN.append(True)
-        shape[dim] = blocks * spec.total
+        shape[dim] = rows * spec.total
         out = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
@@ -260,8 +261,11 @@ class ShardedTensor(torch.Tensor):
         """This rank's part of a plain tensor ``t`` whose ``dim`` runs along this tensor's
         sharded dim (its global length there; a block's latitude): the same rows this rank
         holds."""
-        i = self.rank if self._grid is None else self._manager.grid_coords[0]
-        return pl.Cut(self._dim, self._spec, i, self._blocks).part(t, dim)
+        g = self._grid
+        if isinstance(g, BlockSpec):  # its latitude: this rank's rows of each of its lead runs
+            i_lat = self._manager.grid_coords[0]
+            return pl.Cut(self._dim, self._spec, i_lat, g.lead[0]).part(t, dim)
+        return pl.Cut(self._dim, self._spec, self.rank, self._blocks).part(t, dim)
 
     def unblocked(self) -> tuple[torch.Tensor, int]:
         """The band with its blocks as a dim of their own: (local, sharded dim), the sharded
@@ -368,16 +372,20 @@ class ShardedTensor(torch.Tensor):
     def placements(self) -> tuple[Any, ...]:
         """DTensor's placements on :attr:`device_mesh`: ``(Shard(shard_dim),)``, or
         ``(_StridedShard(shard_dim, split_factor=blocks),)`` when merged dims hold the band;
-        on an adopted 2-D mesh a block's ``(Shard(lat_dim), Shard(lon_dim))``, a band's (the
+        on an adopted 2-D mesh a block's ``(Shard(lat_dim), Shard(lon_dim))`` (strided along
+        an axis whose ``grid.lead`` is above 1: a batch merged before its cut), a band's (the
         mesh ``(P, 1)``) ``(Shard(shard_dim), Replicate())``."""
-        if mesh_ndim(self._manager) == 2:  # a 2-D mesh's block, or band when it is (P, 1)
-            g = self._grid
-            return (Shard(self._dim), Shard(g.dims[1]) if g is not None else Replicate())
-        if self._blocks == 1:
-            return (Shard(self._dim),)
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        return (_StridedShard(self._dim, split_factor=self._blocks),)
+        def cut(d: int, lead: int) -> Any:
+            return Shard(d) if lead == 1 else _StridedShard(d, split_factor=lead)
+
+        if mesh_ndim(self._manager) == 2:  # a 2-D mesh's block, or band when it is (P, 1)
+            g = self._grid
+            if isinstance(g, BlockSpec):  # a lead above 1: strided along that axis
+                return cut(self._dim, g.lead[0]), cut(g.dims[1], g.lead[1])
+            return (Shard(self._dim), Shard(g.dims[1]) if g is not None else Replicate())
+        return (cut(self._dim, self._blocks),)
 
     @property
     def device_mesh(self) -> Any:

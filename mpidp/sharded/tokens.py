@@ -66,6 +66,13 @@ def block_to_tokens(x: ShardedTensor, new: list[int], call: tuple[Any, Any, Any]
     g = x.grid
     assert isinstance(g, BlockSpec)
     d0, d1 = g.dims
+    if g.merged:
+        raise refuse(
+            *call,
+            f"a reshape that merges the cut dims {g.dims} of a block whose cuts hold merged "
+            f"blocks (lead {g.lead})",
+            "reshape the merged blocks out of the cut dims first",
+        )
     if d1 != d0 + 1:
         raise refuse(
             *call,

@@ -35,54 +35,58 @@ GRIDS = [g for g in [(2, 2), (2, 3), (3, 2)] if g[0] * g[1] == WORLD]
 
 
 class WindowBlock(nn.Module):
-    """``x + attention(windows of x)`` on (B, H, W, C), optionally shifted along the longitude
-    with an additive mask per window, through ``how``: ``@`` or ``einsum`` (cosine scores),
-    ``sdpa``, or ``causal`` (SDPA's ``is_causal``, no mask)."""
+    """``x + attention(windows of x)`` on (B, H, W, C) (windows of ``window`` rows x columns
+    on a ``field``), optionally shifted along the longitude with an additive mask per window,
+    through ``how``: ``@`` or ``einsum`` (cosine scores), ``sdpa``, or ``causal`` (SDPA's
+    ``is_causal``, no mask)."""
 
-    def __init__(self, seed: int, shift: int, how: str) -> None:
+    def __init__(self, seed: int, shift: int, how: str, window=(WH, WW), field=(H, W)) -> None:
         super().__init__()
-        self.shift, self.how = shift, how
+        self.shift, self.how, self.window_hw, self.field = shift, how, window, field
+        n, nw = window[0] * window[1], (field[0] // window[0]) * (field[1] // window[1])
         self.qkv = nn.Linear(C, 3 * C).double()
         self.proj = nn.Linear(C, C).double()
-        self.bias = nn.Parameter(rand((HEADS, N, N), seed)) if how != "causal" else None
+        self.bias = nn.Parameter(rand((HEADS, n, n), seed)) if how != "causal" else None
         self.scale = nn.Parameter(rand((), seed + 1))
-        self.mask = nn.Parameter(rand((NW, N, N), seed + 2)) if shift else None
-        self.window = nn.Parameter(rand((NW,), seed + 3)) if how == "einsum" else None
+        self.mask = nn.Parameter(rand((nw, n, n), seed + 2)) if shift else None
+        self.window = nn.Parameter(rand((nw,), seed + 3)) if how == "einsum" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
+        (h, w), (wh, ww) = self.field, self.window_hw
+        n, nw = wh * ww, (h // wh) * (w // ww)
         s = x.roll(-self.shift, dims=2) if self.shift else x
-        s = s.view(B, H // WH, WH, W // WW, WW, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, N, C)
-        qkv = self.qkv(s).reshape(-1, N, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
+        s = s.view(B, h // wh, wh, w // ww, ww, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, n, C)
+        qkv = self.qkv(s).reshape(-1, n, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         if self.how == "causal":  # the rows' global positions mask the gathered keys
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, is_causal=True)
         elif self.how == "sdpa":
-            mask = self.bias if self.mask is None else self.bias + self.mask.unsqueeze(1)
+            mask = self.bias  # a mask per window: one of every batch entry's windows
+            mask = mask if self.mask is None else (mask + self.mask.unsqueeze(1)).repeat(B, 1, 1, 1)
             y = F.scaled_dot_product_attention(q * self.scale.exp(), k, v, attn_mask=mask)
         else:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
             if self.how == "einsum":
-                attn = torch.einsum("bhid,bhjd,b->bhij", q, k, self.window)
+                attn = torch.einsum("bhid,bhjd,b->bhij", q, k, self.window.repeat(B))
             else:
                 attn = q @ k.transpose(-2, -1)
             attn = attn * self.scale.exp() + self.bias
             if self.mask is not None:
-                attn = attn.view(-1, NW, HEADS, N, N) + self.mask.unsqueeze(1)
-                attn = attn.view(-1, HEADS, N, N)
+                attn = attn.view(-1, nw, HEADS, n, n) + self.mask.unsqueeze(1)
+                attn = attn.view(-1, HEADS, n, n)
             attn = attn.softmax(-1)
             y = torch.einsum("...ij,...jd->...id", attn, v) if self.how == "einsum" else attn @ v
-        y = self.proj(y.transpose(1, 2).reshape(-1, N, C))
-        y = y.view(B, H // WH, W // WW, WH, WW, C).permute(0, 1, 3, 2, 4, 5)
-        y = y.reshape(B, H, W, C)
+        y = self.proj(y.transpose(1, 2).reshape(-1, n, C))
+        y = y.view(B, h // wh, w // ww, wh, ww, C).permute(0, 1, 3, 2, 4, 5)
+        y = y.reshape(B, h, w, C)
         return x + (y.roll(self.shift, dims=2) if self.shift else y)
 
 
-def model() -> nn.Module:
+def model(window=(WH, WW), field=(H, W)) -> nn.Module:
     """Unshifted through ``@``; shifted (a mask per window) through einsum and SDPA; causal."""
-    blocks = [WindowBlock(1, 0, "@"), WindowBlock(4, 2, "einsum"), WindowBlock(7, 2, "sdpa")]
-    blocks.append(WindowBlock(10, 0, "causal"))
-    return nn.Sequential(*blocks)
+    kinds = [(1, 0, "@"), (4, 2, "einsum"), (7, 2, "sdpa"), (10, 0, "causal")]
+    return nn.Sequential(*(WindowBlock(*k, window=window, field=field) for k in kinds))
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +110,25 @@ def bm(request):
 def test_window_attention_cut_inside_and_between_windows_equals_serial(bm, serial):
     """Each cut axis by the rule for where it lives: the longitude's windows local, the
     latitude's rows of each window against its keys and values gathered over the column."""
-    net, full, w, want, grad_in, grads = serial
+    net, full = serial[0], serial[1]
     dist = model()
     dist.load_state_dict(net.state_dict())
     x = mpidp.shard(full, dim=(1, 2), manager=bm).requires_grad_()
+    failed = agreed(mismatches(bm, dist, x, serial[1:]))
+    assert not failed, failed
+
+
+def mismatches(m, dist, x, serial) -> list[str]:
+    """This rank's mismatches of ``dist`` on the block ``x`` against ``serial`` (the full
+    input, output weights, output, input gradient and parameter gradients): its output
+    gathered, the input gradient of its block and every parameter gradient after
+    ``mpidp.sync_gradients``. Collective; the caller agrees on them."""
+    full, w, want, grad_in, grads = serial
     y = dist(x)
     (y * w).sum().backward()
     got = y.full_tensor()
-    mpidp.sync_gradients(dist, bm)
-    rows, cols = bm.block_spec(full.shape, (1, 2)).block(bm.domain_rank)
+    mpidp.sync_gradients(dist, m)
+    rows, cols = m.block_spec(full.shape, (1, 2)).block(m.domain_rank)
     failed = [] if torch.allclose(got, want, rtol=TOL, atol=TOL) else ["forward"]
     if not torch.allclose(x.local.grad, grad_in[:, rows, cols], rtol=TOL, atol=TOL):
         failed.append("input grad")
@@ -123,8 +137,7 @@ def test_window_attention_cut_inside_and_between_windows_equals_serial(bm, seria
         for n, p in dist.named_parameters()
         if not torch.allclose(p.grad, grads[n], rtol=TOL, atol=TOL)
     ]
-    failed = agreed([f"rank {bm.rank} grid {bm.grid}: {f}" for f in failed])
-    assert not failed, failed
+    return [f"rank {m.rank} grid {m.grid} {tuple(full.shape)}: {f}" for f in failed]
 
 
 def _qkv(m):
