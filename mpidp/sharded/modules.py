@@ -30,11 +30,12 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
+from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
 from mpidp.runtime.grid import BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
-from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.runtime.partition import _KNOWN, ShardSpec, known_for
 from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, WATCHERS, UnsupportedOp, observed
 from mpidp.sharded.layer_calls import spectrum_refused
@@ -206,10 +207,20 @@ def _call(
     a = sharded[0]
     try:
         if len(args) == 1 and args[0] is a and not kwargs and a._grid is None:  # one band
-            local = a._local  # (nearly every call: no walk, no stack of contexts)
-            band = ((local, a._dim),)
-            with known_spec(local, a._dim, a._spec), band_call(band) as notes, whole:
-                out = forward(layer, local)
+            local = a._local  # (nearly every call: no walk; known_spec and band_call's
+            notes: list[Any] = []  # context variables set here, without their generators)
+            known = _KNOWN.set(((local, a._dim, a._spec), *_KNOWN.get()))
+            t_notes, t_bands = _NOTES.set(notes), _BANDS.set(((local, a._dim),))
+            try:
+                if whole is _NOTHING:
+                    out = forward(layer, local)
+                else:
+                    with whole:
+                        out = forward(layer, local)
+            finally:
+                _BANDS.reset(t_bands)
+                _NOTES.reset(t_notes)
+                _KNOWN.reset(known)
         else:
             with _known(sharded) as notes, whole:
                 out = forward(layer, *_unwrap(args, a), **_unwrap(kwargs, a))
@@ -477,6 +488,12 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][1].__enter__()
         calls[-1][3].__enter__()  # its layers bound to None: on m, whatever the default
         return args, kwargs
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if type(x) is ShardedTensor and x._grid is None and x._blocks == 1:  # one band (per call:
+        local = x._local  # no walk)
+        if _fits(x._dim - local.dim(), dim) and local.size(x._dim):
+            calls.append(("band", x, False))
+            return (local,), kwargs
     sharded = _sharded(args, kwargs)
     if any(a._grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
         calls.append(None)
@@ -517,6 +534,8 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         call[1].__exit__(None, None, None)
         return tree_map(lambda o: _to_band(o, call[2]), out)
     ref, empty = call[1], call[2]
+    if kind == "band" and type(out) is torch.Tensor and out.shape == ref._local.shape:
+        return ref.same_layout(out)  # (the band's own shape: its cut, as _band_outputs finds)
     if empty:  # the zero row enter_module added: dropped from every output of the band's rank
         d = ref.shard_dim
         out = tree_map(
