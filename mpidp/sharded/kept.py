@@ -104,14 +104,22 @@ def _add(a: Any, sig: list[Any], leaves: list[torch.Tensor], depth: int) -> bool
         return True
     if t is slice:
         sig.append(t)
-        return all(_add(v, sig, leaves, depth) for v in (a.start, a.stop, a.step))
+        for v in (a.start, a.stop, a.step):  # (loops, not generators: per call)
+            if not _add(v, sig, leaves, depth):
+                return False
+        return True
     if (t is tuple or t is list or t is torch.Size) and depth < 2:
         types = tuple(map(type, a))
         if set(types) <= _VALUES:  # (the commonest: a size, a pad, a stride)
             sig += (t, tuple(a), types)
             return True
         sig += (t, len(a))
-        return all(_add(v, sig, leaves, depth + 1) for v in a)
+        for v in a:
+            if type(v) in _VALUES:
+                sig += (type(v), v)
+            elif not _add(v, sig, leaves, depth + 1):
+                return False
+        return True
     return False
 
 

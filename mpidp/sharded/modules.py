@@ -38,6 +38,7 @@ from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import _KNOWN, ShardSpec, known_for
 from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, WATCHERS, UnsupportedOp, observed
+from mpidp.sharded.kept import wrapped
 from mpidp.sharded.layer_calls import spectrum_refused
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -170,6 +171,8 @@ class _Plan(NamedTuple):
     shape: torch.Size
     spec: ShardSpec
     dim: int
+    #: the output's global shape
+    whole: torch.Size
 
 
 #: per converted layer, the plan of its last single-band call
@@ -193,7 +196,7 @@ def _planned(layer: Any, forward: Callable[..., Any], x: ShardedTensor, plan: _P
     if notes is None:  # the torch form ran
         return out
     if type(out) is torch.Tensor and out.shape == plan.shape and notes == plan.notes:
-        return ShardedTensor(out, plan.spec, plan.dim, x._manager)
+        return wrapped(out, plan.whole, plan.spec, plan.dim, x._manager)
     return _wrap_out(layer, out, notes, x, (x,), {})
 
 
@@ -250,7 +253,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     if layout is not None and type(y) is ShardedTensor and not t.whole:
         # the same layout next time: the checks above are the plan's (outputs of another
         # shape, or other notes, come back here)
-        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim)
+        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim, y._shape)
     return y
 
 
@@ -362,7 +365,8 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
     shard_dim``) as the ShardedTensor of this rank's band (the partitions declared with
     :func:`~mpidp.runtime.partition.known_spec`, else learned in one all-gather); other
     arguments as they are."""
-    leaves, tree = tree_flatten((args, kwargs))
+    plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # (the commonest call)
+    leaves, tree = (list(args), None) if plain else tree_flatten((args, kwargs))
     at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(1 - shard_dim, 1)]
     if at:
         dims = [leaves[i].dim() + shard_dim for i in at]
@@ -377,7 +381,7 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
             specs = [ShardSpec((leaves[i].size(d),)) for i, d in zip(at, dims, strict=True)]
         for i, d, spec in zip(at, dims, specs, strict=True):
             leaves[i] = ShardedTensor(leaves[i], spec, d, m)
-    return _unflatten(leaves, tree)
+    return (tuple(leaves), kwargs) if tree is None else _unflatten(leaves, tree)
 
 
 def _wrap_blocks(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
@@ -532,6 +536,8 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     if call[0] == "model":
         call[3].__exit__(None, None, None)
         call[1].__exit__(None, None, None)
+        if type(out) is ShardedTensor:  # (the commonest result: no walk)
+            return _to_band(out, call[2])
         return tree_map(lambda o: _to_band(o, call[2]), out)
     ref, empty = call[1], call[2]
     if kind == "band" and type(out) is torch.Tensor and out.shape == ref._local.shape:
