@@ -266,7 +266,8 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
-    values among the arguments are summed first: handlers see Replicated values."""
+    values among the arguments are summed first: handlers see Replicated values. A call of
+    a signature seen before takes the rule kept for it (:mod:`mpidp.sharded.kept`)."""
     if not WATCHERS:
         fast = _FAST.get(func)
         if fast is not None and all(type(v) in _PLAIN_VALUES for v in kwargs.values()):
