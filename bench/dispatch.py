@@ -9,9 +9,10 @@ and the converted one is the front end alone: wrapping the input, one dispatch p
 in the model's own forward, the converted layers' entry. The per-op rows time ``x + y`` and
 ``F.gelu(x)`` on a small (1, 8, 16, 16) tensor, plain and as a ShardedTensor (microseconds per
 call: the median over batches of 20 calls, interleaved, :func:`per_call`). The steps are
-interleaved in one process (bench/common.py), median of the rounds; each step's Python
-function calls (:func:`python_calls`) are counted once, a figure the machine's load does not
-move. Not a test.
+interleaved in one process (bench/common.py), median of the rounds, in wall time and in the
+process's CPU time (:func:`cpu_round_robin`: on a shared machine the figure less moved by
+the load); each step's Python function calls (:func:`python_calls`) are counted once, a
+figure the machine's load does not move. Not a test.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def worker(args: argparse.Namespace) -> None:
 
     steps = {"plain": step_plain, "converted": step_converted, "sharded": step_sharded}
     ms = timed_round_robin(steps, world, args.steps)
+    cpu = cpu_round_robin(steps, args.steps)
     calls = {f"{k}_calls": python_calls(fn) for k, fn in steps.items()}
     a, b = torch.randn(1, 8, 16, 16), torch.randn(1, 8, 16, 16)
     sa, sb = mpidp.shard(a, manager=m), mpidp.shard(b, manager=m)
@@ -73,10 +75,28 @@ def worker(args: argparse.Namespace) -> None:
         row = {"ranks": world.Get_size(), "grid": [h, w], **{f"{k}_ms": v for k, v in ms.items()}}
         row["converted_over_plain"] = ms["converted"] / ms["plain"]
         row["sharded_over_plain"] = ms["sharded"] / ms["plain"]
+        row.update({f"{k}_cpu_ms": v for k, v in cpu.items()})
+        row["converted_cpu_over_plain"] = cpu["converted"] / cpu["plain"]
+        row["sharded_cpu_over_plain"] = cpu["sharded"] / cpu["plain"]
         row.update(ops)
         row.update(calls)
         print(json.dumps(row))
     m.shutdown()
+
+
+def cpu_round_robin(fns: dict[str, Any], rounds: int) -> dict[str, float]:
+    """Milliseconds of this process's CPU time per call of each function: the median over
+    ``rounds`` interleaved rounds. On a shared machine a step's wall time also holds the time
+    it waited for a core; its CPU time does not (one thread per rank)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            samples[name].append((time.process_time() - t0) * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def python_calls(fn: Any) -> int:
@@ -129,6 +149,10 @@ def main() -> None:
         f"small U-Net step {tuple(args.grid)}, P = 1: plain {row['plain_ms']:.1f} ms, "
         f"converted {row['converted_ms']:.1f} ms ({row['converted_over_plain']:.2f}x), "
         f"plain fed a ShardedTensor {row['sharded_ms']:.1f} ms ({row['sharded_over_plain']:.2f}x)"
+    )
+    print(
+        f"CPU time per step: plain {row['plain_cpu_ms']:.1f} ms, converted "
+        f"{row['converted_cpu_over_plain']:.2f}x, fed {row['sharded_cpu_over_plain']:.2f}x"
     )
     print(
         f"Python calls per step: plain {row['plain_calls']}, converted "

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,15 +71,21 @@ def in_progress() -> DistributedManager | None:
     return _SERVING.get()
 
 
-@contextlib.contextmanager
-def serve(manager: DistributedManager) -> Iterator[None]:
-    """Within: the layers and converted models bound to None compute on ``manager`` (a
-    ShardedTensor's, whose group the call's collectives must be over)."""
-    token = _SERVING.set(manager)
-    try:
-        yield
-    finally:
-        _SERVING.reset(token)
+class serve:
+    """``with serve(manager):`` the layers and converted models bound to None compute on
+    ``manager`` (a ShardedTensor's, whose group the call's collectives must be over). A class,
+    not a generator: every layer call on a ShardedTensor enters one."""
+
+    __slots__ = ("manager", "token")
+
+    def __init__(self, manager: DistributedManager) -> None:
+        self.manager = manager
+
+    def __enter__(self) -> None:
+        self.token = _SERVING.set(self.manager)
+
+    def __exit__(self, *exc: object) -> None:
+        _SERVING.reset(self.token)
 
 
 def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
@@ -170,11 +175,10 @@ def _sharded_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         if SHARDED_TYPES and not _TORCH_PATH.get():
-            kinds = tuple(SHARDED_TYPES)
-            if any(isinstance(a, kinds) for a in args) or any(
-                isinstance(a, kinds) for a in kwargs.values()
-            ):
-                return SHARDED_CALL[0](self, forward, args, kwargs)
+            kind = SHARDED_TYPES[0]
+            for a in (*args, *kwargs.values()) if kwargs else args:  # (no generator: per call)
+                if isinstance(a, kind):
+                    return SHARDED_CALL[0](self, forward, args, kwargs)
         return forward(self, *args, **kwargs)
 
     return call

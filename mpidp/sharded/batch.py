@@ -33,6 +33,7 @@ from mpidp.errors import MpidpError
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.rng import band_stream
 from mpidp.sharded.cuts import Cut, cuts, part, placed, same_cuts
+from mpidp.sharded.kept import Table
 from mpidp.sharded.tensor import Replicated, ShardedTensor
 from mpidp.sharded.walk import holds
 
@@ -42,7 +43,8 @@ __all__ = ["READS", "NOT_LOCAL", "batch_local", "reads"]
 Said = tuple[Collection[int], Collection[int]]
 Rule = Callable[[tuple[Any, ...], dict[str, Any], int], Said | None]
 
-READS: dict[Any, tuple[Rule, tuple[int, ...]]] = {}
+#: (a Table: a change drops the kept rules, :mod:`mpidp.sharded.kept`)
+READS: dict[Any, tuple[Rule, tuple[int, ...]]] = Table()
 NOT_LOCAL = object()
 
 

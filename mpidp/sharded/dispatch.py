@@ -20,6 +20,7 @@ model runs first and is made fast op by op.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.sharded.batch import NOT_LOCAL, READS, batch_local
 from mpidp.sharded.block_layout import TokenSpec, spectral_call
+from mpidp.sharded.kept import KEPT, Kept, Routed, Table, forget, plan, signature
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import (
     GRID_SEEN,
@@ -57,24 +59,24 @@ __all__ = [
 
 Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
-_HANDLERS: dict[Any, Handler] = {}
+_HANDLERS: dict[Any, Handler] = Table()
 #: handlers that take ShardedTensors whose sharded dim holds blocks (``blocks > 1``)
 _BLOCKS_OK: set[Handler] = set()
 #: on latitude x longitude blocks (``ShardedTensor.grid``): the handlers of calls with a block
 #: argument (:func:`register_grid`), and the band handlers that take blocks as they are
 #: (``register(..., grid=True)``); any other call with a block is refused
-_GRID: dict[Any, Handler] = {}
+_GRID: dict[Any, Handler] = Table()
 _GRID_OK: set[Handler] = set()
 #: on tokens of blocks (``ShardedTensor.grid`` a TokenSpec): their handlers alone
 #: (:mod:`mpidp.sharded.tokens`); any other call with tokens is refused
-_TOKENS: dict[Any, Handler] = {}
+_TOKENS: dict[Any, Handler] = Table()
 #: functions with a fast path beside their handler (:func:`fast_path`): tried first on calls
 #: whose keyword arguments are plain values; it answers :data:`NOT_LOCAL` when the call is not
 #: its kind
 _FAST: dict[Any, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {}
 #: the keyword values a fast path is given (``F.silu(x, inplace=False)``): no tensor, no tree
 _PLAIN_VALUES = (bool, int, float, str, type(None))
-_FALLBACK = {"on": os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0")}
+_FALLBACK = Table(on=os.environ.get("MPIDP_SHARDED_FALLBACK", "") not in ("", "0"))
 _WARNED: set[str] = set()
 
 
@@ -120,6 +122,7 @@ def register(*funcs: Any, blocks: bool = False, grid: bool = False) -> Callable[
     (``ShardedTensor.grid``); see :func:`register_grid` for a handler of blocks alone."""
 
     def deco(handler: Handler) -> Handler:
+        forget()  # (the handler sets below are no Table)
         for f in funcs:
             for op in op_named(f) if isinstance(f, str) else [f]:
                 _HANDLERS[key(op)] = handler
@@ -270,13 +273,23 @@ def observed(what: Any, args: Any, kwargs: Any, run: Callable[[], Any]) -> Any:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` on ShardedTensor arguments through its handler (or refuse). Partial
-    values among the arguments are summed first: handlers see Replicated values."""
+    values among the arguments are summed first: handlers see Replicated values. A call of
+    a signature seen before takes the rule kept for it (:mod:`mpidp.sharded.kept`)."""
     if not WATCHERS:
         fast = _FAST.get(func)
         if fast is not None and all(type(v) in _PLAIN_VALUES for v in kwargs.values()):
             out = fast(func, args, kwargs)
             if out is not NOT_LOCAL:
                 return out
+        found = signature(func, args, kwargs)
+        if found is not None:  # (no partial value, not the "whole" convention)
+            rule = KEPT.get(found[0])
+            if type(rule) is Kept:
+                return rule(found[1])
+            if isinstance(rule, Routed):
+                return _located(rule.handler, func, args, kwargs)
+            run = functools.partial(_located, _dispatch, func, args, kwargs)
+            return plan(found[0], found[1], run)
     args, kwargs = summed((args, kwargs))
     if not _DEPTH and _whole(args, kwargs):
         args, kwargs = whole_gradients((args, kwargs))
@@ -290,8 +303,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if WATCHERS:
-        return observed(func, args, kwargs, lambda: _located(func, args, kwargs))
-    return _located(func, args, kwargs)
+        return observed(func, args, kwargs, lambda: _located(_dispatch, func, args, kwargs))
+    return _located(_dispatch, func, args, kwargs)
 
 
 #: the outermost call under the ``"whole"`` convention (a handler's own calls nest in it)
@@ -329,9 +342,10 @@ def whole_gradients(tree: Any) -> Any:
     return tree_unflatten(plain, spec)
 
 
-def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _located(rule: Handler, func: Any, *call: Any) -> Any:
+    """``rule(func, *call)``; a refusal names where in the model it was raised."""
     try:
-        return _dispatch(func, args, kwargs)
+        return rule(func, *call)
     except UnsupportedOp as err:
         located = relocated(err)
         if located is None:
@@ -339,7 +353,11 @@ def _located(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise located from None
 
 
-def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _dispatch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], route: list[Any] | None = None
+) -> Any:
+    """The general path of a call: its rule, or refused. ``route``: set to the handler run
+    (:mod:`mpidp.sharded.kept`), on a call of no spectrum."""
     if GRID_SEEN:  # (no block was ever made: nothing to look for, no spectrum of one)
         spectrum = first((args, kwargs), _is_spectrum)
         if spectrum is not None:
@@ -356,11 +374,15 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 )
             with spectral_call():  # the band rules, over the domain group
                 return _band_dispatch(func, args, kwargs, spectral=True)
-    return _band_dispatch(func, args, kwargs)
+    return _band_dispatch(func, args, kwargs, route=route)
 
 
 def _band_dispatch(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], spectral: bool = False
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    spectral: bool = False,
+    route: list[Any] | None = None,
 ) -> Any:
     """A call on bands or blocks: the batch rule (bands and blocks alike), a block's rules,
     the band handler, the gathering fallback, or refused. On a spectrum of blocks
@@ -372,7 +394,7 @@ def _band_dispatch(
     if GRID_SEEN and not spectral:  # (no block was ever made: nothing to look for)
         block = first((args, kwargs), _is_block)
         if block is not None:
-            return _grid_dispatch(func, args, kwargs, block)
+            return _grid_dispatch(func, args, kwargs, block, route)
     handler = _HANDLERS.get(key(func))
     if handler is not None:
         # (no merged blocks were ever made: nothing to look for)
@@ -385,6 +407,8 @@ def _band_dispatch(
                 "batch, (Z, H, W) tokens) and this function reads across that dim",
                 "unflatten the dim back (reshape/view to the separate dims) before the call",
             )
+        if route is not None:
+            route[0] = handler
         return handler(func, args, kwargs)
     if spectral:
         raise refuse(
@@ -435,7 +459,11 @@ def _is_merged(a: Any) -> bool:
 
 
 def _grid_dispatch(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], block: ShardedTensor
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    block: ShardedTensor,
+    route: list[Any] | None = None,
 ) -> Any:
     """A call with a latitude x longitude block that the batch rule does not take: its block
     handler, a band handler that takes blocks, the gathering fallback, or refused on every
@@ -445,6 +473,8 @@ def _grid_dispatch(
         handler = _TOKENS.get(k)  # (no gathering fallback: tokens are no block to cut back)
         if handler is None:
             raise refuse(func, args, kwargs, TOKENS_MIX, TOKENS_FIX)
+        if route is not None:
+            route[0] = handler
         return handler(func, args, kwargs)
     handler = _GRID.get(k)
     if handler is None:
@@ -460,6 +490,8 @@ def _grid_dispatch(
                 "window index) and this function reads across that dim",
                 MERGED_FIX,
             )
+        if route is not None:
+            route[0] = handler
         return handler(func, args, kwargs)
     if _FALLBACK["on"]:
         return _gather_fallback(func, args, kwargs)

@@ -27,7 +27,7 @@ from mpidp.layers.base import known_spec
 from mpidp.layers.registry import layer_for
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime.grid import BlockSpec
-from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.partition import _KNOWN, ShardSpec
 from mpidp.sharded.dispatch import WATCHERS, Handler, refuse
 from mpidp.sharded.dispatch import register as _register
 from mpidp.sharded.tensor import Replicated, ShardedTensor
@@ -182,9 +182,13 @@ def _on_part(
     """The layer ``dp`` on ``x``'s band (or block), its partition known; the result cut by
     ``lat`` (and on a block ``lon`` along the next dim)."""
     g, m, local = x._grid, x._manager, x._local
-    if g is None:
-        with known_spec(local, x._dim, x._spec):
-            return ShardedTensor(dp(local, *call), lat, x._dim, m)
+    if g is None:  # (known_spec's context variable set here, without its generator)
+        known = _KNOWN.set(((local, x._dim, x._spec), *_KNOWN.get()))
+        try:
+            y = dp(local, *call)
+        finally:
+            _KNOWN.reset(known)
+        return ShardedTensor(y, lat, x._dim, m)
     assert lon is not None and isinstance(g, BlockSpec)
     with known_spec(local, g.dims[0], g.lat), known_spec(local, g.dims[1], g.lon):
         y = dp(local, *call)
@@ -211,6 +215,7 @@ _PLANS: dict[Any, _Plan] = {}
 #: the layers :func:`run_layer` ran while a handler is planned (one list per planned call)
 _RECORDING: list[list[Any]] = []
 _VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_VALUE_SET = set(_VALUES)
 
 
 def _signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, list[Any]] | None:
@@ -223,7 +228,8 @@ def _signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, list[Any]] | Non
         return None
     local = x._local
     sig: list[Any] = [func, local.shape, local.dtype, local.device, local.requires_grad]
-    sig += (x._spec, x._dim, x._manager, x._grid, x._blocks, x._spectral, len(args))
+    # (a ShardSpec is its sizes, which hash without a Python call)
+    sig += (x._spec.sizes, x._dim, x._manager, x._grid, x._blocks, x._spectral, len(args))
     tensors: list[Any] = []
     for k, a in (*enumerate(args[1:]), *kwargs.items()):
         t = type(a)
@@ -232,8 +238,8 @@ def _signature(func: Any, args: Any, kwargs: Any) -> tuple[Any, list[Any]] | Non
             tensors.append(a)
         elif t in _VALUES or t is torch.Size:
             sig += (k, t, a)
-        elif (t is tuple or t is list) and all(type(v) in _VALUES for v in a):
-            sig += (k, t, tuple(a), tuple(map(type, a)))
+        elif (t is tuple or t is list) and set(types := tuple(map(type, a))) <= _VALUE_SET:
+            sig += (k, t, tuple(a), types)  # (no generator over the items: per call)
         else:
             return None
     return tuple(sig), tensors

@@ -30,13 +30,15 @@ from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
 from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
+from mpidp.ops.bands import _BANDS, _NOTES
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
 from mpidp.runtime.grid import BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
-from mpidp.runtime.partition import ShardSpec, known_for
+from mpidp.runtime.partition import _KNOWN, ShardSpec, known_for
 from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, WATCHERS, UnsupportedOp, observed
+from mpidp.sharded.kept import wrapped
 from mpidp.sharded.layer_calls import spectrum_refused
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
@@ -169,6 +171,8 @@ class _Plan(NamedTuple):
     shape: torch.Size
     spec: ShardSpec
     dim: int
+    #: the output's global shape
+    whole: torch.Size
 
 
 #: per converted layer, the plan of its last single-band call
@@ -192,7 +196,7 @@ def _planned(layer: Any, forward: Callable[..., Any], x: ShardedTensor, plan: _P
     if notes is None:  # the torch form ran
         return out
     if type(out) is torch.Tensor and out.shape == plan.shape and notes == plan.notes:
-        return ShardedTensor(out, plan.spec, plan.dim, x._manager)
+        return wrapped(out, plan.whole, plan.spec, plan.dim, x._manager)
     return _wrap_out(layer, out, notes, x, (x,), {})
 
 
@@ -206,10 +210,20 @@ def _call(
     a = sharded[0]
     try:
         if len(args) == 1 and args[0] is a and not kwargs and a._grid is None:  # one band
-            local = a._local  # (nearly every call: no walk, no stack of contexts)
-            band = ((local, a._dim),)
-            with known_spec(local, a._dim, a._spec), band_call(band) as notes, whole:
-                out = forward(layer, local)
+            local = a._local  # (nearly every call: no walk; known_spec and band_call's
+            notes: list[Any] = []  # context variables set here, without their generators)
+            known = _KNOWN.set(((local, a._dim, a._spec), *_KNOWN.get()))
+            t_notes, t_bands = _NOTES.set(notes), _BANDS.set(((local, a._dim),))
+            try:
+                if whole is _NOTHING:
+                    out = forward(layer, local)
+                else:
+                    with whole:
+                        out = forward(layer, local)
+            finally:
+                _BANDS.reset(t_bands)
+                _NOTES.reset(t_notes)
+                _KNOWN.reset(known)
         else:
             with _known(sharded) as notes, whole:
                 out = forward(layer, *_unwrap(args, a), **_unwrap(kwargs, a))
@@ -239,7 +253,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     if layout is not None and type(y) is ShardedTensor and not t.whole:
         # the same layout next time: the checks above are the plan's (outputs of another
         # shape, or other notes, come back here)
-        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim)
+        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim, y._shape)
     return y
 
 
@@ -355,7 +369,8 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
     shard_dim``) as the ShardedTensor of this rank's band (the partitions declared with
     :func:`~mpidp.runtime.partition.known_spec`, else learned in one all-gather); other
     arguments as they are."""
-    leaves, tree = tree_flatten((args, kwargs))
+    plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # (the commonest call)
+    leaves, tree = (list(args), None) if plain else tree_flatten((args, kwargs))
     at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(1 - shard_dim, 1)]
     if at:
         dims = [leaves[i].dim() + shard_dim for i in at]
@@ -370,7 +385,7 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
             specs = [ShardSpec((leaves[i].size(d),)) for i, d in zip(at, dims, strict=True)]
         for i, d, spec in zip(at, dims, specs, strict=True):
             leaves[i] = ShardedTensor(leaves[i], spec, d, m)
-    return _unflatten(leaves, tree)
+    return (tuple(leaves), kwargs) if tree is None else _unflatten(leaves, tree)
 
 
 def _wrap_blocks(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
@@ -481,6 +496,12 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         calls[-1][1].__enter__()
         calls[-1][3].__enter__()  # its layers bound to None: on m, whatever the default
         return args, kwargs
+    x = args[0] if len(args) == 1 and not kwargs else None
+    if type(x) is ShardedTensor and x._grid is None and x._blocks == 1:  # one band (per call:
+        local = x._local  # no walk)
+        if _fits(x._dim - local.dim(), dim) and local.size(x._dim):
+            calls.append(("band", x, False))
+            return (local,), kwargs
     sharded = _sharded(args, kwargs)
     if any(a._grid is not None for a in sharded):  # blocks: the module's own forward, dispatched
         calls.append(None)
@@ -519,8 +540,12 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     if call[0] == "model":
         call[3].__exit__(None, None, None)
         call[1].__exit__(None, None, None)
+        if type(out) is ShardedTensor:  # (the commonest result: no walk)
+            return _to_band(out, call[2])
         return tree_map(lambda o: _to_band(o, call[2]), out)
     ref, empty = call[1], call[2]
+    if kind == "band" and type(out) is torch.Tensor and out.shape == ref._local.shape:
+        return ref.same_layout(out)  # (the band's own shape: its cut, as _band_outputs finds)
     if empty:  # the zero row enter_module added: dropped from every output of the band's rank
         d = ref.shard_dim
         out = tree_map(

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
@@ -44,7 +44,7 @@ from mpidp.runtime.partition import PartitionPolicy, ShardSpec
 from mpidp.sharded import block_layout as bl
 from mpidp.sharded import layout as pl
 from mpidp.sharded.layout import chunk_spec  # also mpidp.sharded.tensor.chunk_spec, as before
-from mpidp.sharded.walk import holds
+from mpidp.sharded.walk import first, holds
 
 __all__ = ["ShardedTensor", "Replicated", "shard", "replicated"]
 
@@ -514,14 +514,24 @@ class Replicated(torch.Tensor):
         kwargs = kwargs or {}
         if has_sharded(args, kwargs):
             return _DISPATCHER[0](func, tuple(args), kwargs)
-        t = _first_transport(args, kwargs)
-        if func not in _NO_SHARES and torch.is_grad_enabled():
+        ref = first((args, kwargs), _is_replicated)  # (builtin containers, without pytree)
+        if ref is None:  # inside another container pytree knows
+            ref = next(a for a in tree_flatten((args, kwargs))[0] if _is_replicated(a))
+        t = ref._t
+        # (a plain tensor's share differs from the value on a group of several ranks only)
+        if t.size > 1 and not t.whole and func not in _NO_SHARES and torch.is_grad_enabled():
             args, kwargs = tree_map(lambda a: _share(a, t), (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if func in _KEEP_PLAIN:
             return out
+        if isinstance(out, torch.Tensor):  # (the commonest result: no walk)
+            return replicated(out, t) if _is_plain(out) else out
         return tree_map(lambda o: replicated(o, t) if _is_plain(o) else o, out)
+
+
+def _is_replicated(a: Any) -> bool:
+    return isinstance(a, Replicated)
 
 
 def _is_plain(o: Any) -> bool:
@@ -541,18 +551,6 @@ def replicated(x: torch.Tensor, t: Transport) -> Replicated:
     out = x.as_subclass(Replicated)
     out._t = t
     return out
-
-
-def _first_transport(args: Any, kwargs: Any) -> Transport:
-    found: list[Transport] = []
-
-    def look(a: Any) -> Any:
-        if isinstance(a, Replicated) and not found:
-            found.append(a._t)
-        return a
-
-    tree_map(look, (args, kwargs))
-    return found[0]
 
 
 class _RankZeroGrad(torch.autograd.Function):
