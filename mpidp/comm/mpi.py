@@ -264,7 +264,11 @@ class MPITransport(Transport):
         if dim != 0 or not tensor.is_contiguous():
             return None
         g = self._gathers.get((tuple(sizes), tensor.shape, tensor.dtype))
-        return None if g is None else functools.partial(self._gather, g, problem=None)
+        if g is None:
+            return None
+        if g.pair is not None and self._checks:  # the exchange itself, one frame less
+            return functools.partial(pair_gather, self, g.pair, g.facts)
+        return functools.partial(self._gather, g, problem=None)
 
     def _gather_of(self, x: torch.Tensor, sizes: list[int]) -> _Gather:
         counts, displs = self._counts(sizes, self._row_bytes(x))
@@ -272,15 +276,7 @@ class MPITransport(Transport):
         shape = (sum(sizes), *x.shape[1:])
         pair = None
         if self.size == 2:
-            pair = pair_of(
-                self.rank,
-                shape,
-                counts,
-                displs,
-                x.element_size(),
-                fingerprint(facts),
-                self.buffers.min_bytes,
-            )
+            pair = pair_of(self, shape, counts, displs, x.dtype, fingerprint(facts))
         return _Gather(
             facts,
             shape,
@@ -301,7 +297,7 @@ class MPITransport(Transport):
         all-reduce before the ``Allgatherv`` (with counts that disagree the collective itself
         is erroneous MPI)."""
         if g.pair is not None and self._checks:
-            return pair_gather(self, g.pair, g.facts, g.shape, x, problem)
+            return pair_gather(self, g.pair, g.facts, x, problem)
         out = self._new(g.shape, x.dtype)
         self._checked(
             "all_gather_v",
