@@ -7,7 +7,8 @@ Always on, for every collective: a fingerprint of what each rank passed (the ope
 sizes, dtype and row shape) is all-reduced (two int64) before the operation, so ranks that
 disagree (sizes, a dtype of the same width, a frozen parameter) get one clear error on every
 rank, and no data moves, instead of garbage or a bare MPI abort (``all_gather_v`` on two ranks
-carries it in a header beside its rows instead: :mod:`mpidp.comm.pair_gather`); and every
+carries it in a header beside its rows instead: :mod:`mpidp.comm.pair_gather`, and on three
+and four ranks in messages of its own beside them: :mod:`mpidp.comm.few_gather`); and every
 wait has a deadline (``timeout``, ``MPIDP_TIMEOUT``, :mod:`mpidp.comm.deadline`), after which
 the job aborts with a message naming the call instead of hanging.
 Point-to-point receives check the byte count each message brought.
@@ -36,6 +37,7 @@ from mpidp.comm.base import (
 )
 from mpidp.comm.buffers import BufferCache
 from mpidp.comm.deadline import deadline, deadline_seconds
+from mpidp.comm.few_gather import FEW, Few, few_gather, few_of
 from mpidp.comm.pair_gather import PAIR_TAG, Pair, pair_gather, pair_of
 from mpidp.comm.prepared import WaitingFor, _Prepared
 from mpidp.errors import CommError
@@ -70,6 +72,7 @@ class _Gather(NamedTuple):
     displs: list[int]
     call: Callable[..., MPI.Request | None]
     pair: Pair | None  # on two ranks: the one-message plan, its header carrying the facts
+    few: Few | None  # on three to FEW ranks: the headers in messages beside the rows
 
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -264,7 +267,13 @@ class MPITransport(Transport):
         if dim != 0 or not tensor.is_contiguous():
             return None
         g = self._gathers.get((tuple(sizes), tensor.shape, tensor.dtype))
-        return None if g is None else functools.partial(self._gather, g, problem=None)
+        if g is None:
+            return None
+        if g.pair is not None and self._checks:  # the exchange itself, one frame less
+            return functools.partial(pair_gather, self, g.pair, g.facts)
+        if g.few is not None and self._checks:
+            return functools.partial(few_gather, self, g.few, g.facts)
+        return functools.partial(self._gather, g, problem=None)
 
     def _gather_of(self, x: torch.Tensor, sizes: list[int]) -> _Gather:
         counts, displs = self._counts(sizes, self._row_bytes(x))
@@ -272,15 +281,10 @@ class MPITransport(Transport):
         shape = (sum(sizes), *x.shape[1:])
         pair = None
         if self.size == 2:
-            pair = pair_of(
-                self.rank,
-                shape,
-                counts,
-                displs,
-                x.element_size(),
-                fingerprint(facts),
-                self.buffers.min_bytes,
-            )
+            pair = pair_of(self, shape, counts, displs, x.dtype, fingerprint(facts))
+        few = None
+        if 2 < self.size <= FEW:
+            few = few_of(self, x, shape, counts, displs, fingerprint(facts))
         return _Gather(
             facts,
             shape,
@@ -288,6 +292,7 @@ class MPITransport(Transport):
             displs,
             self.comm.Allgatherv if max(counts) <= BLOCKING_BYTES else self.comm.Iallgatherv,
             pair,
+            few,
         )
 
     def _all_gather_v(
@@ -297,11 +302,14 @@ class MPITransport(Transport):
 
     def _gather(self, g: _Gather, x: torch.Tensor, problem: str | None) -> torch.Tensor:
         """``x``'s rows and every other rank's, as ``g`` says: on two ranks the agreement rides
-        in the one message each way (:mod:`mpidp.comm.pair_gather`), on more it is the check
+        in the one message each way (:mod:`mpidp.comm.pair_gather`), on three and four in
+        messages beside the rows (:mod:`mpidp.comm.few_gather`), on more it is the check
         all-reduce before the ``Allgatherv`` (with counts that disagree the collective itself
         is erroneous MPI)."""
         if g.pair is not None and self._checks:
-            return pair_gather(self, g.pair, g.facts, g.shape, x, problem)
+            return pair_gather(self, g.pair, g.facts, x, problem)
+        if g.few is not None and self._checks:
+            return few_gather(self, g.few, g.facts, x, problem)
         out = self._new(g.shape, x.dtype)
         self._checked(
             "all_gather_v",

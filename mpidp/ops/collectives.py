@@ -99,7 +99,10 @@ def all_gather_v(
 
     Collective over ``group``.
     """
-    return _gather_to_all(_AllGatherV, "all_gather_v", tensor, sizes, dim, group, debug)
+    key, out = kept_call(_AllGatherV, tensor, sizes, dim, group, debug)
+    if out is not None:  # a call of this key ran before: what it resolved and checked served
+        return out
+    return _gather_to_all(_AllGatherV, "all_gather_v", tensor, sizes, dim, group, debug, key)
 
 
 def all_gather_v_replicated(
@@ -118,8 +121,11 @@ def all_gather_v_replicated(
 
     Collective over ``group``.
     """
+    key, out = kept_call(_AllGatherVReplicated, tensor, sizes, dim, group, debug)
+    if out is not None:
+        return out
     return _gather_to_all(
-        _AllGatherVReplicated, "all_gather_v_replicated", tensor, sizes, dim, group, debug
+        _AllGatherVReplicated, "all_gather_v_replicated", tensor, sizes, dim, group, debug, key
     )
 
 
@@ -131,10 +137,10 @@ def _gather_to_all(
     dim: int,
     group: Any,
     debug: bool | None,
+    key: tuple[Any, ...] | None,
 ) -> torch.Tensor:
-    key, out = kept_call(fn, tensor, sizes, dim, group, debug)
-    if out is not None:  # a call of this key ran before: what it resolved and checked served
-        return out
+    """The full path of a gather whose call ``key`` (None: not to be kept) no kept call served:
+    resolve, check, run, and keep what it resolved."""
     t = band_transport(group, tensor.device, name)
     sz = as_sizes(sizes)
     if debug_enabled(debug):

@@ -14,12 +14,15 @@ arguments travels with each call's data (a peer that passed something else raise
 read per call and takes the full path; a kept transport serves only while the manager that
 made it hands out the same (not shut down, no ``count_traffic`` or ``profile`` block, whose
 wrapped transports take the full path). Only calls over the default manager, a manager or a
-transport are kept.
+transport are kept. A manager's shutdown drops the calls kept over it, and those kept over
+its transports once one over it was kept (the table would otherwise hold the manager, its
+groups and communicators until it starts over); a transport passed alone stays the caller's.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,6 +52,12 @@ class Kept(NamedTuple):
 
 _KEPT: dict[tuple[Any, ...], Kept] = {}
 
+#: the managers whose shutdown drops their kept calls (:func:`_forget`: hooked once each)
+_HOOKED: weakref.WeakSet[DistributedManager] = weakref.WeakSet()
+
+#: the types of group seen to be a manager or a transport: a set lookup, not an isinstance call
+_KINDS: set[type] = set()
+
 # os.environ's own table and the debug switch's key in it: whether MPIDP_DEBUG is set at all
 # is one dict lookup (os.environ.get raises and catches a KeyError when it is not: 1-4 us);
 # when it is, debug_enabled reads its value
@@ -68,9 +77,14 @@ def kept_call(
     when a kept call of that key serves, its result on ``tensor`` (else None)."""
     if debug or (debug is None and (_ENV is None or _DEBUG_KEY in _ENV) and debug_enabled()):
         return None, None
-    if group is not None and not isinstance(group, (DistributedManager, Transport)):
-        return None, None
-    sz = sizes.sizes if isinstance(sizes, ShardSpec) else tuple(sizes)
+    if group is not None and type(group) not in _KINDS:
+        if not isinstance(group, (DistributedManager, Transport)):
+            return None, None
+        _KINDS.add(type(group))
+    if type(sizes) is list or type(sizes) is tuple:
+        sz = tuple(sizes)
+    else:
+        sz = sizes.sizes if isinstance(sizes, ShardSpec) else tuple(sizes)
     grad = tensor.requires_grad
     key = (
         fn,
@@ -84,11 +98,11 @@ def kept_call(
         dim,
     )
     try:
-        kept = _KEPT.get(key)
+        kept = _KEPT[key]
+    except KeyError:
+        return key, None
     except TypeError:  # sizes of something unhashable: the full path says what is wrong
         return None, None
-    if kept is None:
-        return key, None
     m = kept.manager
     if m is not None:
         if (get_manager() if group is None else group) is not m:
@@ -111,7 +125,20 @@ def keep(
         m = get_manager() if group is None else group
         if "transport" in m.__dict__:  # a wrapped transport: not kept
             return
+    if m is not None and m not in _HOOKED:
+        _HOOKED.add(m)
+        mid = id(m)  # not the manager: its hook must not hold it
+        m._on_shutdown.append(lambda: _forget(mid))
     if len(_KEPT) >= LIMIT:
         _KEPT.clear()
     run = t.kept_all_gather_v(tensor, sizes, dim) if t.size > 1 else None
     _KEPT[key] = Kept(m, t, sizes, dim, run)
+
+
+def _forget(mid: int) -> None:
+    """Drop every call kept over the manager of id ``mid`` or one of its transports (run by its
+    shutdown, before it lets its transports go)."""
+    m = next((h for h in _HOOKED if id(h) == mid), None)
+    ts = {id(t) for t in m._transports.values()} if m is not None else set()
+    for key in [k for k, v in _KEPT.items() if id(v.manager) == mid or id(v.t) in ts]:
+        del _KEPT[key]
