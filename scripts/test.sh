@@ -153,7 +153,7 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_rollout_blocks test_compat_pnm_devmesh test_overlap_blocks test_blocks_tokens
   test_plan_spectral_channels test_dispatch_cache test_fixes6
   test_tokens_mha test_tokens_peraxis test_agv_fast test_compat_groups test_fixes7
-  test_dispatch_cache2 test_house8 test_tokens_batch)
+  test_dispatch_cache2 test_house8 test_tokens_batch test_agv_fast2)
 if [ "$one_beside" = 1 ]; then
   run_stage "DDP / FSDP2 / tensor-parallel composition tests, 1 rank" 1 \
     mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
@@ -214,7 +214,7 @@ fi
 # loaded machine: the fault tests time the end of a job from its fault, not from its launch,
 # and look for each rank's own message, not for which rank's abort ended the job.
 launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
-  tests/launch/test_test_script.py)
+  tests/launch/test_test_script.py tests/launch/test_agv_deadline.py)
 start_beside "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
   "${launch_tests[@]}"
 run_stage "launch tests: examples, docs" 3 "$py" -m pytest -q tests/launch \
