@@ -270,6 +270,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             out = fast(func, args, kwargs)
             if out is not NOT_LOCAL:
                 return out
+    if kwargs.get("out") is not None:  # handlers compute bands: out= would get one rank's part
+        raise refuse(func, args, kwargs, "out= with a band among the arguments", "assign: y = f(x)")
     args, kwargs = summed((args, kwargs))
     if not _DEPTH and _whole(args, kwargs):
         args, kwargs = whole_gradients((args, kwargs))

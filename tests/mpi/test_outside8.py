@@ -1,0 +1,146 @@
+"""Holes found running real models outside the zoo (H4, eighth session), in plain torch.
+
+torch-harmonics' SFNO writes the Legendre contraction over latitude (a value every rank holds,
+partial) into ``torch.zeros`` by ``xout[..., 0] = einsum(...)``: the plain target kept its
+class, so every rank counted the gradients downstream as its own (a parameter's gradient P
+times after ``sync_gradients``), and the second write crashed. Writes in place into a partial
+value, and ``out=`` of a partial value or a band, gave one rank's summand or part. Each is
+exact now or refused on every rank. Float64, 13 x 20 (uneven on every grid), every grid of the
+world.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import agreed, rand, refusal
+from torch import nn
+
+import mpidp
+from mpidp.errors import ConfigError, MpidpError
+from mpidp.sharded import ShardedTensor, shard
+
+pytestmark = pytest.mark.mpi
+
+B, C, H, W = 2, 3, 13, 20
+L, M = 5, 6  # Legendre degrees and longitude modes kept
+
+
+def _full(t):
+    t = t.full_tensor() if isinstance(t, ShardedTensor) else t
+    return t.detach().as_subclass(torch.Tensor)
+
+
+def _compare(gm, model, full):
+    """``model`` on ``full`` cut over ``gm``'s grid against serial: output, input gradient and
+    every parameter gradient after sync_gradients; the failures (asserted by the caller after
+    every collective)."""
+    model.zero_grad(set_to_none=True)
+    xr = full.clone().requires_grad_()
+    yr = model(xr)
+    w = rand(tuple(yr.shape), 5)
+    (yr * w).sum().backward()
+    refs = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    x = shard(full, (-2, -1) if gm.grid[1] > 1 else -2, gm).requires_grad_()
+    y = model(x)
+    (y * w).sum().backward()
+    mpidp.sync_gradients(model, gm)
+    got = {"out": _full(y), "grad_in": _full(x.grad)}
+    want = {"out": yr.detach(), "grad_in": xr.grad}
+    for n, p in model.named_parameters():
+        got[n], want[n] = p.grad, refs[n]
+    bad = []
+    for k, g in got.items():
+        e = float((g - want[k]).abs().max() / want[k].abs().max()) if g is not None else 1.0
+        if not e <= 1e-10:
+            bad.append(f"rank {gm.rank} {k}: rel {e:.3g}")
+    return bad
+
+
+class SpectralNet(nn.Module):
+    """torch-harmonics' RealSHT / SpectralConvS2 / InverseRealSHT as their forwards write them:
+    rfft over longitude, the Legendre contraction over latitude written into zeros (real and
+    imaginary parts, two writes), complex weights per degree, the inverse contraction, irfft;
+    then a 1 x 1 convolution and the skip of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("fwd", rand((M, L, H), 3))
+        self.register_buffer("inv", rand((M, L, H), 4))
+        self.spec = nn.Parameter(torch.complex(rand((C, C, L), 7), rand((C, C, L), 8)))
+        self.mix = nn.Conv2d(C, C, 1).double()
+
+    def forward(self, x):
+        z = torch.view_as_real(torch.fft.rfft(x, dim=-1, norm="forward"))
+        out = torch.zeros(*x.shape[:-2], L, M, 2, dtype=x.dtype)
+        out[..., 0] = torch.einsum("...km,mlk->...lm", z[..., :M, 0], self.fwd)
+        out[..., 1] = torch.einsum("...km,mlk->...lm", z[..., :M, 1], self.fwd)
+        c = torch.einsum("...ilm,oil->...olm", torch.view_as_complex(out), self.spec)
+        r = torch.view_as_real(c)
+        y = torch.stack([torch.einsum("...lm,mlk->...km", r[..., i], self.inv) for i in (0, 1)], -1)
+        y = torch.fft.irfft(torch.view_as_complex(y), n=x.shape[-1], dim=-1, norm="forward")
+        return self.mix(y) + x
+
+
+def test_spherical_transform_written_into_zeros_equals_serial(gm):
+    """SFNO's spectral layer on bands: exact (it gave every parameter gradient P times, then
+    crashed on the second write). On blocks the rfft over the cut longitude alone gives
+    blocks of modes, which ``view_as_real`` refuses on every rank."""
+    full = rand((B, C, H, W), 1)
+    if gm.grid[1] == 1:
+        assert not agreed(_compare(gm, SpectralNet(), full))
+        return
+    said = agreed([refusal(lambda: _compare(gm, SpectralNet(), full))])
+    assert all(s and "view_as_real" in s and "blocks" in s for s in said), said
+
+
+class Writes(nn.Module):
+    """A field's channel means (partial) written in place every way: ``copy_`` into zeros,
+    ``+=`` into ones, ``out=``, ``copy_`` into a view (its base is used), and written into
+    the partial value itself (``mul_``, ``x[i] = v``) before linear uses of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(C, C).double()
+
+    def forward(self, x):
+        g = x.mean((-2, -1))  # (B, C), partial
+        a = torch.zeros(B, C, dtype=x.dtype)
+        a.copy_(g)
+        b = torch.ones(B, C, dtype=x.dtype)
+        b += g
+        c = torch.empty(B, C, dtype=x.dtype)
+        torch.mul(g.detach(), 3.0, out=c)  # (out= takes no autograd, serial too)
+        buf = torch.zeros(2, B, C, dtype=x.dtype)
+        buf[1].copy_(g)
+        s = x.sum((-2, -1))  # (B, C), partial
+        s.mul_(0.5)
+        s[..., 0] = 1.0
+        h = self.lin(a + b * c + buf.sum(0)) + s * 2.0
+        return x * h[..., None, None]
+
+
+def test_writes_of_a_value_every_rank_holds_equal_serial(gm):
+    assert not agreed(_compare(gm, Writes(), rand((B, C, H, W), 2)))
+
+
+def test_writes_that_cannot_be_exact_are_refused_on_every_rank(gm):
+    """A partial value written into a plain tensor that requires grad (its gradient would be
+    counted per rank), and ``out=`` with a band: the same refusal on every rank."""
+    x = shard(rand((B, C, H, W), 3), (-2, -1) if gm.grid[1] > 1 else -2, gm)
+    p = nn.Parameter(rand((B, C), 4))
+
+    def into_grad():
+        t = p * 1.0
+        t[0] = x.mean((-2, -1))[0]
+
+    said = [
+        refusal(into_grad, ConfigError),
+        refusal(lambda: torch.mul(x, 2.0, out=torch.empty(B, C, H, W)), MpidpError),
+    ]
+    every = agreed([said])
+    want = gm.domain_world_size == 1 or all(
+        s[0] and "requires grad" in s[0] and s[1] and "out=" in s[1] for s in every
+    )
+    assert want, every
