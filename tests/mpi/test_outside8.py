@@ -125,6 +125,27 @@ def test_writes_of_a_value_every_rank_holds_equal_serial(gm):
     assert not agreed(_compare(gm, Writes(), rand((B, C, H, W), 2)))
 
 
+class MaskedWrites(nn.Module):
+    """CREDIT's tracer fixer: ``v = y[:, i]; v[v < t] = t`` (a view of the band written through
+    a mask of its own shape), and a 0-d tensor value."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Conv2d(C, C, 1).double()
+
+    def forward(self, x):
+        y = self.mix(x)
+        v = y[:, 1]
+        v[v < 0.1] = 0.1
+        y[y > 1.0] = torch.tensor(1.0, dtype=y.dtype)
+        return y * x
+
+
+def test_writes_through_a_mask_of_the_whole_shape_equal_serial(gm):
+    """They were refused ("tensor, list, bool or None indices")."""
+    assert not agreed(_compare(gm, MaskedWrites(), rand((B, C, H, W), 6)))
+
+
 def test_writes_that_cannot_be_exact_are_refused_on_every_rank(gm):
     """A partial value written into a plain tensor that requires grad (its gradient would be
     counted per rank), and ``out=`` with a band: the same refusal on every rank."""
