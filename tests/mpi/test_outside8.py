@@ -146,6 +146,23 @@ def test_writes_through_a_mask_of_the_whole_shape_equal_serial(gm):
     assert not agreed(_compare(gm, MaskedWrites(), rand((B, C, H, W), 6)))
 
 
+class Special(nn.Module):
+    """``torch.special``'s element-wise names (PhysicsNeMo's ConvResidualBlock gates with
+    ``torch.special.expit``): they were refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Conv2d(C, C, 1).double()
+
+    def forward(self, x):
+        y = self.mix(x)
+        return torch.special.expit(y) * torch.special.ndtr(x) + torch.special.xlog1py(y, x.abs())
+
+
+def test_special_element_wise_functions_equal_serial(gm):
+    assert not agreed(_compare(gm, Special(), rand((B, C, H, W), 7)))
+
+
 def test_writes_that_cannot_be_exact_are_refused_on_every_rank(gm):
     """A partial value written into a plain tensor that requires grad (its gradient would be
     counted per rank), and ``out=`` with a band: the same refusal on every rank."""
