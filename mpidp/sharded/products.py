@@ -107,6 +107,10 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
         ok = ok and (a.blocks == 1 or a.shard_dim < a.dim() - 2)
     else:
+        if b.dim() >= 2 and b.shard_dim == b.dim() - 2:  # a contraction over the band, b right
+            t = b.transport  # (torch-harmonics' DISCO: psi @ field flattened to (lat x lon))
+            w = b.rows_of(_plain(a, t), a.dim() - 1)
+            return partial_sum(torch.matmul(w, b.local), t)
         ok = b.dim() >= 2 and b.shard_dim != b.dim() - 2
         ok = ok and (b.blocks == 1 or b.shard_dim < b.dim() - 2)
     ref = first_sharded((a, b))

@@ -87,12 +87,16 @@ def test_spherical_transform_written_into_zeros_equals_serial(gm):
     """SFNO's spectral layer on bands: exact (it gave every parameter gradient P times, then
     crashed on the second write). On blocks the rfft over the cut longitude alone gives
     blocks of modes, which ``view_as_real`` refuses on every rank."""
-    full = rand((B, C, H, W), 1)
+    _on_bands(gm, SpectralNet(), rand((B, C, H, W), 1), "view_as_real")
+
+
+def _on_bands(gm, model, full, refused_op):
+    """``model`` exact on bands; on blocks refused at ``refused_op`` on every rank."""
     if gm.grid[1] == 1:
-        assert not agreed(_compare(gm, SpectralNet(), full))
+        assert not agreed(_compare(gm, model, full))
         return
-    said = agreed([refusal(lambda: _compare(gm, SpectralNet(), full))])
-    assert all(s and "view_as_real" in s and "blocks" in s for s in said), said
+    said = agreed([refusal(lambda: _compare(gm, model, full))])
+    assert all(s and refused_op in s and "blocks" in s for s in said), said
 
 
 class Writes(nn.Module):
@@ -161,6 +165,37 @@ class Special(nn.Module):
 
 def test_special_element_wise_functions_equal_serial(gm):
     assert not agreed(_compare(gm, Special(), rand((B, C, H, W), 7)))
+
+
+class Disco(nn.Module):
+    """torch-harmonics' DISCO convolution (its torch path, LSNO's encoder): a plain filter of
+    (K, H_out, H * W) times the field flattened to (lat x lon) by ``bmm``, once per output
+    longitude, the field rolled along longitude in between, written into zeros; then the
+    weights over channels and the K basis functions."""
+
+    K, HO, WO = 3, 5, 4
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("psi", rand((self.K, self.HO, H * W), 9))
+        self.weight = nn.Parameter(rand((C, C, self.K), 10))
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        xx = x.reshape(1, b * c, h, w).permute(0, 2, 3, 1).expand(self.K, -1, -1, -1)
+        y = torch.zeros(self.WO, self.K, self.HO, b * c, dtype=x.dtype)
+        for p in range(self.WO):
+            y[p] = torch.bmm(self.psi, xx.reshape(self.K, h * w, -1))
+            xx = torch.roll(xx, -(w // self.WO), dims=2)
+        y = y.permute(3, 1, 2, 0).reshape(b, c, self.K, self.HO, self.WO)
+        return torch.einsum("bckxy,ock->boxy", y, self.weight)
+
+
+def test_a_plain_filter_times_the_flattened_field_equals_serial(gm):
+    """``bmm(plain, band)`` contracting the band: each rank's columns of the filter against
+    its rows, a partial sum (it was refused; ``band @ plain`` was exact already). On blocks
+    the field's ``expand`` is refused."""
+    _on_bands(gm, Disco(), rand((B, C, H, W), 11), "expand")
 
 
 def test_writes_that_cannot_be_exact_are_refused_on_every_rank(gm):
