@@ -175,9 +175,10 @@ class Disco(nn.Module):
 
     K, HO, WO = 3, 5, 4
 
-    def __init__(self):
+    def __init__(self, sparse=False):
         super().__init__()
-        self.register_buffer("psi", rand((self.K, self.HO, H * W), 9))
+        psi = rand((self.K, self.HO, H * W), 9)
+        self.register_buffer("psi", psi.relu().to_sparse() if sparse else psi)
         self.weight = nn.Parameter(rand((C, C, self.K), 10))
 
     def forward(self, x):
@@ -195,7 +196,8 @@ def test_a_plain_filter_times_the_flattened_field_equals_serial(gm):
     """``bmm(plain, band)`` contracting the band: each rank's columns of the filter against
     its rows, a partial sum (it was refused; ``band @ plain`` was exact already). On blocks
     the field's ``expand`` is refused."""
-    _on_bands(gm, Disco(), rand((B, C, H, W), 11), "expand")
+    for sparse in (False, True):  # (torch-harmonics' filter is a sparse COO tensor)
+        _on_bands(gm, Disco(sparse), rand((B, C, H, W), 11), "expand")
 
 
 def test_writes_that_cannot_be_exact_are_refused_on_every_rank(gm):
