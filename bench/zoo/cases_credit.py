@@ -141,6 +141,73 @@ def credit_Debugger():
     return dict(model=eval(ctor), inputs=[Z(1, 7, 2, 33, 40)], dim=3, ctor=ctor)
 
 
+#: every post-processing fixer of CREDIT's PostBlock on its built-in demo grid (10 x 18, seven
+#: pressure levels): U, V, T, q on 7 levels (0-27), sp, precipitation, evaporation, TOA, surface
+#: radiation and fluxes (28-36)
+_Q = list(range(21, 28))
+POST = {
+    "activate": True,
+    "data": {"lead_time_periods": 6},
+    "skebs": {"activate": False},
+    "tracer_fixer": {
+        "activate": True,
+        "tracer_inds": _Q,
+        "tracer_thres": [0.0] * 7,
+        "denorm": False,
+    },
+    "global_mass_fixer": {
+        "activate": True,
+        "activate_outside_model": False,
+        "simple_demo": True,
+        "midpoint": False,
+        "fix_level_num": 3,
+        "q_inds": _Q,
+        "denorm": False,
+    },
+    "global_water_fixer": {
+        "activate": True,
+        "activate_outside_model": False,
+        "simple_demo": True,
+        "midpoint": False,
+        "q_inds": _Q,
+        "precip_ind": 29,
+        "evapor_ind": 30,
+        "denorm": False,
+    },
+    "global_energy_fixer": {
+        "activate": True,
+        "activate_outside_model": False,
+        "simple_demo": True,
+        "midpoint": False,
+        "T_inds": list(range(14, 21)),
+        "q_inds": _Q,
+        "U_inds": list(range(7)),
+        "V_inds": list(range(7, 14)),
+        "TOA_rad_inds": [31, 32],
+        "surf_rad_inds": [33, 34],
+        "surf_flux_inds": [35, 36],
+        "denorm": False,
+    },
+}
+
+
+@case
+def credit_Debugger_post():
+    from credit.models.debugger_model import DebuggerModel  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "DebuggerModel(image_height=10, image_width=18, frames=1, channels=4, levels=7, "
+        "surface_channels=9, input_only_channels=1, post_conf=POST)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 38, 1, 10, 18)],
+        dim=3,
+        ctor=ctor,
+        note="batch 2; PostBlock: tracer fixer (q[q < 0] = 0 through a mask), global mass, water and energy fixers",
+    )
+
+
 def _edges(h, w):
     where = os.environ.get("MPIDP_ZOO_VENVS", "/tmp/mpidp-zoo")
     path = os.path.join(where, f"edges_{h}x{w}.nc")

@@ -281,6 +281,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             out = fast(func, args, kwargs)
             if out is not NOT_LOCAL:
                 return out
+    if kwargs.get("out") is not None:  # handlers compute bands: out= would get one rank's part
+        raise refuse(func, args, kwargs, "out= with a band among the arguments", "assign: y = f(x)")
+    if not WATCHERS:
         found = signature(func, args, kwargs)
         if found is not None:  # (no partial value, not the "whole" convention)
             rule = KEPT.get(found[0])

@@ -27,7 +27,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from mpidp.comm import Transport
 from mpidp.errors import MpidpError
 from mpidp.ops.collectives import copy_to, reduce_from
-from mpidp.sharded.tensor import META_GETTERS, META_METHODS, Replicated, ShardedTensor, replicated
+from mpidp.sharded.tensor import (
+    META_GETTERS,
+    META_METHODS,
+    Replicated,
+    ShardedTensor,
+    replicated,
+    written,
+)
 from mpidp.sharded.walk import holds
 
 __all__ = ["PartialSum", "partial_sum", "summed"]
@@ -38,17 +45,27 @@ class PartialSum(Replicated):
 
     _local: torch.Tensor
     _cache: list[tuple[bool, Replicated]]
+    _settled: bool  # written in place: its value is the cached sum, not the summands' sum
 
     @staticmethod
     def __new__(cls, summand: torch.Tensor, t: Transport) -> PartialSum:
         out = torch.Tensor._make_wrapper_subclass(
             cls, summand.shape, dtype=summand.dtype, device=summand.device, requires_grad=False
         )
-        out._local, out._t, out._cache = summand, t, []
+        out._local, out._t, out._cache, out._settled = summand, t, [], False
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
+
+    def _settle(self) -> None:
+        """Before an in-place write into this value (``p.mul_(2)``, ``p[0] = v``, ``out=p``):
+        sum it once; the write lands in that sum, which every later use reads, in either grad
+        mode (the summands no longer hold the value: the linear rules no longer apply)."""
+        if not self._settled:
+            with torch.enable_grad():  # the value keeps its history under no_grad too
+                v = self.value()
+            self._cache, self._settled = [(True, v), (False, v)], True
 
     def summand(self) -> torch.Tensor:
         """This rank's summand (a plain tensor with its autograd history)."""
@@ -96,8 +113,16 @@ class PartialSum(Replicated):
             args = tree_map(lambda a: a._local if isinstance(a, PartialSum) else a, args)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        target = written(func, args, kwargs)
+        if isinstance(target, PartialSum):
+            target._settle()
         rule = _LINEAR.get(func)
-        if rule is not None and not _has(args, kwargs, ShardedTensor):
+        if (
+            rule is not None
+            and target is None  # out=: the tensor written gets the value, not the summand
+            and not any(p._settled for p in _partials(tree_flatten((args, kwargs))[0]))
+            and not _has(args, kwargs, ShardedTensor)
+        ):
             out = rule(func, args, kwargs)
             if out is not NotImplemented:
                 return out

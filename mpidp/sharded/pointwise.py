@@ -274,6 +274,7 @@ tan tanh true_divide trunc fix where xlogy complex polar
 celu elu gelu hardshrink hardsigmoid hardswish hardtanh leaky_relu logsigmoid
 mish relu6 rrelu selu silu softplus softshrink softsign tanhshrink threshold dropout
 alpha_dropout
+expit ndtr ndtri log_ndtr i0e i1 i1e entr erfcx xlog1py
 """.split()
 
 _DUNDERS = """

@@ -107,6 +107,16 @@ def _matmul(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ok = a.shard_dim != a.dim() - 1 and a.dim() >= 2
         ok = ok and (a.blocks == 1 or a.shard_dim < a.dim() - 2)
     else:
+        if b.dim() >= 2 and b.shard_dim == b.dim() - 2:  # a contraction over the band, b right
+            t = b.transport  # (torch-harmonics' DISCO: psi @ field flattened to (lat x lon))
+            w = _plain(a, t)
+            if w.is_sparse and b.blocks == 1:  # (DISCO's filter: sparse COO, no narrow)
+                rows = torch.arange(b.start, b.start + b.local.size(b.shard_dim))
+                w = w.index_select(w.dim() - 1, rows.to(w.device))
+            else:
+                w = b.rows_of(w, w.dim() - 1)
+            prod = (torch.bmm if w.dim() == 3 else torch.mm) if w.is_sparse else torch.matmul
+            return partial_sum(prod(w, b.local), t)
         ok = b.dim() >= 2 and b.shard_dim != b.dim() - 2
         ok = ok and (b.blocks == 1 or b.shard_dim < b.dim() - 2)
     ref = first_sharded((a, b))

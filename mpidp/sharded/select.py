@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from mpidp.runtime.grid import blocks_refused
 from mpidp.runtime.partition import ShardSpec
-from mpidp.sharded.dispatch import refuse, register
+from mpidp.sharded.dispatch import describe, name_of, refuse, register
 from mpidp.sharded.rows import remap, to_spec
 from mpidp.sharded.shapes import _plain, _wrap
 from mpidp.sharded.tensor import Replicated, ShardedTensor, replicated
@@ -339,12 +340,29 @@ def _adopt(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShardedT
     return x
 
 
-@register(torch.Tensor.__setitem__)
+def _is_mask(x: ShardedTensor, index: Any) -> bool:
+    """Whether ``index`` is a boolean tensor of ``x``'s whole global shape (CREDIT's tracer
+    fixer, ``q[q < 0] = 0``): writing a single value through it is ``masked_fill_``."""
+    return (
+        isinstance(index, torch.Tensor)
+        and index.dtype == torch.bool
+        and tuple(index.shape) == tuple(x.shape)
+    )
+
+
+@register(torch.Tensor.__setitem__, grid=True)
 def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``x[index] = value`` with GLOBAL indices along the sharded dim: each rank writes the
     part of the selection it holds; a value that is a band is moved to the selection's
     partition first, a plain one of the selection's length is cut to this rank's part."""
     x, index, value = args
+    one = not isinstance(value, torch.Tensor) or value.dim() == 0
+    if isinstance(x, ShardedTensor) and _is_mask(x, index) and one:
+        x.masked_fill_(index, value)  # ``x[x < t] = t``: element-wise, on the band or block
+        return None
+    block = next((a for a in args if isinstance(a, ShardedTensor) and a.grid is not None), None)
+    if block is not None:  # the rest is band code
+        raise blocks_refused(block.manager, f"{name_of(func)}({describe(args, kwargs)}) on a block")
     if not isinstance(x, ShardedTensor):
         x = _adopt(func, args, kwargs)
     parts = index_parts(x, index)

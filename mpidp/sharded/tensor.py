@@ -518,6 +518,7 @@ class Replicated(torch.Tensor):
         if ref is None:  # inside another container pytree knows
             ref = next(a for a in tree_flatten((args, kwargs))[0] if _is_replicated(a))
         t = ref._t
+        _adopt_written(func, args, kwargs, t)
         # (a plain tensor's share differs from the value on a group of several ranks only)
         if t.size > 1 and not t.whole and func not in _NO_SHARES and torch.is_grad_enabled():
             args, kwargs = tree_map(lambda a: _share(a, t), (args, kwargs))
@@ -541,6 +542,52 @@ def _is_plain(o: Any) -> bool:
 # functions whose tensor arguments are not values of the computation
 _NO_SHARES = {torch.Tensor.backward, torch.Tensor.detach, torch.Tensor.copy_}
 _KEEP_PLAIN = {torch.Tensor.detach}
+
+
+#: in-place writes whose names do not end in ``_``
+_WRITES = {
+    getattr(torch.Tensor, f"__{n}__")
+    for n in ("setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow")
+}
+
+
+def written(func: Any, args: Any, kwargs: Any) -> Any:
+    """The tensor ``func`` writes in place: the first argument of an in-place method or
+    operator (``add_``, ``x[i] = v``, ``+=``), else its ``out=`` (None when it writes none)."""
+    name = getattr(func, "__name__", "")
+    if args and (func in _WRITES or (name.endswith("_") and name not in _NOT_WRITES)):
+        return args[0]
+    return kwargs.get("out")
+
+
+#: methods named like in-place ones that change no value
+_NOT_WRITES = {"requires_grad_", "share_memory_"}
+
+
+def _adopt_written(func: Any, args: Any, kwargs: Any, t: Transport) -> None:
+    """A value every rank holds written in place into a plain tensor (``out = torch.zeros(..);
+    out[..., 0] = einsum over the cut dim``, torch-harmonics' SHT; ``buf.copy_(v)``,
+    ``out=buf``) makes the plain tensor, and the tensor it is a view of, Replicated in place:
+    they hold the same value on every rank now. Left plain, the write's gradient would be
+    counted once per rank (a parameter downstream P times: silently wrong). A target that
+    requires grad already holds a history of plain shares, which no in-place change can mark:
+    refused."""
+    name = getattr(func, "__name__", "")
+    target = written(func, args, kwargs)
+    if not _is_plain(target):
+        return
+    base = target._base
+    for x in (target, base) if _is_plain(base) else (target,):
+        if x.requires_grad and t.size > 1 and not t.whole:
+            raise ConfigError(
+                f"rank {t.rank}: {name or func}: a value every rank holds (Replicated) written "
+                f"in place into a plain tensor of shape {tuple(x.shape)} that requires grad: "
+                f"its gradient would be counted once per rank. Write into a tensor that does "
+                f"not require grad (torch.zeros(...), as the serial code makes it) or build the "
+                f"result out of place (torch.stack / torch.cat)"
+            )
+        x.__class__ = Replicated
+        cast(Replicated, x)._t = t
 
 
 def replicated(x: torch.Tensor, t: Transport) -> Replicated:

@@ -45,6 +45,7 @@ ON_BLOCKS = {
     "pnm_SwinRNN": "match",  # cube tokens, its own shifted windows of 4 (one spans the 2 x 2)
     "credit_FuXi": "match",  # its windows of 4: rows cut inside (lat), window index (lon)
     "credit_UNet": "match",
+    "credit_Debugger_post": "match",  # CREDIT's PostBlock fixers: masked writes, global sums
 }
 CASES = [("pnm", c) for c in cases_pnm.CASES] + [("credit", c) for c in cases_credit.CASES]
 if BLOCKS:
