@@ -91,6 +91,10 @@ class PreparedExchange:
         assert sends is not None, "no send buffers were kept: pass them"
         return self.t.start_exchange(list(zip(self.peers, sends, strict=True)), self.recvs, number)
 
+    def run(self, number: int = 0) -> None:
+        """:meth:`start` with the kept send buffers, and its wait: the exchange in one call."""
+        self.start(None, number).wait()
+
 
 class Transport(abc.ABC):
     """Collectives over one group of ranks.

@@ -98,7 +98,7 @@ class _Watchdog:
             if n & 1:
                 if s.seen != n:
                     s.seen, s.since = n, now
-                out.append((s.since, s.t.timeout, s.what, s.t, s.kind, 0, None))
+                out.append((s.since, s.t.timeout, s.what, s.t, s.kind, s.number, s.needs))
         return out
 
 
@@ -151,13 +151,18 @@ class Armed:
     a time: a slot belongs to a plan that one thread runs at a time (its buffers are kept
     too)."""
 
-    __slots__ = ("__weakref__", "kind", "n", "seen", "since", "t", "what")
+    __slots__ = ("__weakref__", "kind", "n", "needs", "number", "seen", "since", "t", "what")
 
-    def __init__(self, t: MPITransport, what: object, kind: str = "other") -> None:
+    def __init__(
+        self, t: MPITransport, what: object, kind: str = "other", needs: Any = None
+    ) -> None:
         self.n = 0  # odd while the wait runs
         self.seen = 0  # the count the watchdog last saw odd, and when it first did
         self.since = 0.0
         self.t, self.what, self.kind = t, what, kind
+        #: the exchange's number (its tags'), written before each wait; the ranks it waits
+        #: for (None: all): what :mod:`mpidp.comm.alarm` compares between ranks
+        self.number, self.needs = 0, needs
         key = id(self)
         slots = _WATCHDOG.slots
         slots[key] = weakref.ref(self, lambda _: slots.pop(key, None))

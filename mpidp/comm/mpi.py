@@ -36,7 +36,7 @@ from mpidp.comm.base import (
     pair_weight,
 )
 from mpidp.comm.buffers import BufferCache
-from mpidp.comm.deadline import deadline, deadline_seconds
+from mpidp.comm.deadline import Armed, deadline, deadline_seconds
 from mpidp.comm.few_gather import FEW, Few, few_gather, few_of
 from mpidp.comm.pair_gather import PAIR_TAG, Pair, pair_gather, pair_of
 from mpidp.comm.prepared import WaitingFor, _Prepared
@@ -485,23 +485,25 @@ class MPITransport(Transport):
         number: int,
         wants: Sequence[int] | None = None,
         waiting: WaitingFor | None = None,
+        armed: Armed | None = None,
     ) -> None:
         """Wait for an exchange's receives (the first ``len(peers)`` requests), then its sends,
-        under the deadline, and check that every receive brought the bytes of its buffer
-        (``wants``, and the deadline's :class:`WaitingFor`: given by a prepared exchange,
-        which made them once)."""
-        needs = waiting.needs if waiting is not None else sorted(set(peers))
-        failure = None
+        under the deadline (a prepared exchange's :class:`~mpidp.comm.deadline.Armed` slot,
+        ``armed``, or one registered for the call), and check that every receive brought the
+        bytes of its buffer (``wants``, and the deadline's :class:`WaitingFor`: given by a
+        prepared exchange, which made them once)."""
         n = len(peers)
-        with deadline(self, waiting or WaitingFor(peers), "exchange", number, needs):
+        if armed is not None:
+            armed.number = number
+            armed.n += 1
             try:
-                MPI.Request.Waitall(reqs[:n], statuses)
-            except MPI.Exception as exc:
-                failure = exc
-            try:
-                MPI.Request.Waitall(reqs[n:])
-            except MPI.Exception:  # one by one, so that every other send completes
-                failure = self._wait(reqs[n:], "a point-to-point exchange's sends") or failure
+                failure = self._wait_all(reqs, n, statuses)
+            finally:
+                armed.n += 1
+        else:
+            needs = waiting.needs if waiting is not None else sorted(set(peers))
+            with deadline(self, waiting or WaitingFor(peers), "exchange", number, needs):
+                failure = self._wait_all(reqs, n, statuses)
         if wants is None:
             wants = [buf.numel() * buf.element_size() for buf in bufs]
         for peer, buf, st, want in zip(peers, bufs, statuses, wants, strict=True):
@@ -515,6 +517,22 @@ class MPITransport(Transport):
                     f"another width, another dtype); check that every rank runs the same "
                     f"layer on the same partition"
                 )
+
+    def _wait_all(
+        self, reqs: list[MPI.Request], n: int, statuses: list[MPI.Status]
+    ) -> MPI.Exception | None:
+        """Complete the receives (the first ``n`` of ``reqs``, their statuses kept), then the
+        sends; the first MPI error, not raised (every request is completed first)."""
+        failure = None
+        try:
+            MPI.Request.Waitall(reqs[:n], statuses)
+        except MPI.Exception as exc:
+            failure = exc
+        try:
+            MPI.Request.Waitall(reqs[n:])
+        except MPI.Exception:  # one by one, so that every other send completes
+            failure = self._wait(reqs[n:], "a point-to-point exchange's sends") or failure
+        return failure
 
     def prepare_exchange(
         self,

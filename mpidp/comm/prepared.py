@@ -19,6 +19,7 @@ from mpidp.comm.base import (
     PreparedExchange,
     _tagged,
 )
+from mpidp.comm.deadline import Armed
 
 if TYPE_CHECKING:
     from mpidp.comm.mpi import MPITransport
@@ -69,6 +70,8 @@ class _Prepared(PreparedExchange):
         self.waiting = WaitingFor(self.rpeers)
         self.statuses = [MPI.Status() for _ in recvs]
         self.numbered = max([*self.rtags, *self.stags], default=0) < TAGS_PER_EXCHANGE
+        #: the deadline of :meth:`run`'s wait (one exchange of the plan at a time)
+        self.armed = Armed(t, self.waiting, "exchange", self.waiting.needs)
 
     def start(self, sends: Sequence[torch.Tensor] | None, number: int = 0) -> PendingExchange:
         t, comm = self.mpi, self.mpi.comm
@@ -95,3 +98,31 @@ class _Prepared(PreparedExchange):
                 held.clear()  # the send tensors lived until here
 
         return PendingExchange(wait)
+
+    def run(self, number: int = 0) -> None:
+        """:meth:`start` with the kept send buffers and its wait, in one call: the messages
+        posted, the wait under the plan's :class:`~mpidp.comm.deadline.Armed` slot, every
+        receive's byte count checked."""
+        comm = self.mpi.comm
+        base = (number % EXCHANGE_NUMBERS + 1) * TAGS_PER_EXCHANGE if number > 0 else 0
+        base = base if self.numbered else 0
+        reqs = [
+            comm.Irecv(raw, source=peer, tag=base + tag)
+            for raw, peer, tag in zip(self.raw, self.rpeers, self.rtags, strict=True)
+        ]
+        kept = self.kept
+        assert kept is not None, "no send buffers were kept: pass them"
+        reqs += [
+            comm.Isend(raw, dest=peer, tag=base + tag)
+            for raw, peer, tag in zip(kept, self.peers, self.stags, strict=True)
+        ]
+        self.mpi._complete(
+            reqs,
+            self.rpeers,
+            self.bufs,
+            self.statuses,
+            base // TAGS_PER_EXCHANGE,
+            self.wants,
+            self.waiting,
+            self.armed,
+        )

@@ -7,9 +7,10 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError
@@ -29,9 +30,11 @@ from mpidp.ops.bands import (
 )
 from mpidp.ops.geometry import HaloSpec
 from mpidp.ops.halo import halo_exchange
+from mpidp.ops.halo_band import Kept, kept_fetch
 from mpidp.runtime.grid import BlockSpec, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import ShardSpec, known_spec
+from mpidp.runtime.transports import hands_out_bare
 
 __all__ = [
     "Axis",
@@ -86,6 +89,57 @@ class serve:
 
     def __exit__(self, *exc: object) -> None:
         _SERVING.reset(self.token)
+
+
+#: distinct calls a layer keeps plans for (:meth:`DomainParallel._kept_call`): a layer sees a
+#: few shapes (training and validation batches, a second resolution)
+KEPT_CALLS = 16
+
+
+class KeptCalls(dict[Any, Any]):
+    """A layer's kept calls (:meth:`DomainParallel._kept_call`), by key. Never copied or
+    pickled with the layer: a deep copy (an EMA model, a dry run) or a saved model starts
+    without them, as they hold this process's transports and buffers."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KeptCalls:
+        return KeptCalls()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (KeptCalls, ())
+
+
+class Repeat(NamedTuple):
+    """A layer's call on a band of known partition, kept for its repeats
+    (:meth:`DomainParallel._kept_call`): the halo exchange the call made
+    (:func:`~mpidp.ops.halo_band.kept_fetch`), then the call's own steps: zero rows up to
+    ``need`` on a rank without output rows (0: none), the notes of the output's partition,
+    the local padding (F.pad's widths and mode, or None), the kernel (``kernel(layer, ext)``),
+    the output cut to ``rows`` along the band's dim (None: as computed)."""
+
+    kept: Kept
+    dim: int
+    need: int
+    notes: tuple[Any, ...]
+    pad: tuple[list[int], str] | None
+    kernel: Callable[[Any, torch.Tensor], torch.Tensor]
+    rows: int | None
+
+    def run(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """The call on ``x``; None once the exchange's agreement lapsed (the general path then
+        agrees anew)."""
+        kept = self.kept
+        if kept.box.get("_halo_agreed") is not kept.agreed:
+            return None
+        ext = kept.fetch(x)
+        if self.need:
+            ext = with_rows(ext, self.dim, self.need)
+        notes = _NOTES.get()
+        if notes is not None:
+            notes.extend(self.notes)
+        if self.pad is not None:
+            ext = F.pad(ext, self.pad[0], mode=self.pad[1])
+        y = self.kernel(layer, ext)
+        return y if self.rows is None else y.narrow(self.dim, 0, self.rows)
 
 
 def with_rows(ext: torch.Tensor, dim: int, need: int) -> torch.Tensor:
@@ -343,6 +397,61 @@ class DomainParallel:
         if self.shard_dim > -2:  # cut along its last dim: a 1-D layer has no longitude
             raise blocks_refused(m, f"the converted layer {type(self).__name__} (1-D)")
         return [Axis(d, m.transport("lat", x.device)), Axis(d + 1, m.transport("lon", x.device))]
+
+    def _kept_call(self, x: torch.Tensor, *facts: Any) -> tuple[tuple[Any, ...] | None, Any]:
+        """(the key of this call, the plan :meth:`_keep_call` kept for it, or None).
+
+        A layer whose repeated calls make the same exchange and kernel keeps what its first
+        call resolved (the partitions, the halo, the kernel's arguments) by the call's facts:
+        the input's shape, dtype, device and gradient flag, the manager (while it hands out
+        its own transports: not shut down, no counting or profiling block) with its overlap
+        switch and partition policy, and the layer's own ``facts`` (its known input
+        partition, its kernel's geometry). Key None: this call is not to be kept."""
+        m = self._manager()
+        if not hands_out_bare(m):
+            return None, None
+        grad = torch.is_grad_enabled() and x.requires_grad
+        key = (x.shape, x.dtype, x.device, grad, m, m.overlap, m.partition, *facts)
+        kept = self.__dict__.get("_kept_calls")
+        if not kept:
+            return key, None
+        try:
+            return key, kept.get(key)
+        except TypeError:  # a fact that is not a plain value (a partition policy object)
+            return None, None
+
+    def _keep_call(self, key: tuple[Any, ...], plan: Any) -> None:
+        """Keep ``plan`` for the calls of ``key`` (:meth:`_kept_call`)."""
+        kept = self.__dict__.setdefault("_kept_calls", KeptCalls())
+        if len(kept) >= KEPT_CALLS:  # many distinct calls: start over
+            kept.clear()
+        try:
+            kept[key] = plan
+        except TypeError:
+            pass
+
+    def _keep_repeat(
+        self,
+        key: tuple[Any, ...],
+        x: torch.Tensor,
+        cut: tuple[Axis, ShardSpec, HaloSpec],
+        boundary: str,
+        roll_dim: int = -1,
+        *,
+        need: int,
+        notes: tuple[Any, ...],
+        pad: tuple[list[int], str] | None,
+        kernel: Callable[[Any, torch.Tensor], torch.Tensor],
+        rows: int | None,
+    ) -> None:
+        """Keep the call of ``key`` just made on ``x``, a band of known partition cut as
+        ``cut`` says, as a :class:`Repeat` (when its halo exchange is one a repeat can make:
+        :func:`~mpidp.ops.halo_band.kept_fetch`)."""
+        axis, spec, halo = cut
+        t = axis.transport
+        kept = kept_fetch(x, halo.before, halo.after, axis.dim, spec, boundary, t, roll_dim)
+        if kept is not None:
+            self._keep_call(key, Repeat(kept, axis.dim, need, notes, pad, kernel, rows))
 
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the

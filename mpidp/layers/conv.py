@@ -17,7 +17,7 @@ dim and cuts its own output rows out of the result (rows nothing reaches hold th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,20 @@ _FPAD = {
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def conv_kernel(n: int, padding: tuple[int, ...]) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The torch convolution of an ``n``-d layer with ``padding``, as a kept call runs it
+    (:class:`~mpidp.layers.base.Repeat`): the layer's weight, bias, stride, dilation and
+    groups read at each call."""
+    conv = _CONV[n]
+
+    def kernel(layer: Any, ext: torch.Tensor) -> torch.Tensor:
+        return conv(
+            ext, layer.weight, layer.bias, layer.stride, padding, layer.dilation, layer.groups
+        )
+
+    return kernel
 
 
 def _spatial(layer: nn.Module, x: torch.Tensor, n: int, shard_dim: int) -> tuple[int, int]:
@@ -142,6 +156,14 @@ class _Conv(DomainParallel):
         if self._alone():
             return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        known = known_for(x, x.dim() + self.shard_dim)
+        key, repeat = self._kept_call(
+            x, known, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.padding_mode
+        )
+        if repeat is not None:
+            y = repeat.run(conv, x)
+            if y is not None:
+                return y
         _spatial(conv, x, self._n, self.shard_dim)
         first = x.dim() - self._n  # the tensor dim of the first spatial dim
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)
@@ -183,12 +205,38 @@ class _Conv(DomainParallel):
             ext = torch.cat([fetched.low, x, fetched.high], fetched.dim)
         if ext is None or not right:
             ext = fetch_halo(self, x, cuts, boundary)
+        rows = ext.size(outs[0][0].dim)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         y = self._run(ext, pads)
+        computed = y.size(outs[0][0].dim)
         for axis, out_spec, _ in outs:
             y = y.narrow(axis.dim, 0, out_spec.sizes[axis.transport.rank])
+        if key is not None and known is not None and len(cuts) == 1:
+            flat, mode, padding = self._kernel(pads)
+            mine = outs[0][1].sizes[cuts[0][0].transport.rank]
+            self._keep_repeat(
+                key,
+                x,
+                cuts[0],
+                boundary,
+                need=outs[0][2] if rows < outs[0][2] else 0,
+                notes=(("spec", outs[0][1]),),
+                pad=None if flat is None else (flat, mode),
+                kernel=conv_kernel(self._n, tuple(padding)),
+                rows=None if computed == mine else mine,
+            )
         return y
+
+    def _kernel(self, pads: list[tuple[int, int]]) -> tuple[list[int] | None, str, list[int]]:
+        """How :meth:`_run` pads before the torch convolution: (F.pad's widths, or None for
+        none, its mode, the convolution's own padding per spatial dim)."""
+        conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
+        mode = _FPAD[conv.padding_mode]
+        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
+            return None, mode, [lo for lo, _ in pads]
+        flat = [p for lo_hi in reversed(pads) for p in lo_hi]
+        return (flat if any(flat) else None), mode, [0] * self._n
 
     def _run(
         self, x: torch.Tensor, pads: list[tuple[int, int]], zeros: dict[int, int] | None = None
@@ -197,13 +245,9 @@ class _Conv(DomainParallel):
         and along each spatial dim ``k`` of ``zeros`` by ``zeros[k]`` zero rows at each end
         (the convolution's own padding: no copy of ``x``)."""
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
-        if conv.padding_mode == "zeros" and all(lo == hi for lo, hi in pads):
-            padding = [lo for lo, _ in pads]
-        else:
-            flat = [p for lo_hi in reversed(pads) for p in lo_hi]
-            if any(flat):
-                x = F.pad(x, flat, mode=_FPAD[conv.padding_mode])
-            padding = [0] * self._n
+        flat, mode, padding = self._kernel(pads)
+        if flat is not None:
+            x = F.pad(x, flat, mode=mode)
         for k, rows in (zeros or {}).items():
             padding[k] += rows
         return _CONV[self._n](

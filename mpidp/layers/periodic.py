@@ -20,8 +20,10 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from mpidp.errors import ConfigError
 from mpidp.layers.base import DomainParallel, band_forward, fetch_halo, learn_spec, with_rows
+from mpidp.layers.conv import conv_kernel
 from mpidp.layers.registry import register_layer
 from mpidp.ops.geometry import HaloSpec, conv_output_size
+from mpidp.runtime.partition import known_for
 
 __all__ = ["DomainParallelPeriodicConv2d", "PeriodicConv2d"]
 
@@ -170,6 +172,14 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
             return super().forward(x)
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
+        known = known_for(x, 2)
+        key, repeat = self._kept_call(
+            x, known, self.kernel_size, self.stride, self.periodic_padding, self.dilation, self.pole
+        )
+        if repeat is not None:
+            y = repeat.run(self, x)
+            if y is not None:
+                return y
         pads = list(self.periodic_padding)
         cuts, outs = [], []
         for axis in self._axes(x):  # the latitude, and on blocks the longitude too
@@ -185,14 +195,34 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         # the latitude by the pole (on blocks the fold fetches the columns half a circle away),
         # the longitude circular: on blocks a halo, on bands padded locally below
         ext = fetch_halo(self, x, cuts, (self.pole, "circular"), roll_dim=3)
+        fetched = ext.size(2)
         for axis, _, need in outs:
             ext = with_rows(ext, axis.dim, need)  # a rank without output rows
         if pads[1]:
             ext = F.pad(ext, (pads[1], pads[1], 0, 0), mode="circular")
-        y = F.conv2d(ext, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        y = _KERNEL(self, ext)
+        computed = y.size(2)
         for axis, rows, _ in outs:
             y = y.narrow(axis.dim, 0, rows)
+        if key is not None and known is not None and len(cuts) == 1:
+            mine, need = outs[0][1], outs[0][2]
+            self._keep_repeat(
+                key,
+                x,
+                cuts[0],
+                self.pole,
+                3,
+                need=need if fetched < need else 0,
+                notes=(("spec", out_spec),),
+                pad=([pads[1], pads[1], 0, 0], "circular") if pads[1] else None,
+                kernel=_KERNEL,
+                rows=None if computed == mine else mine,
+            )
         return y
+
+
+#: the convolution after the halo and the longitude's circular padding
+_KERNEL = conv_kernel(2, (0, 0))
 
 
 register_layer(PeriodicConv2d, DomainParallelPeriodicConv2d)

@@ -32,6 +32,7 @@ from mpidp.comm import Transport
 from mpidp.ops.functions import _call, debug_enabled
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import ShardSpec
+from mpidp.runtime.transports import hands_out_bare
 
 __all__: list[str] = []
 
@@ -107,7 +108,7 @@ def kept_call(
     if m is not None:
         if (get_manager() if group is None else group) is not m:
             return key, None
-        if not m._transports or "transport" in m.__dict__:  # shut down, or wrapped
+        if not hands_out_bare(m):  # shut down, or wrapped
             return key, None
     if kept.run is None or (grad and torch.is_grad_enabled()):
         return key, _call(fn, tensor, kept.t, kept.sizes, kept.dim)

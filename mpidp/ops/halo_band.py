@@ -24,8 +24,8 @@ grid with blocks (``P_lon > 1``) a group must be passed (an axis transport).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -300,11 +300,11 @@ def _resolve(
     if known is not None and not problems and known_for(x, d) == known:
         # the spec travels with the tensor (a ShardedTensor): agree once per distinct call
         # (kept on the real transport: a counting wrapper around it shares what was agreed)
-        agreed = getattr(t, "inner", t).__dict__.setdefault("_halo_agreed", set())
+        agreed = _agreed(t)
         if k.facts not in agreed:
             _agree(t, x.size(d), problems, k.facts)
-            if len(agreed) > 4096:
-                agreed.clear()
+            if len(agreed) > 4096:  # a new set: the layers' plans kept with the old one lapse
+                agreed = getattr(t, "inner", t).__dict__["_halo_agreed"] = set()
             agreed.add(k.facts)
         sizes = known.sizes
     elif problems or t.size == 1:
@@ -392,32 +392,114 @@ def _fetch_now(
     return _call(_HaloFetch, x, op, (PendingExchange(None), bufs, outs, number))
 
 
-def _planned(x: torch.Tensor, op: _Op) -> Any:
-    """The plan's exchange, made in one go: without a gradient, and when its outputs are
-    concatenations (:func:`_recipe`), through an exchange prepared once per op with kept
-    receive buffers; otherwise :class:`_HaloFetch`."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _call(_HaloFetch, x, op, None)
+def _agreed(t: Transport) -> set[Any]:
+    """The facts of the calls with a known partition agreed over ``t`` (kept on the real
+    transport: a counting wrapper around it shares what was agreed). Replaced, never cleared,
+    when it grows too large: a plan kept with it (:func:`kept_fetch`) holds the set it was
+    agreed in and serves while that is the transport's."""
+    box = getattr(t, "inner", t).__dict__
+    agreed = box.get("_halo_agreed")
+    if agreed is None:
+        agreed = box["_halo_agreed"] = set()
+    return agreed
+
+
+class _Fast:
+    """:func:`_planned`'s exchange of one op for one input shape: an exchange prepared once
+    with kept send and receive buffers, and the outputs' concatenation recipe. A call copies
+    the rows to send, runs the exchange (numbered as every fetch is) and concatenates."""
+
+    __slots__ = ("d", "exchange", "op", "recipe", "sends")
+
+    def __init__(self, op: _Op, x: torch.Tensor, recvs: list[tuple[int, torch.Tensor]]) -> None:
+        pl, d = op.plan, op.dim
+        recipe = _recipe(op, [buf for _, buf in recvs], x)
+        assert recipe is not None
+        n = x.size(d)
+        # the band itself, whole, is a piece as it is (no narrow a call)
+        whole = (0, n)
+        self.recipe = [[None if type(p) is tuple and p == whole else p for p in r] for r in recipe]
+        self.sends = [(x.new_empty(op.rows(x.shape, b - a)), a, b - a) for _, a, b in pl.send]
+        sends = [buf for buf, _, _ in self.sends]
+        self.exchange = op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs, sends)
+        self.op, self.d = op, d
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        t, d = self.op.t, self.d
+        for buf, lo, n in self.sends:
+            buf.copy_(x.narrow(d, lo, n))
+        t.fetches += 1
+        self.exchange.run(2 * t.fetches)
+        if len(self.recipe) == 1:
+            return _assemble(self.recipe[0], x, d)
+        return tuple(_assemble(parts, x, d) for parts in self.recipe)
+
+
+def _fast_of(op: _Op, x: torch.Tensor) -> _Fast | None:
+    """The op's :class:`_Fast` exchange for ``x``'s shape, dtype and device, made at the first
+    call; None when an output is not a concatenation (:func:`_recipe`)."""
     kept = op.fast
     key = (x.shape, x.dtype, x.device)
     fast = kept.get(key, False)
     if fast is False:
-        pl = op.plan
-        recvs = [(peer, x.new_empty(op.rows(x.shape, hi - lo))) for peer, lo, hi in pl.recv]
-        recipe = _recipe(op, [buf for _, buf in recvs], x)
-        fast = None
-        if recipe is not None:
-            fast = (op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs), recipe)
+        recvs = [(peer, x.new_empty(op.rows(x.shape, hi - lo))) for peer, lo, hi in op.plan.recv]
+        fast = _Fast(op, x, recvs) if _recipe(op, [b for _, b in recvs], x) is not None else None
         if len(kept) > 16:
             kept.clear()
         kept[key] = fast
+    return fast
+
+
+def _planned(x: torch.Tensor, op: _Op) -> Any:
+    """The plan's exchange, made in one go: without a gradient, and when its outputs are
+    concatenations (:func:`_recipe`), through its :class:`_Fast` exchange; otherwise
+    :class:`_HaloFetch`."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _call(_HaloFetch, x, op, None)
+    fast = _fast_of(op, x)
     if fast is None:
         return _call(_HaloFetch, x, op, None)
-    op.t.fetches += 1
-    d = op.dim
-    sends = [x.narrow(d, lo, hi - lo) for _, lo, hi in op.plan.send]
-    fast[0].start(sends, 2 * op.t.fetches).wait()
-    return _one_or_tuple([_assemble(parts, x, d) for parts in fast[1]])
+    return fast(x)
+
+
+class Kept(NamedTuple):
+    """A layer's halo exchange kept for its repeated calls (:func:`kept_fetch`): ``fetch``
+    makes the exchange the call made, with no agreement, while ``agreed`` is the transport's
+    set of agreed facts (``box["_halo_agreed"]``)."""
+
+    fetch: Callable[[torch.Tensor], Any]
+    box: dict[str, Any]
+    agreed: set[Any]
+
+
+def kept_fetch(
+    x: torch.Tensor,
+    before: Widths,
+    after: Widths,
+    dim: int,
+    spec: ShardSpec,
+    boundary: Any,
+    t: Transport,
+    roll_dim: int = -1,
+) -> Kept | None:
+    """The exchange :func:`band_halo_exchange` makes for these arguments (``spec`` the band's
+    known partition, :func:`~mpidp.runtime.partition.known_for`), for a layer to repeat
+    without its resolution, or None when a call of these arguments is not one a repeat can
+    skip to: one whose facts are not yet agreed (its first), or whose spec does not travel
+    with the tensor (those agree on every call). Call it after such a call returned; the
+    repeat makes the same messages, numbered alike, and with a gradient the same Function."""
+    k, problems = _known_of(t, x, before, after, dim, spec, boundary, roll_dim, False)
+    if problems or k.spec is None or known_for(x, k.d) != k.spec:
+        return None
+    agreed = _agreed(t)
+    if k.facts not in agreed:
+        return None
+    op = _op_of(k, k.spec.sizes, t, x, False)
+    box = getattr(t, "inner", t).__dict__
+    fast = None if torch.is_grad_enabled() and x.requires_grad else _fast_of(op, x)
+    if fast is None:  # (as _planned: with a gradient, or outputs that are not concatenations)
+        return Kept(lambda band: _call(_HaloFetch, band, op, None), box, agreed)
+    return Kept(fast, box, agreed)
 
 
 _CHECK = "a halo exchange's agreement (an all-reduce beside the neighbours' rows)"

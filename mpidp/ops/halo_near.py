@@ -107,9 +107,9 @@ def _headed(
     return msg, msg[_HEADER:].view(x.dtype).view(shape)
 
 
-#: one output's pieces in row order: the band's rows (first row, count), or a tensor (rows
-#: received into a kept buffer, or zeros)
-_Parts = list[tuple[int, int] | torch.Tensor]
+#: one output's pieces in row order: the band's rows (first row, count; None: the whole band),
+#: or a tensor (rows received into a kept buffer, or zeros)
+_Parts = list[tuple[int, int] | torch.Tensor | None]
 
 
 def _recipe(op: _Op, bufs: list[torch.Tensor], x: torch.Tensor) -> list[_Parts] | None:
@@ -127,7 +127,7 @@ def _recipe(op: _Op, bufs: list[torch.Tensor], x: torch.Tensor) -> list[_Parts] 
     for buf, direct in zip(bufs, lay.direct, strict=True):
         if direct is not None:
             segs[direct[0]].append((direct[1], buf.size(d), buf))
-    out = []
+    out: list[_Parts] = []
     for rows, parts in zip(lay.rows, segs, strict=True):
         parts.sort(key=lambda s: s[0])
         at = 0
@@ -145,7 +145,10 @@ def _assemble(parts: _Parts, x: torch.Tensor, d: int) -> torch.Tensor:
     """One output of a :func:`_recipe`: a new tensor (never a view of the kept buffers)."""
     if not parts:
         return x.new_empty(_rows(x.shape, d, 0))
-    return torch.cat([p if isinstance(p, torch.Tensor) else x.narrow(d, *p) for p in parts], d)
+    return torch.cat(
+        [x if p is None else p if isinstance(p, torch.Tensor) else x.narrow(d, *p) for p in parts],
+        d,
+    )
 
 
 def _rows(shape: torch.Size, d: int, n: int) -> tuple[int, ...]:

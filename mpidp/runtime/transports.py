@@ -17,7 +17,7 @@ from mpidp.errors import BackendError
 if TYPE_CHECKING:
     from mpidp.runtime.manager import DistributedManager
 
-__all__ = ["built_transport", "wrapped_transports"]
+__all__ = ["built_transport", "hands_out_bare", "wrapped_transports"]
 
 
 def built_transport(
@@ -59,6 +59,13 @@ def built_transport(
         assert group is not None  # the manager initialised or adopted the default group
         made = TorchTransport(group, dev)
     return m._remember((key, kind + dev.type), made)
+
+
+def hands_out_bare(m: Any) -> bool:
+    """Whether manager ``m`` is open and hands out its own transports (no
+    :func:`wrapped_transports` block: counting, profiling): what a call kept over a transport
+    it handed out needs to serve again."""
+    return bool(m._transports) and "transport" not in m.__dict__
 
 
 @contextlib.contextmanager
