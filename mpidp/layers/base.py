@@ -223,8 +223,11 @@ def _opaque(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _sharded_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward``, or, when an argument is a ShardedTensor, the layer run on its band
-    (:data:`SHARDED_CALL`): a converted layer is the kernel ShardedTensor dispatch runs."""
+    """``forward`` opaque to ``torch.compile`` (:func:`_opaque`), or, when an argument is a
+    ShardedTensor, the layer run on its band (:data:`SHARDED_CALL`): a converted layer is the
+    kernel ShardedTensor dispatch runs. One frame a call: the eager test of :func:`_opaque`
+    made here."""
+    opaque = _opaque(forward)
 
     @functools.wraps(forward)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -232,8 +235,10 @@ def _sharded_entry(forward: Callable[..., Any]) -> Callable[..., Any]:
             kind = SHARDED_TYPES[0]
             for a in (*args, *kwargs.values()) if kwargs else args:  # (no generator: per call)
                 if isinstance(a, kind):
-                    return SHARDED_CALL[0](self, forward, args, kwargs)
-        return forward(self, *args, **kwargs)
+                    return SHARDED_CALL[0](self, opaque, args, kwargs)
+        if "torch._dynamo" not in sys.modules or not torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        return opaque(self, *args, **kwargs)
 
     return call
 
@@ -249,7 +254,7 @@ def band_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
     * is opaque to ``torch.compile`` (:func:`_opaque`): a layer's MPI calls are not traceable.
 
     Called with plain tensors (this rank's bands) it is the undecorated ``forward``."""
-    call = _sharded_entry(_opaque(forward))
+    call = _sharded_entry(forward)
     call.__mpidp_band_forward__ = True  # type: ignore[attr-defined]
     return call
 
@@ -398,7 +403,9 @@ class DomainParallel:
             raise blocks_refused(m, f"the converted layer {type(self).__name__} (1-D)")
         return [Axis(d, m.transport("lat", x.device)), Axis(d + 1, m.transport("lon", x.device))]
 
-    def _kept_call(self, x: torch.Tensor, *facts: Any) -> tuple[tuple[Any, ...] | None, Any]:
+    def _kept_call(
+        self, m: DistributedManager, x: torch.Tensor, *facts: Any
+    ) -> tuple[tuple[Any, ...] | None, Any]:
         """(the key of this call, the plan :meth:`_keep_call` kept for it, or None).
 
         A layer whose repeated calls make the same exchange and kernel keeps what its first
@@ -406,8 +413,8 @@ class DomainParallel:
         the input's shape, dtype, device and gradient flag, the manager (while it hands out
         its own transports: not shut down, no counting or profiling block) with its overlap
         switch and partition policy, and the layer's own ``facts`` (its known input
-        partition, its kernel's geometry). Key None: this call is not to be kept."""
-        m = self._manager()
+        partition, its kernel's geometry). ``m``: the layer's manager (:meth:`_manager`). Key
+        None: this call is not to be kept."""
         if not hands_out_bare(m):
             return None, None
         grad = torch.is_grad_enabled() and x.requires_grad
@@ -457,6 +464,13 @@ class DomainParallel:
         """Whether the domain group has one rank: the layer then is its torch module (the
         same function, computed by torch's own kernels; no halo, no statistics to merge)."""
         return _TORCH_PATH.get() or self._manager().domain_world_size == 1
+
+    def _manager_if_cut(self) -> DistributedManager | None:
+        """The layer's manager (:meth:`_manager`), or None when it is :meth:`_alone`."""
+        if _TORCH_PATH.get():
+            return None
+        m = self._manager()
+        return None if m.domain_world_size == 1 else m
 
     def _out_spec(self, n: int, t: Transport | None = None) -> ShardSpec:
         """The partition of this layer's output (``n`` rows) by the manager's policy, over the

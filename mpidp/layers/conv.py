@@ -76,9 +76,13 @@ def conv_kernel(n: int, padding: tuple[int, ...]) -> Callable[[Any, torch.Tensor
     conv = _CONV[n]
 
     def kernel(layer: Any, ext: torch.Tensor) -> torch.Tensor:
-        return conv(
-            ext, layer.weight, layer.bias, layer.stride, padding, layer.dilation, layer.groups
-        )
+        p = layer._parameters  # (nn.Module's attribute lookup: a Python call each)
+        w, b = p.get("weight"), p.get("bias")
+        if w is None:  # not a parameter: a parametrization's, weight norm's
+            w = layer.weight
+        if b is None and "bias" not in p:
+            b = layer.bias
+        return conv(ext, w, b, layer.stride, padding, layer.dilation, layer.groups)
 
     return kernel
 
@@ -153,12 +157,20 @@ class _Conv(DomainParallel):
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._alone():
+        m = self._manager_if_cut()
+        if m is None:
             return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
         known = known_for(x, x.dim() + self.shard_dim)
         key, repeat = self._kept_call(
-            x, known, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.padding_mode
+            m,
+            x,
+            known,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.padding_mode,
         )
         if repeat is not None:
             y = repeat.run(conv, x)

@@ -168,13 +168,21 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
 
     @band_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._alone():
+        m = self._manager_if_cut()
+        if m is None:
             return super().forward(x)
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
         known = known_for(x, 2)
         key, repeat = self._kept_call(
-            x, known, self.kernel_size, self.stride, self.periodic_padding, self.dilation, self.pole
+            m,
+            x,
+            known,
+            self.kernel_size,
+            self.stride,
+            self.periodic_padding,
+            self.dilation,
+            self.pole,
         )
         if repeat is not None:
             y = repeat.run(self, x)

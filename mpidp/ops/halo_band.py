@@ -409,7 +409,7 @@ class _Fast:
     with kept send and receive buffers, and the outputs' concatenation recipe. A call copies
     the rows to send, runs the exchange (numbered as every fetch is) and concatenates."""
 
-    __slots__ = ("d", "exchange", "op", "recipe", "sends")
+    __slots__ = ("at", "d", "exchange", "op", "recipe", "sends", "whole")
 
     def __init__(self, op: _Op, x: torch.Tensor, recvs: list[tuple[int, torch.Tensor]]) -> None:
         pl, d = op.plan, op.dim
@@ -423,6 +423,12 @@ class _Fast:
         sends = [buf for buf, _, _ in self.sends]
         self.exchange = op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs, sends)
         self.op, self.d = op, d
+        #: one output holding the band whole and tensors: its pieces, the band's slot empty
+        self.whole: list[Any] | None = None
+        self.at = -1
+        if len(self.recipe) == 1 and self.recipe[0].count(None) == 1:
+            if all(p is None or isinstance(p, torch.Tensor) for p in self.recipe[0]):
+                self.whole, self.at = list(self.recipe[0]), self.recipe[0].index(None)
 
     def __call__(self, x: torch.Tensor) -> Any:
         t, d = self.op.t, self.d
@@ -430,6 +436,10 @@ class _Fast:
             buf.copy_(x.narrow(d, lo, n))
         t.fetches += 1
         self.exchange.run(2 * t.fetches)
+        if self.whole is not None:  # one output: received rows around the whole band
+            parts = self.whole.copy()
+            parts[self.at] = x
+            return torch.cat(parts, d)
         if len(self.recipe) == 1:
             return _assemble(self.recipe[0], x, d)
         return tuple(_assemble(parts, x, d) for parts in self.recipe)

@@ -41,6 +41,7 @@ LAYERS = {
     "conv": lambda: nn.Conv2d(3, 4, 3, padding=1),
     "conv stride 2": lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1),
     "conv circular": lambda: nn.Conv2d(3, 4, (3, 5), padding=(1, 2), padding_mode="circular"),
+    "conv no bias": lambda: nn.Conv2d(3, 4, 3, padding=1, bias=False),
     "periodic polar": lambda: PeriodicConv2d(3, 4, 3, pole="polar"),
     "periodic polar_half stride 2": lambda: PeriodicConv2d(3, 4, (5, 3), 2, pole="polar_half"),
 }
