@@ -106,16 +106,13 @@ class _Prepared(PreparedExchange):
         comm = self.mpi.comm
         base = (number % EXCHANGE_NUMBERS + 1) * TAGS_PER_EXCHANGE if number > 0 else 0
         base = base if self.numbered else 0
-        reqs = [
-            comm.Irecv(raw, source=peer, tag=base + tag)
-            for raw, peer, tag in zip(self.raw, self.rpeers, self.rtags, strict=True)
-        ]
         kept = self.kept
         assert kept is not None, "no send buffers were kept: pass them"
-        reqs += [
-            comm.Isend(raw, dest=peer, tag=base + tag)
-            for raw, peer, tag in zip(kept, self.peers, self.stags, strict=True)
-        ]
+        reqs = []  # (loops, not comprehensions: a frame each in this Python)
+        for raw, peer, tag in zip(self.raw, self.rpeers, self.rtags, strict=True):
+            reqs.append(comm.Irecv(raw, source=peer, tag=base + tag))
+        for raw, peer, tag in zip(kept, self.peers, self.stags, strict=True):
+            reqs.append(comm.Isend(raw, dest=peer, tag=base + tag))
         self.mpi._complete(
             reqs,
             self.rpeers,

@@ -165,7 +165,7 @@ class _Conv(DomainParallel):
         key, repeat = self._kept_call(
             m,
             x,
-            known,
+            known and known.sizes,
             conv.kernel_size,
             conv.stride,
             conv.padding,

@@ -177,7 +177,7 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         key, repeat = self._kept_call(
             m,
             x,
-            known,
+            known and known.sizes,
             self.kernel_size,
             self.stride,
             self.periodic_padding,
