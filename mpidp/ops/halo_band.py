@@ -355,19 +355,23 @@ def _fetch_now(
             k.near = near
     t.fetches += 1
     number = 2 * t.fetches
-    pending = near.start(x, number)
     sizes: tuple[int, ...] | None = None
-    if t.size > 2:  # the neighbours are not the whole group: the all-reduce agrees
+    if t.size == 2:  # the peer's header is the agreement: the exchange in one call
+        try:
+            near.run(x, number)
+        except CommError:  # a message of another length: the peer passed other widths or rows
+            pass
+        else:
+            sizes = near.agreed(2, t.rank)
+    else:  # the neighbours are not the whole group: an all-reduce beside the messages agrees
+        pending = near.start(x, number)
         agreed = check(near.values, _CHECK)
         if not agreed[2] and agreed[0] == -agreed[1]:
             sizes = tuple(agreed[3:])
-    try:
-        pending.wait()
-    except CommError:  # a message of another length: a peer passed other widths or rows
-        sizes = None
-    else:
-        if t.size == 2:  # the peer's header is the agreement
-            sizes = near.agreed(2, t.rank)
+        try:
+            pending.wait()
+        except CommError:  # as above
+            sizes = None
     if sizes is None:
         _raise(t, t.disagreeing(problems, dict(zip(_FACTS, k.facts, strict=True))))
     last = k.last

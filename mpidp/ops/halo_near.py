@@ -80,6 +80,12 @@ class _Near:
             rows.copy_(x.narrow(self.d, lo, n))
         return self.exchange.start(None, number)
 
+    def run(self, x: torch.Tensor, number: int) -> None:
+        """:meth:`start` and its wait in one call."""
+        for rows, (lo, n) in self.copies:
+            rows.copy_(x.narrow(self.d, lo, n))
+        self.exchange.run(number)
+
     def agreed(self, p: int, me: int) -> tuple[int, ...] | None:
         """Every rank's size from the peers' headers when they agree with this rank's (the
         neighbours are the whole group), else None."""
