@@ -44,13 +44,13 @@ def band_transport(group: Any, device: torch.device | str | None, op: str) -> Tr
     ``group`` None or a manager names the domain group, whose ranks are bands only while the
     grid does not cut the longitude; on blocks it raises :func:`blocks_refused` (a group
     passed explicitly, such as an axis transport of the grid, is used as it is)."""
-    if isinstance(group, Transport):
-        return group
-    if group is None or isinstance(group, DistributedManager):
+    if group is None or isinstance(group, DistributedManager):  # (not an ABC: no Python call)
         m = get_manager() if group is None else group
         if m._blocks:
             raise blocks_refused(m, f"{op} over the domain group")
         return m.transport(None, device)
+    if isinstance(group, Transport):
+        return group
     return resolve_transport(group, device)
 
 

@@ -33,7 +33,7 @@ from mpidp.comm import PendingExchange, Transport
 from mpidp.errors import CommError, ConfigError
 from mpidp.ops.functions import _call, band_transport
 from mpidp.ops.halo_args import _FACTS, Widths, _agree, _Known, _known_of, _raise
-from mpidp.ops.halo_near import _assemble, _Near, _recipe
+from mpidp.ops.halo_near import Joined, _assemble, _Near, _recipe
 from mpidp.ops.halo_plan import Layout, Piece, Plan, neighbours_only
 from mpidp.ops.halo_plan import layout as layout_for
 from mpidp.ops.halo_plan import plan as plan_for
@@ -377,16 +377,21 @@ def _fetch_now(
     last = k.last
     if last is None or last[0] != sizes:  # another partition than the last call's
         op = _op_of(k, sizes, t, x, strips)
-        last = (sizes, ShardSpec(sizes), op, False, None)
+        last = (sizes, ShardSpec(sizes), op, False, None, None)
         if near.eligible and neighbours_only(sizes, k.bw, k.aw, k.b):
             bufs = [near.got[peer] for peer, _, _ in op.plan.recv]
-            last = (sizes, last[1], op, True, _recipe(op, bufs, x))
+            recipe = _recipe(op, bufs, x)
+            last = (sizes, last[1], op, True, recipe, Joined.of(recipe, x.size(k.d)))
         k.last = last
-    _, learnt, op, done, recipe = last
+    _, learnt, op, done, recipe, joined = last
     learned(x, k.d, learnt)  # the partition the agreement learned: a layer reads it next
     if not done:  # the plan's exchange, numbered anew
         return _planned(x, op)
     if recipe is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        if joined is not None:  # one output: received rows around the whole band
+            parts = joined.parts.copy()
+            parts[joined.at] = x
+            return torch.cat(parts, k.d)
         return _one_or_tuple([_assemble(parts, x, k.d) for parts in recipe])
     bufs = [near.got[peer] for peer, _, _ in op.plan.recv]
     outs = [t.scratch(op.rows(x.shape, rows), x.dtype, x.device) for rows in op.layout.rows]
@@ -413,7 +418,7 @@ class _Fast:
     with kept send and receive buffers, and the outputs' concatenation recipe. A call copies
     the rows to send, runs the exchange (numbered as every fetch is) and concatenates."""
 
-    __slots__ = ("at", "d", "exchange", "op", "recipe", "sends", "whole")
+    __slots__ = ("d", "exchange", "joined", "op", "recipe", "sends")
 
     def __init__(self, op: _Op, x: torch.Tensor, recvs: list[tuple[int, torch.Tensor]]) -> None:
         pl, d = op.plan, op.dim
@@ -421,18 +426,12 @@ class _Fast:
         assert recipe is not None
         n = x.size(d)
         # the band itself, whole, is a piece as it is (no narrow a call)
-        whole = (0, n)
-        self.recipe = [[None if type(p) is tuple and p == whole else p for p in r] for r in recipe]
+        self.recipe = recipe
+        self.joined = Joined.of(recipe, n)
         self.sends = [(x.new_empty(op.rows(x.shape, b - a)), a, b - a) for _, a, b in pl.send]
         sends = [buf for buf, _, _ in self.sends]
         self.exchange = op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs, sends)
         self.op, self.d = op, d
-        #: one output holding the band whole and tensors: its pieces, the band's slot empty
-        self.whole: list[Any] | None = None
-        self.at = -1
-        if len(self.recipe) == 1 and self.recipe[0].count(None) == 1:
-            if all(p is None or isinstance(p, torch.Tensor) for p in self.recipe[0]):
-                self.whole, self.at = list(self.recipe[0]), self.recipe[0].index(None)
 
     def __call__(self, x: torch.Tensor) -> Any:
         t, d = self.op.t, self.d
@@ -440,9 +439,10 @@ class _Fast:
             buf.copy_(x.narrow(d, lo, n))
         t.fetches += 1
         self.exchange.run(2 * t.fetches)
-        if self.whole is not None:  # one output: received rows around the whole band
-            parts = self.whole.copy()
-            parts[self.at] = x
+        joined = self.joined
+        if joined is not None:  # one output: received rows around the whole band
+            parts = joined.parts.copy()
+            parts[joined.at] = x
             return torch.cat(parts, d)
         if len(self.recipe) == 1:
             return _assemble(self.recipe[0], x, d)

@@ -8,7 +8,7 @@ rows, as one concatenation of the band's rows and kept receive buffers (:func:`_
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -145,6 +145,28 @@ def _recipe(op: _Op, bufs: list[torch.Tensor], x: torch.Tensor) -> list[_Parts] 
             return None
         out.append([part for _, n, part in parts if n])
     return out
+
+
+class Joined:
+    """A recipe (:func:`_recipe`) of one output made of the band whole and kept tensors,
+    ready to join: its pieces with the band's slot to fill (no narrow, no frame a call)."""
+
+    __slots__ = ("at", "parts")
+
+    def __init__(self, parts: list[Any], at: int) -> None:
+        self.parts, self.at = parts, at
+
+    @staticmethod
+    def of(recipe: list[_Parts] | None, n: int) -> Joined | None:
+        """The recipe's :class:`Joined` form for a band of ``n`` rows, or None when it has
+        several outputs or takes part of the band."""
+        if recipe is None or len(recipe) != 1:
+            return None
+        whole = (0, n)
+        parts = [None if type(p) is tuple and p == whole else p for p in recipe[0]]
+        if parts.count(None) != 1 or not all(p is None or type(p) is torch.Tensor for p in parts):
+            return None
+        return Joined(parts, parts.index(None))
 
 
 def _assemble(parts: _Parts, x: torch.Tensor, d: int) -> torch.Tensor:

@@ -196,6 +196,8 @@ class DistributedManager:
         self.data_parallel_group = self.mesh.get_group("dp")
         self.domain_comm, self.dp_comm = self._split_comms()
         self._transports: dict[tuple[str, str], Transport] = {}
+        #: :meth:`transport`'s answers by its arguments (a group named by None or its name)
+        self._by_args: dict[tuple[Any, Any], Transport] = {}
         self._on_shutdown: list[Callable[[], None]] = []  # e.g. ParallelMesh.close
         self._closed = False
         self._grid_axes = GridAxes.build(self)
@@ -344,19 +346,29 @@ class DistributedManager:
         Rule: CUDA tensors go through torch.distributed; CPU tensors through MPI when MPI spans
         the job, unless ``transport`` was forced at construction.
         """
+        try:
+            made = self._by_args.get((group, device))
+        except TypeError:  # an unhashable group: resolved below, not kept
+            made = None
+        if made is not None:
+            return made
         key = self._group_key(group)
         if key in AXES:  # the latitude column or longitude row of a grid
-            return axis_transport(self, key, device)
-        dev = torch.device(device) if device is not None else self.device
-        return built_transport(
-            self,
-            key,
-            dev,
-            # the manager's own CPU transport (not a counting wrapper a caller installed)
-            cpu=lambda: DistributedManager.transport(self, group, "cpu"),
-            mpi_comm=lambda: self._mpi_comm_of(key),
-            torch_group=lambda: self._torch_group_of(key),
-        )
+            made = axis_transport(self, key, device)
+        else:
+            dev = torch.device(device) if device is not None else self.device
+            made = built_transport(
+                self,
+                key,
+                dev,
+                # the manager's own CPU transport (not a counting wrapper a caller installed)
+                cpu=lambda: DistributedManager.transport(self, group, "cpu"),
+                mpi_comm=lambda: self._mpi_comm_of(key),
+                torch_group=lambda: self._torch_group_of(key),
+            )
+        if (group is None or type(group) is str) and self._transports:  # (not once shut down)
+            self._by_args[(group, device)] = made
+        return made
 
     def _mpi_comm_of(self, key: str) -> Any:
         comm = {"domain": self.domain_comm, "dp": self.dp_comm}.get(key)
@@ -422,6 +434,7 @@ class DistributedManager:
             if self._mpi_runs_job():
                 comm.Free()
         self._transports.clear()
+        self._by_args.clear()
 
         def destroy() -> None:
             if not self._owns_process_group and dist.is_initialized():
