@@ -385,7 +385,7 @@ class DomainParallel:
         return self.dp_manager if self.dp_manager is not None else _SERVING.get()
 
     def _manager(self) -> DistributedManager:
-        m = bound(self.dp_manager if self.dp_manager is not None else _SERVING.get())
+        m = bound(self.own_manager())  # (compat layers override own_manager)
         if m._blocks and not self.on_blocks:  # it would take its block for a band
             raise blocks_refused(m, f"the converted layer {type(self).__name__}")
         return m
