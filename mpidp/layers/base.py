@@ -114,7 +114,8 @@ class Repeat(NamedTuple):
     (:func:`~mpidp.ops.halo_band.kept_fetch`), then the call's own steps: zero rows up to
     ``need`` on a rank without output rows (0: none), the notes of the output's partition,
     the local padding (F.pad's widths and mode, or None), the kernel (``kernel(layer, ext)``),
-    the output cut to ``rows`` along the band's dim (None: as computed)."""
+    the output cut to ``rows`` along the band's dim (None: as computed); it serves while the
+    manager's partition policy is ``policy``."""
 
     kept: Kept
     dim: int
@@ -123,6 +124,8 @@ class Repeat(NamedTuple):
     pad: tuple[list[int], str] | None
     kernel: Callable[[Any, torch.Tensor], torch.Tensor]
     rows: int | None
+    #: the manager's partition policy the call derived its output's partition with
+    policy: Any
 
     def run(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
         """The call on ``x``; None once the exchange's agreement lapsed (the general path then
@@ -412,20 +415,24 @@ class DomainParallel:
         call resolved (the partitions, the halo, the kernel's arguments) by the call's facts:
         the input's shape, dtype, device and gradient flag, the manager (while it hands out
         its own transports: not shut down, no counting or profiling block) with its overlap
-        switch and partition policy, and the layer's own ``facts`` (its known input
-        partition, its kernel's geometry). ``m``: the layer's manager (:meth:`_manager`). Key
-        None: this call is not to be kept."""
+        switch, and the layer's own ``facts`` (its known input partition, its kernel's
+        geometry); a kept call serves while the manager's partition policy is the one it was
+        kept with. ``m``: the layer's manager (:meth:`_manager`). Key None: this call is not
+        to be kept."""
         if not hands_out_bare(m):
             return None, None
         grad = torch.is_grad_enabled() and x.requires_grad
-        key = (x.shape, x.dtype, x.device, grad, m, m.overlap, m.partition, *facts)
+        key = (x.shape, x.dtype, x.device, grad, m, m.overlap, *facts)
         kept = self.__dict__.get("_kept_calls")
         if not kept:
             return key, None
         try:
-            return key, kept.get(key)
-        except TypeError:  # a fact that is not a plain value (a partition policy object)
+            found = kept.get(key)
+        except TypeError:  # a fact that is not a plain value
             return None, None
+        if found is not None and found.policy is not m.partition:  # (identity: no hash)
+            return key, None
+        return key, found
 
     def _keep_call(self, key: tuple[Any, ...], plan: Any) -> None:
         """Keep ``plan`` for the calls of ``key`` (:meth:`_kept_call`)."""
@@ -458,7 +465,8 @@ class DomainParallel:
         t = axis.transport
         kept = kept_fetch(x, halo.before, halo.after, axis.dim, spec, boundary, t, roll_dim)
         if kept is not None:
-            self._keep_call(key, Repeat(kept, axis.dim, need, notes, pad, kernel, rows))
+            policy = self._manager().partition
+            self._keep_call(key, Repeat(kept, axis.dim, need, notes, pad, kernel, rows, policy))
 
     def _alone(self) -> bool:
         """Whether the domain group has one rank: the layer then is its torch module (the

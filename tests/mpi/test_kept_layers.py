@@ -206,3 +206,26 @@ def test_a_deep_copy_keeps_no_calls_and_computes_the_same(m):
     bad += [f"copy: {b}" for b in _differs(_run(m, twin, twin, full), want)]
     bad = agreed(bad)
     assert not bad, bad
+
+
+@pytest.mark.skipif(WORLD == 1, reason="one rank: one partition")
+def test_another_partition_policy_is_not_served_by_a_stale_call(m):
+    """The manager's policy changes between calls: a stride-2 convolution's output is cut by
+    the new policy (a kept call serves only under the policy it was kept with)."""
+    serial, layer = _made("conv stride 2")
+    conv = mpidp.convert_to_domain_parallel(layer, m)
+    full = rand((1, 3, 8 * WORLD, 8), 8)
+    want = _serial(serial, serial, full)
+    bad = []
+    try:
+        for policy in (mpidp.Balanced(), mpidp.Weighted(tuple(range(1, WORLD + 1)))):
+            m.partition = policy
+            for _ in range(2):
+                got = _run(m, conv, conv, full, ShardSpec.balanced(8 * WORLD, WORLD))
+                bad += [f"{policy}: {b}" for b in _differs(got, want)]
+                if got[0].spec != policy.spec(4 * WORLD, WORLD):
+                    bad.append(f"{policy}: output cut {got[0].spec}")
+    finally:
+        m.partition = mpidp.Balanced()
+    bad = agreed(bad)
+    assert not bad, bad
