@@ -197,7 +197,7 @@ class DistributedManager:
         self.domain_comm, self.dp_comm = self._split_comms()
         self._transports: dict[tuple[str, str], Transport] = {}
         #: :meth:`transport`'s answers by its arguments (a group named by None or its name)
-        self._by_args: dict[tuple[Any, Any], Transport] = {}
+        self._by_args: dict[tuple[Any, ...], Transport] = {}
         self._on_shutdown: list[Callable[[], None]] = []  # e.g. ParallelMesh.close
         self._closed = False
         self._grid_axes = GridAxes.build(self)
@@ -346,8 +346,15 @@ class DistributedManager:
         Rule: CUDA tensors go through torch.distributed; CPU tensors through MPI when MPI spans
         the job, unless ``transport`` was forced at construction.
         """
+        # (a torch.device by its fields: dynamo, tracing a compiled model through here, cannot
+        # name a device object in its guards)
+        args = (
+            (group, device.type, device.index)
+            if isinstance(device, torch.device)
+            else (group, device)
+        )
         try:
-            made = self._by_args.get((group, device))
+            made = self._by_args.get(args)
         except TypeError:  # an unhashable group: resolved below, not kept
             made = None
         if made is not None:
@@ -367,7 +374,7 @@ class DistributedManager:
                 torch_group=lambda: self._torch_group_of(key),
             )
         if (group is None or type(group) is str) and self._transports:  # (not once shut down)
-            self._by_args[(group, device)] = made
+            self._by_args[args] = made
         return made
 
     def _mpi_comm_of(self, key: str) -> Any:
