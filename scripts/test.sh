@@ -154,7 +154,7 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_plan_spectral_channels test_dispatch_cache test_fixes6
   test_tokens_mha test_tokens_peraxis test_agv_fast test_compat_groups test_fixes7
   test_dispatch_cache2 test_house8 test_tokens_batch test_agv_fast2 test_outside8
-  test_kept_layers)
+  test_kept_layers test_subclass_convert)
 if [ "$one_beside" = 1 ]; then
   run_stage "DDP / FSDP2 / tensor-parallel composition tests, 1 rank" 1 \
     mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
@@ -198,7 +198,8 @@ if [ -n "$six" ]; then
   blocks=(test_blocks test_blocks_fft test_blocks_layers test_blocks_models test_blocks_sharded
     test_io_blocks test_layout_invariance test_blocks_sharded_fft test_compat_pnm_blocks test_blocks_zoo_rules test_plan_traffic test_per_axis_rules
     test_rollout_blocks test_compat_pnm_devmesh test_overlap_blocks test_blocks_tokens
-    test_dispatch_cache test_tokens_mha test_tokens_peraxis test_fixes7 test_dispatch_cache2 test_tokens_batch test_outside8)
+    test_dispatch_cache test_tokens_mha test_tokens_peraxis test_fixes7 test_dispatch_cache2 test_tokens_batch test_outside8
+    test_kept_layers)
   files=("${blocks[@]/#/tests/mpi/}"); files=("${files[@]/%/.py}")
   run_stage "blocks, $six ranks oversubscribed (2 x 3, 3 x 2)" 1 \
     mpiexec "${oversub[@]}" -n "$six" "$py" -m mpi4py -m pytest -q --with-mpi "${files[@]}"

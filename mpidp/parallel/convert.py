@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mpidp.errors import ConfigError
 from mpidp.layers import base
@@ -246,6 +247,9 @@ def _plan(
             return child
         layer = layer_for(type(child))
         if layer is not None:
+            own = _own_computation(child, layer[0])
+            if own is not None:  # the band layer computes the registered type's, not this
+                return op_by_op(child, where, on_bands, own)
             return _wrap(child, layer[0], layer[1], where, on_bands)
         if next(child.children(), None) is not None:
             if getattr(child, "_mpidp_band_forward", False) and child is not model:
@@ -434,6 +438,19 @@ def _adapt(module: nn.Module, kind: str, dim: Any, manager: DistributedManager |
         module.register_forward_pre_hook(enter_module, with_kwargs=True, prepend=True),
         module.register_forward_hook(leave_module, with_kwargs=True, always_call=True),
     )
+
+
+def _own_computation(module: nn.Module, kind: type[nn.Module]) -> str | None:
+    """Why ``module``, an instance of a subclass of the registered type ``kind``, does not
+    compute what ``kind`` computes (its band layer would silently drop the difference), or
+    None: a class that overrides ``forward`` (a weight-standardised convolution, a scaled
+    output), or parameters given by a parametrization (weight norm, spectral norm)."""
+    if type(module).forward is not kind.forward:
+        return f"{type(module).__name__} overrides {kind.__name__}.forward"
+    if parametrize.is_parametrized(module):
+        names = ", ".join(sorted(getattr(module, "parametrizations", {})))
+        return f"its {names} given by a parametrization"
+    return None
 
 
 def _why(module: nn.Module) -> str:
