@@ -197,8 +197,8 @@ def _keep_plan(layer: Any, plan: _Plan) -> None:
     _PLANS[weakref.ref(layer, _drop_plan)] = plan
 
 
-def _drop_plan(ref: weakref.ref[Any]) -> None:
-    _PLANS.pop(ref, None)
+def _drop_plan(ref: weakref.ref[Any], plans: dict[Any, _Plan] = _PLANS) -> None:
+    plans.pop(ref, None)  # (the dict bound here: a layer may die at the interpreter's exit)
 
 
 def _layout(x: ShardedTensor) -> tuple[Any, ...] | None:
