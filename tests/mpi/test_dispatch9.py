@@ -52,32 +52,33 @@ def test_layer_plans_take_no_stale_fact():
     net = copy.deepcopy(serial)
     for name, child in list(net.named_children()):  # each layer fed ShardedTensors
         setattr(net, name, mpidp.convert_to_domain_parallel(child))
-    m = mpidp.DistributedManager(domain_parallel_size=WORLD)
-    first = m.partition.spec(SHAPE[2], WORLD)
-    # rank 0's band again, the others one row longer (one rank: one row longer)
-    same_band = ShardSpec((first.sizes[0] + (WORLD == 1), *(n + 1 for n in first.sizes[1:])))
-    full, longer = rand(SHAPE, 1), rand((2, 3, same_band.total, SHAPE[3]), 2)
-    bad = []
-    for name, x, spec in [
-        ("first", full, None),
-        ("again", full, None),
-        ("longer", longer, None),
-        ("another cut", longer, same_band),
-        ("first once more", full, None),
-    ]:
-        got = _run(m, net, net, x, spec)
-        bad += [f"{name}: {b}" for b in _differs(got, _serial(serial, serial, x))]
-    # another dtype, the same layers: float32 against serial float32 (other kernels' rounding)
-    y32 = net.float()(mpidp.shard(full.float(), -2, m)).full_tensor()
-    want32 = serial.float()(full.float()).detach()
-    net.double(), serial.double()
-    if y32.dtype != torch.float32 or not torch.allclose(y32, want32, rtol=1e-5, atol=1e-6):
-        bad.append("float32")
-    with torch.no_grad():
-        quiet = net(mpidp.shard(full, -2, m))
-    if quiet.requires_grad or not torch.allclose(quiet.full_tensor(), serial(full), 1e-10, 1e-10):
-        bad.append("no grad")
-    m.shutdown()
+    with mpidp.DistributedManager(domain_parallel_size=WORLD) as m:  # shut down at its end
+        first = m.partition.spec(SHAPE[2], WORLD)
+        # rank 0's band again, the others one row longer (one rank: one row longer)
+        same_band = ShardSpec((first.sizes[0] + (WORLD == 1), *(n + 1 for n in first.sizes[1:])))
+        full, longer = rand(SHAPE, 1), rand((2, 3, same_band.total, SHAPE[3]), 2)
+        bad = []
+        for name, x, spec in [
+            ("first", full, None),
+            ("again", full, None),
+            ("longer", longer, None),
+            ("another cut", longer, same_band),
+            ("first once more", full, None),
+        ]:
+            got = _run(m, net, net, x, spec)
+            bad += [f"{name}: {b}" for b in _differs(got, _serial(serial, serial, x))]
+        # another dtype, the same layers: float32 against serial float32 (other kernels' rounding)
+        y32 = net.float()(mpidp.shard(full.float(), -2, m)).full_tensor()
+        want32 = serial.float()(full.float()).detach()
+        net.double(), serial.double()
+        if y32.dtype != torch.float32 or not torch.allclose(y32, want32, rtol=1e-5, atol=1e-6):
+            bad.append("float32")
+        with torch.no_grad():
+            quiet = net(mpidp.shard(full, -2, m))
+        if quiet.requires_grad or not torch.allclose(
+            quiet.full_tensor(), serial(full), 1e-10, 1e-10
+        ):
+            bad.append("no grad")
     with mpidp.DistributedManager(domain_parallel_size=WORLD) as m2:
         got = _run(m2, net, net, full)
         bad += [f"new manager: {b}" for b in _differs(got, _serial(serial, serial, full))]
