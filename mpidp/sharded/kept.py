@@ -87,10 +87,22 @@ def _add(a: Any, sig: list[Any], leaves: list[torch.Tensor], depth: int) -> bool
         local = a._local
         if a._spectral or a._manager.gradients == "whole":
             return False
-        sig += (t, local.shape, local.dtype, local.device, local.requires_grad, local.layout)
         # (a ShardSpec is its sizes, which hash without a Python call)
-        sig += (a._spec.sizes, a._dim, a._manager, a._grid, a._blocks)
+        sig += (t, local.shape, local.dtype, local.device, local.requires_grad, local.layout,
+                a._spec.sizes, a._dim, a._manager, a._grid, a._blocks)  # fmt: skip
         leaves.append(local)
+        return True
+    if (t is tuple or t is list or t is torch.Size) and depth < 2:  # (the next commonest)
+        types = tuple(map(type, a))
+        if set(types) <= _VALUES:  # (the commonest: a size, a pad, a stride)
+            sig += (t, tuple(a), types)
+            return True
+        sig += (t, len(a))
+        for v in a:
+            if type(v) in _VALUES:
+                sig += (type(v), v)
+            elif not _add(v, sig, leaves, depth + 1):
+                return False
         return True
     if t is torch.Tensor or t is nn.Parameter:
         sig += (t, a.shape, a.dtype, a.device, a.requires_grad, a.layout)
@@ -103,21 +115,14 @@ def _add(a: Any, sig: list[Any], leaves: list[torch.Tensor], depth: int) -> bool
         sig += (t, a.hex())
         return True
     if t is slice:
-        sig.append(t)
-        for v in (a.start, a.stop, a.step):  # (loops, not generators: per call)
-            if not _add(v, sig, leaves, depth):
-                return False
-        return True
-    if (t is tuple or t is list or t is torch.Size) and depth < 2:
-        types = tuple(map(type, a))
-        if set(types) <= _VALUES:  # (the commonest: a size, a pad, a stride)
-            sig += (t, tuple(a), types)
+        start, stop, step = a.start, a.stop, a.step
+        if type(start) in _VALUES and type(stop) in _VALUES and type(step) in _VALUES:
+            # (the commonest: what the loop below adds, without a call per value)
+            sig += (t, type(start), start, type(stop), stop, type(step), step)
             return True
-        sig += (t, len(a))
-        for v in a:
-            if type(v) in _VALUES:
-                sig += (type(v), v)
-            elif not _add(v, sig, leaves, depth + 1):
+        sig.append(t)
+        for v in (start, stop, step):  # (loops, not generators: per call)
+            if not _add(v, sig, leaves, depth):
                 return False
         return True
     return False
@@ -136,43 +141,31 @@ class Kept(NamedTuple):
     slots: tuple[tuple[Any, int], ...]
     local_shape: torch.Size
     shape: torch.Size
-    spec: Any
-    dim: int
-    manager: Any
-    blocks: int
-    grid: Any
-    spectral: bool
+    #: the output's layout after its global shape, as :func:`wrapped` takes it: (spec, dim,
+    #: manager, blocks, grid, spectral)
+    layout: tuple[Any, ...]
 
     def __call__(self, leaves: list[torch.Tensor]) -> ShardedTensor:
-        if self.slots:
-            args, kwargs = self._filled(leaves)
-            out = self.func(*args, **kwargs)
-        else:
-            out = self.func(*self.args, **self.kwargs)
-        if type(out) is not torch.Tensor or out.shape != self.local_shape:
-            raise MpidpError(
-                f"internal error: the kept rule of {self.func} gave "
-                f"{tuple(getattr(out, 'shape', ()))}, not {tuple(self.local_shape)} as when it "
-                f"was planned; report it with the call"
-            )
-        layout = (self.spec, self.dim, self.manager, self.blocks, self.grid, self.spectral)
-        return wrapped(out, self.shape, *layout)
-
-    def _filled(self, leaves: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
-        """The call's arguments: the template with the signature's tensors in their slots."""
-        args, kwargs = list(self.args), dict(self.kwargs)
-        for where, leaf in self.slots:
+        func, template, kwargs, slots, local_shape, shape, layout = self  # (one read, per call)
+        args = list(template)
+        for where, leaf in slots:  # the template with the signature's tensors in their slots
             if type(where) is int:
                 args[where] = leaves[leaf]
             elif type(where) is str:
-                kwargs[where] = leaves[leaf]
+                kwargs = {**kwargs, where: leaves[leaf]}
             else:
                 i, k = where
-                seq = args[i]
-                items = list(seq)
+                items = list(args[i])
                 items[k] = leaves[leaf]
-                args[i] = type(seq)(items)
-        return args, kwargs
+                args[i] = type(args[i])(items)
+        out = func(*args, **kwargs)
+        if type(out) is not torch.Tensor or out.shape != local_shape:
+            raise MpidpError(
+                f"internal error: the kept rule of {func} gave "
+                f"{tuple(getattr(out, 'shape', ()))}, not {tuple(local_shape)} as when it "
+                f"was planned; report it with the call"
+            )
+        return wrapped(out, shape, *layout)
 
 
 def wrapped(
@@ -356,20 +349,8 @@ def _kept(seen: _Seen, out: Any, leaves: list[torch.Tensor], grad: bool) -> Kept
             targs[where] = type(a)(items)
         elif _holds_tensor(a):
             return None
-    return Kept(
-        func,
-        tuple(targs),
-        tkwargs,
-        tuple(slots),
-        y.shape,
-        out._shape,
-        out._spec,
-        out._dim,
-        out._manager,
-        out._blocks,
-        out._grid,
-        out._spectral,
-    )
+    layout = (out._spec, out._dim, out._manager, out._blocks, out._grid, out._spectral)
+    return Kept(func, tuple(targs), tkwargs, tuple(slots), y.shape, out._shape, layout)
 
 
 def _holds_tensor(a: Any) -> bool:

@@ -17,6 +17,7 @@ Three entries, one rule each:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -29,20 +30,20 @@ from torch.utils._pytree import tree_unflatten as _unflatten
 from mpidp.comm import Transport
 from mpidp.errors import ConfigError, MpidpError
 from mpidp.layers import base
-from mpidp.layers.base import DomainParallel, LayoutMismatch, band_call, known_spec
-from mpidp.ops.bands import _BANDS, _NOTES
+from mpidp.layers.base import _SERVING, DomainParallel, LayoutMismatch, band_call, known_spec
+from mpidp.ops.bands import _BANDS, _NOTES, _TORCH_PATH
 from mpidp.ops.collectives import copy_to
 from mpidp.runtime import rng
 from mpidp.runtime.grid import BlockSpec, axis_transport, blocks_refused
 from mpidp.runtime.manager import DistributedManager, bound
 from mpidp.runtime.partition import _KNOWN, ShardSpec, known_for
+from mpidp.sharded import where
 from mpidp.sharded.block_layout import check_block
 from mpidp.sharded.dispatch import _DEPTH, WATCHERS, UnsupportedOp, observed
 from mpidp.sharded.kept import wrapped
 from mpidp.sharded.layer_calls import spectrum_refused
 from mpidp.sharded.partial import summed
 from mpidp.sharded.tensor import Replicated, ShardedTensor, _RankZeroGrad, replicated
-from mpidp.sharded.where import entered, relocated
 
 __all__ = ["enter_module", "leave_module", "run_layer", "torch_forward"]
 
@@ -110,7 +111,7 @@ def _whole_parameters(layer: nn.Module, t: Any) -> Iterator[None]:
 
 
 def _sharded(args: Any, kwargs: Any) -> list[ShardedTensor]:
-    if not kwargs and all(type(a) is ShardedTensor for a in args):  # bands alone: no walk
+    if not kwargs and all([type(a) is ShardedTensor for a in args]):  # bands alone: no walk
         return list(args)
     leaves, _ = tree_flatten((args, kwargs))
     return [a for a in leaves if isinstance(a, ShardedTensor)]
@@ -120,10 +121,31 @@ def run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict
     """``layer`` (a DomainParallel module) on ShardedTensor arguments, on their manager: a
     layer bound to None (and no other call in progress) takes it, a layer bound to another
     manager is refused unless that manager has the same ranks, grid and gradient convention
-    (:func:`_serving`). Collective over the domain group, as the layer is."""
-    ref = args[0] if args and type(args[0]) is ShardedTensor else _sharded(args, kwargs)[0]
+    (:func:`_serving`). Collective over the domain group, as the layer is.
+
+    A call on one band of the layout the layer's plan was made for (:class:`_Plan`), by a
+    layer on the band's manager, runs the layer on the band at once and wraps its output by
+    the plan when the layer noted the same and returned the same shape (nearly every call of
+    a converted model: one dict look-up and one tuple comparison instead of the walks)."""
+    x: Any = args[0] if len(args) == 1 and not kwargs else None
+    plan = _PLANS.get(weakref.ref(layer)) if type(x) is ShardedTensor and not WATCHERS else None
+    if plan is not None and plan.layout == _layout(x):
+        m = x._manager
+        own = layer.own_manager()
+        if own is None or own is m:
+            token = _SERVING.set(m)  # (base.serve(m), without its object: per call)
+            try:
+                out, notes = _call(layer, forward, args, kwargs, [x], None)
+                if notes is None:  # the torch form ran
+                    return out
+                if type(out) is torch.Tensor and out.shape == plan.shape and notes == plan.notes:
+                    return wrapped(out, plan.whole, plan.spec, plan.dim, m)
+                return _wrap_out(layer, out, notes, x, args, kwargs)
+            finally:
+                _SERVING.reset(token)
+    ref = x if type(x) is ShardedTensor else _sharded(args, kwargs)[0]
     with base.serve(_serving(layer, ref)):
-        return _run_or_plan(layer, forward, args, kwargs)
+        return observed(layer, args, kwargs, lambda: _run_layer(layer, forward, args, kwargs))
 
 
 def _serving(layer: Any, ref: ShardedTensor) -> DistributedManager:
@@ -149,24 +171,15 @@ def _serving(layer: Any, ref: ShardedTensor) -> DistributedManager:
     )
 
 
-def _run_or_plan(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    if not WATCHERS:
-        x = args[0] if len(args) == 1 and not kwargs else None
-        if type(x) is ShardedTensor:
-            plan = _PLANS.get(layer)
-            if plan is not None and plan.layout == _layout(x):
-                return _planned(layer, forward, x, plan)
-    return observed(layer, args, kwargs, lambda: _run_layer(layer, forward, args, kwargs))
-
-
 class _Plan(NamedTuple):
     """What a converted layer's call on one band found, kept for the next call of the same
-    layout (:func:`_layout`): the transport, the notes the layer made about its output, and
-    the output's band shape and cut. A call that finds another layout, other notes or another
-    output shape takes the general path, which checks the output (and raises) as ever."""
+    layout (:func:`_layout`): the notes the layer made about its output, and the output's
+    band shape and cut. A call that finds another layout, other notes or another output shape
+    takes the general path, which checks the output (and raises) as ever. Made only under
+    mpidp's own gradient convention (a manager's is fixed when it is made), so a planned
+    call enters no parameter through ``copy_to``."""
 
     layout: tuple[Any, ...]
-    t: Transport
     notes: list[Any]
     shape: torch.Size
     spec: ShardSpec
@@ -175,38 +188,43 @@ class _Plan(NamedTuple):
     whole: torch.Size
 
 
-#: per converted layer, the plan of its last single-band call
-_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+#: per converted layer, the plan of its last single-band call; keyed by a weak reference
+#: (equal to any other reference to the same layer), dropped with the layer
+_PLANS: dict[weakref.ref[Any], _Plan] = {}
+
+
+def _keep_plan(layer: Any, plan: _Plan) -> None:
+    _PLANS[weakref.ref(layer, _drop_plan)] = plan
+
+
+def _drop_plan(ref: weakref.ref[Any], plans: dict[Any, _Plan] = _PLANS) -> None:
+    plans.pop(ref, None)  # (the dict bound here: a layer may die at the interpreter's exit)
 
 
 def _layout(x: ShardedTensor) -> tuple[Any, ...] | None:
     """The facts a layer's call on the band of ``x`` depends on: the band's shape, dtype and
-    device, its cut (partition and dim), its manager; None for a layout without plans (blocks,
-    merged blocks, a spectrum)."""
+    device, its cut (partition sizes and dim), its manager; None for a layout without plans
+    (blocks, merged blocks, a spectrum)."""
     if x._grid is not None or x._blocks != 1 or x._spectral:
         return None
     local = x._local
-    return (local.shape, local.dtype, local.device, x._spec, x._dim, x._manager)
-
-
-def _planned(layer: Any, forward: Callable[..., Any], x: ShardedTensor, plan: _Plan) -> Any:
-    """A call of the layout ``plan`` was made for: the layer on the band, its output wrapped
-    by the plan when the layer noted the same and returned the same shape."""
-    out, notes = _call(layer, forward, (x,), {}, [x], plan.t)
-    if notes is None:  # the torch form ran
-        return out
-    if type(out) is torch.Tensor and out.shape == plan.shape and notes == plan.notes:
-        return wrapped(out, plan.whole, plan.spec, plan.dim, x._manager)
-    return _wrap_out(layer, out, notes, x, (x,), {})
+    # (a ShardSpec is its sizes: compared without the dataclass's Python __eq__)
+    return (local.shape, local.dtype, local.device, x._spec.sizes, x._dim, x._manager)
 
 
 def _call(
-    layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dict, sharded: list, t: Any
+    layer: Any,
+    forward: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    sharded: list,
+    t: Transport | None,
 ) -> tuple[Any, list[Any] | None]:
     """``forward`` on the bands, with their partitions known: (its output, the notes the
     layer made), or (the torch form's output, None) when the layer does not apply to the
-    layout (:class:`LayoutMismatch`)."""
-    whole = _whole_parameters(layer, t) if t.whole else _NOTHING
+    layout (:class:`LayoutMismatch`). ``t``: the bands' transport under the ``"whole"``
+    gradient convention (the parameters enter through ``copy_to``), else None."""
+    whole = _whole_parameters(layer, t) if t is not None else _NOTHING
     a = sharded[0]
     try:
         if len(args) == 1 and args[0] is a and not kwargs and a._grid is None:  # one band
@@ -230,7 +248,7 @@ def _call(
     except LayoutMismatch:
         return torch_forward(layer)(layer, *args, **kwargs), None
     except MpidpError as err:  # a layer's own error (too few rows): named where it happened
-        located = relocated(err)
+        located = where.relocated(err)
         if located is None:
             raise
         raise located from err
@@ -245,7 +263,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     t = ref.transport
     if any(a.blocks > 1 or _merged_block(a) for a in sharded):  # merged before a cut: op by op
         return torch_forward(layer)(layer, *args, **kwargs)
-    out, notes = _call(layer, forward, args, kwargs, sharded, t)
+    out, notes = _call(layer, forward, args, kwargs, sharded, t if t.whole else None)
     if notes is None:
         return out
     y = _wrap_out(layer, out, notes, ref, args, kwargs)
@@ -253,7 +271,7 @@ def _run_layer(layer: Any, forward: Callable[..., Any], args: tuple, kwargs: dic
     if layout is not None and type(y) is ShardedTensor and not t.whole:
         # the same layout next time: the checks above are the plan's (outputs of another
         # shape, or other notes, come back here)
-        _PLANS[layer] = _Plan(layout, t, list(notes), y._local.shape, y._spec, y._dim, y._shape)
+        _keep_plan(layer, _Plan(layout, list(notes), y._local.shape, y._spec, y._dim, y._shape))
     return y
 
 
@@ -369,23 +387,30 @@ def _wrap_bands(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -
     shard_dim``) as the ShardedTensor of this rank's band (the partitions declared with
     :func:`~mpidp.runtime.partition.known_spec`, else learned in one all-gather); other
     arguments as they are."""
-    plain = not kwargs and all(type(a) is torch.Tensor for a in args)  # (the commonest call)
+    # (list comprehensions, not generators, and no _plain(): per call of the model)
+    plain = not kwargs and all([type(a) is torch.Tensor for a in args])  # (the commonest call)
     leaves, tree = (list(args), None) if plain else tree_flatten((args, kwargs))
-    at = [i for i, a in enumerate(leaves) if _plain(a) and a.dim() >= max(1 - shard_dim, 1)]
+    low = max(1 - shard_dim, 1)
+    at = [i for i, a in enumerate(leaves) if (plain or _plain(a)) and a.dim() >= low]
     if at:
         dims = [leaves[i].dim() + shard_dim for i in at]
         known = [known_for(leaves[i], d) for i, d in zip(at, dims, strict=True)]
-        if all(spec is not None for spec in known):  # declared (partition.known_spec)
+        if all([spec is not None for spec in known]):  # declared (partition.known_spec)
             specs = known
         elif m.domain_world_size > 1:
             t = m.transport(None, leaves[at[0]].device)
             rows = t.all_gather_ints([leaves[i].size(d) for i, d in zip(at, dims, strict=True)])
-            specs = [ShardSpec(tuple(r[j] for r in rows)) for j in range(len(at))]
+            specs = [_spec(tuple([r[j] for r in rows])) for j in range(len(at))]
         else:
-            specs = [ShardSpec((leaves[i].size(d),)) for i, d in zip(at, dims, strict=True)]
+            specs = [_spec((leaves[i].size(d),)) for i, d in zip(at, dims, strict=True)]
         for i, d, spec in zip(at, dims, specs, strict=True):
             leaves[i] = ShardedTensor(leaves[i], spec, d, m)
     return (tuple(leaves), kwargs) if tree is None else _unflatten(leaves, tree)
+
+
+#: the ShardSpec of each extents' tuple (frozen: one object serves every call), so that the
+#: next call's bands carry the very spec the plans hold (compared by identity, no __eq__)
+_spec = functools.lru_cache(maxsize=1024)(ShardSpec)
 
 
 def _wrap_blocks(args: Any, kwargs: Any, shard_dim: int, m: DistributedManager) -> Any:
@@ -422,9 +447,9 @@ def _to_band(o: Any, inputs: list[Any]) -> Any:
     partition returns it so), else on the manager's partition of its length."""
     if not isinstance(o, ShardedTensor):
         return o
-    m = o.manager
-    if o.grid is not None:  # a block: on an input's blocks or the policy's, else refused
-        g = o.grid
+    m = o._manager  # (the wrapper's fields: each of its properties is a Python call)
+    g = o._grid
+    if g is not None:  # a block: on an input's blocks or the policy's, else refused
         want = tuple(m.partition.derived(n, p) for n, p in zip(g.shape, m.grid, strict=True))
         if g in inputs or (g.lat, g.lon) == want:
             return o.local
@@ -433,8 +458,8 @@ def _to_band(o: Any, inputs: list[Any]) -> Any:
             f"the partition policy's {[list(s.sizes) for s in want]}: blocks are not moved; "
             f"return the result on the policy's blocks (or call .full_tensor())"
         )
-    if o.spec in inputs:
-        return o.local
+    if o._spec in inputs:
+        return o._local
     spec = m.partition.derived(o.spec.total, m.domain_world_size)
     return (o.redistribute(spec=spec) if spec != o.spec else o).local
 
@@ -472,7 +497,7 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     another dim, its forward runs on them through dispatch."""
     kind, dim, manager, calls = module.__dict__["_mpidp_band"]
     if kind == "model":
-        if base.in_torch_path():
+        if _TORCH_PATH.get():  # (base.in_torch_path())
             calls.append(None)
             return None
         given = _sharded(args, kwargs) if manager is None else []
@@ -483,7 +508,7 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             args, kwargs = _wrap_blocks(args, kwargs, dim, m)
         else:
             args, kwargs = _wrap_bands(args, kwargs, dim, m)
-        specs = [a.grid or a.spec for a in _sharded(args, kwargs)]
+        specs = [a._grid or a._spec for a in _sharded(args, kwargs)]
         if not specs and m.domain_world_size > 1:  # the forward would run on bands as if whole
             raise ConfigError(
                 f"rank {m.rank}: the converted {type(module).__name__} got no argument it can "
@@ -492,9 +517,9 @@ def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
                 f"features); fix: pass ShardedTensors (mpidp.shard(x, dim)), or bands with a "
                 f"batch dim ((1, N, C) with input_dim=-2)"
             )
-        calls.append(("model", entered(module), specs, base.serve(m)))
-        calls[-1][1].__enter__()
-        calls[-1][3].__enter__()  # its layers bound to None: on m, whatever the default
+        # on the stack for a refusal's message, and its layers bound to None on m, whatever
+        # the default (base.serve(m), without its object: per call)
+        calls.append(("model", where.enter(module), specs, _SERVING.set(m)))
         return args, kwargs
     x = args[0] if len(args) == 1 and not kwargs else None
     if type(x) is ShardedTensor and x._grid is None and x._blocks == 1:  # one band (per call:
@@ -538,14 +563,19 @@ def leave_module(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
     if call is None:
         return None
     if call[0] == "model":
-        call[3].__exit__(None, None, None)
-        call[1].__exit__(None, None, None)
+        _SERVING.reset(call[3])
+        where.leave(call[1])
         if type(out) is ShardedTensor:  # (the commonest result: no walk)
             return _to_band(out, call[2])
         return tree_map(lambda o: _to_band(o, call[2]), out)
     ref, empty = call[1], call[2]
-    if kind == "band" and type(out) is torch.Tensor and out.shape == ref._local.shape:
-        return ref.same_layout(out)  # (the band's own shape: its cut, as _band_outputs finds)
+    if kind == "band" and type(out) is torch.Tensor:
+        local, d = ref._local, ref._dim
+        if out.shape == local.shape or (
+            not ref._spectral and out.dim() == local.dim() and out.size(d) == local.size(d)
+        ):  # the band's shape, or its rows with other channels (a 1x1 convolution): its cut,
+            # as _band_outputs finds, without the walk
+            return ref.same_layout(out)
     if empty:  # the zero row enter_module added: dropped from every output of the band's rank
         d = ref.shard_dim
         out = tree_map(

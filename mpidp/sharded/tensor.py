@@ -172,6 +172,11 @@ class ShardedTensor(torch.Tensor):
         through ``__torch_function__``: the rules ask it several times per call."""
         return self._local.dim()
 
+    def size(self, dim: int | None = None) -> Any:
+        """The global shape, or its extent along ``dim`` (answered here, as :meth:`dim`: a
+        model asks it between its ops, ``y.size(-1)``)."""
+        return self._shape if dim is None else self._shape[dim]
+
     @property
     def ndim(self) -> int:  # type: ignore[override]
         """See :meth:`dim`."""
@@ -246,14 +251,24 @@ class ShardedTensor(torch.Tensor):
 
     def same_layout(self, local: torch.Tensor) -> ShardedTensor:
         """``local``, a band of this tensor's band's shape, with this tensor's layout: what
-        :meth:`like` gives, without re-deriving the global shape (element-wise results)."""
+        :meth:`like` gives, without re-deriving the global shape (element-wise results). On a
+        band (not a block) ``local`` may differ in the dims the band is not cut along (a 1x1
+        convolution's channels): its global shape is then its own but along the cut."""
+        shape = self._shape
         if local.shape != self._local.shape:
-            return self.like(local)
+            d = self._dim
+            if (
+                self._grid is not None
+                or local.dim() != self._local.dim()
+                or local.size(d) != self._local.size(d)
+            ):
+                return self.like(local)
+            shape = torch.Size((*local.shape[:d], shape[d], *local.shape[d + 1 :]))
         out = torch.Tensor._make_wrapper_subclass(
-            ShardedTensor, self._shape, dtype=local.dtype, device=local.device, requires_grad=False
+            ShardedTensor, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         out._local, out._spec, out._dim, out._manager = local, self._spec, self._dim, self._manager
-        out._shape, out._blocks, out._grid = self._shape, self._blocks, self._grid
+        out._shape, out._blocks, out._grid = shape, self._blocks, self._grid
         out._spectral = self._spectral
         return out
 

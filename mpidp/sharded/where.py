@@ -2,8 +2,8 @@
 
 The modules running now are read off the Python stack when a refusal is raised (the frames
 of torch's ``Module._call_impl``, each with its module and its arguments): the stack of those
-called with a ShardedTensor among their positional arguments, and of those :func:`entered`
-names (a converted model called with plain bands). A refusal then names the innermost one by
+called with a ShardedTensor among their positional arguments, and of those :func:`enter`
+puts there (a converted model called with plain bands). A refusal then names the innermost one by
 its path from the outermost (``decoder.up2 (Conv2d)``), or the model's own ``forward``.
 Nothing runs per module call: no global hook slows the modules of the process (plain ones
 included) to answer a question asked only when a call is refused.
@@ -19,10 +19,10 @@ from torch import nn
 
 from mpidp.sharded.tensor import ShardedTensor
 
-__all__ = ["entered", "locate", "location", "module_path", "relocated", "running", "stack"]
+__all__ = ["enter", "leave", "locate", "location", "module_path", "relocated", "running", "stack"]
 
 _FUNCTIONS: list[str] = []  # the user's autograd.Function running now: "Name.forward"
-#: the modules :func:`entered` now (converted models running their forward)
+#: the modules :func:`enter` put there now (converted models running their forward)
 _ENTERED: list[nn.Module] = []
 #: the code of torch's module call, whose frames hold the module (``self``) and ``args``
 _CALL = nn.Module._call_impl.__code__
@@ -30,7 +30,7 @@ _CALL = nn.Module._call_impl.__code__
 
 def stack() -> list[nn.Module]:
     """The modules running now that were called with a ShardedTensor positional argument or
-    :func:`entered`, outermost first (read off the Python stack)."""
+    :func:`enter` put there, outermost first (read off the Python stack)."""
     found: list[nn.Module] = []
     frame = sys._getframe(1)
     while frame is not None:
@@ -74,16 +74,18 @@ def location() -> str:
     return f"{where}, {module}" if where else module
 
 
-@contextlib.contextmanager
-def entered(module: nn.Module) -> Iterator[None]:
-    """``module`` is on the stack while its forward runs, whatever its arguments (a converted
-    model, called with plain bands; called with ShardedTensors it is there already)."""
-    depth = len(_ENTERED)
+def enter(module: nn.Module) -> int:
+    """Put ``module`` on the stack while its forward runs, whatever its arguments (a converted
+    model, called with plain bands; called with ShardedTensors it is there already); returns
+    the depth to :func:`leave` with. Plain calls, not a context manager: every call of a
+    converted model makes them."""
     _ENTERED.append(module)
-    try:
-        yield
-    finally:
-        del _ENTERED[depth:]
+    return len(_ENTERED) - 1
+
+
+def leave(depth: int) -> None:
+    """Take the module :func:`enter` put at ``depth`` (and any left above it) off the stack."""
+    del _ENTERED[depth:]
 
 
 def relocated(err: Exception) -> Exception | None:
