@@ -434,6 +434,14 @@ class DomainParallel:
             return key, None
         return key, found
 
+    def _repeated(
+        self, m: DistributedManager, x: torch.Tensor, *facts: Any
+    ) -> tuple[tuple[Any, ...] | None, torch.Tensor | None]:
+        """(the key of this call, its output when a kept :class:`Repeat` served it, else
+        None: the layer's general path runs, and keeps the call by the key)."""
+        key, repeat = self._kept_call(m, x, *facts)
+        return key, None if repeat is None else repeat.run(self, x)
+
     def _keep_call(self, key: tuple[Any, ...], plan: Any) -> None:
         """Keep ``plan`` for the calls of ``key`` (:meth:`_kept_call`)."""
         kept = self.__dict__.setdefault("_kept_calls", KeptCalls())

@@ -162,7 +162,7 @@ class _Conv(DomainParallel):
             return super().forward(x)  # type: ignore[misc]
         conv: nn.modules.conv._ConvNd = self  # type: ignore[assignment]
         known = known_for(x, x.dim() + self.shard_dim)
-        key, repeat = self._kept_call(
+        key, y = self._repeated(
             m,
             x,
             known and known.sizes,
@@ -172,10 +172,8 @@ class _Conv(DomainParallel):
             conv.dilation,
             conv.padding_mode,
         )
-        if repeat is not None:
-            y = repeat.run(conv, x)
-            if y is not None:
-                return y
+        if y is not None:
+            return y
         _spatial(conv, x, self._n, self.shard_dim)
         first = x.dim() - self._n  # the tensor dim of the first spatial dim
         pads = _pads(conv.padding, conv.kernel_size, conv.dilation)

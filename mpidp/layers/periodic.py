@@ -174,7 +174,7 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
         if x.dim() != 4:
             raise ConfigError(f"{type(self).__name__}: expects (B, C, H, W), got {tuple(x.shape)}")
         known = known_for(x, 2)
-        key, repeat = self._kept_call(
+        key, y = self._repeated(
             m,
             x,
             known and known.sizes,
@@ -184,10 +184,8 @@ class DomainParallelPeriodicConv2d(DomainParallel, PeriodicConv2d):
             self.dilation,
             self.pole,
         )
-        if repeat is not None:
-            y = repeat.run(self, x)
-            if y is not None:
-                return y
+        if y is not None:
+            return y
         pads = list(self.periodic_padding)
         cuts, outs = [], []
         for axis in self._axes(x):  # the latitude, and on blocks the longitude too
