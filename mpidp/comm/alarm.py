@@ -19,7 +19,11 @@ Two kinds of message travel here, never on a call's own path (a call pays nothin
   call (on another communicator, a call of another kind, or an exchange of another number:
   the halo numbers its exchanges in their tags, the backward with its forward's number) knows
   that neither can go on: a rank skipped a call the others made. It ends the job at once,
-  naming both calls, instead of at the deadline (600 s by default).
+  naming both calls, instead of at the deadline (600 s by default). A report is believed only
+  once it answers this rank's own report of the wait it is in (each report carries the number
+  of the last one heard from its receiver, and a waiting rank answers a report it has not yet
+  answered): a report sent before this wait began — its sender has left that call since,
+  this rank's own arrival in it let it go — is never taken for a wait that lasts.
 
 The deadline's watchdog thread (:mod:`mpidp.comm.mpi`) listens, twice a second. Needs an MPI
 with ``MPI_THREAD_MULTIPLE`` (the watchdog thread talks while the main thread waits in MPI);
@@ -112,9 +116,14 @@ class _Alarm:
         self.heard_end: float | None = None
         self.ending = False  # this rank is ending with an uncaught error of its own
         self.ending_out = False  # ... and its own message is out (flushed, at exit)
-        #: reports of peers' long waits: world rank -> (when it arrived here, their call)
-        self.reports: dict[int, tuple[float, Call]] = {}
-        self.reported: set[float] = set()
+        #: reports of peers' waits: world rank -> (their call, the report's number, the
+        #: number of the last report of this rank's they had heard when they sent it)
+        self.reports: dict[int, tuple[Call, int, int]] = {}
+        #: this rank's waits reported, by when they began: the number of the first report
+        self.reported: dict[float, int] = {}
+        self.numbered = 0  # the reports this rank has sent (each one's number: the count)
+        self.heard: dict[int, int] = {}  # world rank -> the number of its last report here
+        self.acked: dict[int, int] = {}  # world rank -> the number our last report to it had heard
         self.sends: list[MPI.Request] = []
         #: ranks whose error this rank heard while ending with its own, not yet confirmed:
         #: confirmed once this rank's own message is out (at exit)
@@ -184,31 +193,47 @@ class _Alarm:
             )
         while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_STUCK, status):
             src = status.Get_source()
-            self.reports[src] = (now, self.comm.recv(source=src, tag=TAG_STUCK))
+            self.reports[src] = self.comm.recv(source=src, tag=TAG_STUCK)
+            self.heard[src] = self.reports[src][1]
         self.sends = [r for r in self.sends if not r.Test()]
+        live = {began for began, _, _ in waits}
+        self.reported = {b: n for b, n in self.reported.items() if b in live}
         for began, limit, call in waits:
-            if now - began < stuck_after(limit):
-                continue
-            if began not in self.reported:  # once per wait
-                self.reported = {b for b in self.reported if now - b < 3600} | {began}
-                self.sends += [
-                    self.comm.isend(call, dest=r, tag=TAG_STUCK)
-                    for r in call.needs
-                    if r != self.rank
-                ]
-            for src, (arrived, theirs) in self.reports.items():
-                if arrived < began or src not in call.needs or self.rank not in theirs.needs:
-                    continue  # an older wait's report, or one that does not involve us both
-                if call.same_as(theirs) is False:
-                    return (
-                        f"this rank has waited {now - began:.1f} s in {call.describe()} for "
-                        f"rank {src}, which is waiting for this rank in another call: "
-                        f"{theirs.describe()}. Neither can go on: the ranks are out of step (a "
-                        f"collective, a forward or a backward that ran on some ranks only?). "
-                        f"Aborting the job now rather than at the {limit:g} s deadline; fix: "
-                        f"make every rank run the same collectives and the same forward and "
-                        f"backward, in the same order"
+            mine = self.reported.get(began)  # the number of this wait's first report
+            peers = [r for r in call.needs if r != self.rank]
+            asked, verdict = [], None
+            for r in peers:
+                if r not in self.reports or self.rank not in self.reports[r][0].needs:
+                    continue  # no report from r, or not of a wait for this rank
+                theirs, number, seen = self.reports[r]
+                if mine is not None and seen >= mine:  # sent while both of us waited
+                    if call.same_as(theirs) is False:
+                        verdict = verdict or (r, theirs)
+                        if number > self.acked.get(r, 0):
+                            asked.append(r)  # r judges too once it hears that we heard
+                elif number > self.acked.get(r, 0):
+                    asked.append(r)  # perhaps stale: r judges by the answer
+            if mine is None and now - began >= stuck_after(limit):
+                asked = peers  # the wait has lasted: every rank it waits for hears of it
+            if asked:
+                self.numbered += 1
+                self.reported.setdefault(began, self.numbered)
+                for r in asked:
+                    self.acked[r] = self.heard.get(r, 0)
+                    self.sends.append(
+                        self.comm.isend((call, self.numbered, self.acked[r]), dest=r, tag=TAG_STUCK)
                     )
+            if verdict is not None:
+                src, theirs = verdict
+                return (
+                    f"this rank has waited {now - began:.1f} s in {call.describe()} for "
+                    f"rank {src}, which is waiting for this rank in another call: "
+                    f"{theirs.describe()}. Neither can go on: the ranks are out of step (a "
+                    f"collective, a forward or a backward that ran on some ranks only?). "
+                    f"Aborting the job now rather than at the {limit:g} s deadline; fix: "
+                    f"make every rank run the same collectives and the same forward and "
+                    f"backward, in the same order"
+                )
         return None
 
     # -- the rank that fails ------------------------------------------------------------------
