@@ -52,12 +52,22 @@ fail=0
 times=()
 bad=()
 last_test="$(mktemp "${TMPDIR:-/tmp}/mpidp-last-test.XXXXXX")"
-trap 'rm -f "$last_test"' EXIT
+trap 'rm -f "$last_test" "$cpu_file"*' EXIT
+# children_cpu: sets cpu to the CPU seconds (user + system) of this shell's finished children
+# so far (`times` in this shell: a pipeline's or a $(...)'s subshell has no children)
+cpu_file="$(mktemp "${TMPDIR:-/tmp}/mpidp-cpu.XXXXXX")"
+cpu=0
+children_cpu() {
+  local f="$cpu_file.$BASHPID"  # a file per shell: a stage beside has a shell of its own
+  times >"$f"
+  cpu=$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$f")
+}
 # run_stage NAME FACTOR CMD...: CMD under a limit of FACTOR x MPIDP_TEST_TIMEOUT seconds (an mpiexec
 # inside it gets a little more, so that the limit, not MPICH's own timeout, ends it); records
 # the stage's time and result. A stage over its limit is killed and says so.
 run_stage() {
-  local name="$1" factor="$2" limit=$(($2 * per_run)) rc=0 t0=$SECONDS result
+  local name="$1" factor="$2" limit=$(($2 * per_run)) rc=0 t0=$SECONDS result cpu0
+  children_cpu; cpu0=$cpu
   shift 2
   echo; echo "=== $name"
   : >"$last_test"
@@ -74,11 +84,14 @@ run_stage() {
     result=FAILED
     echo; echo "!!! stage '$name' FAILED (exit $rc)"
   fi
-  times+=("$(printf '%5d s  %-7s %s' $((SECONDS - t0)) "$result" "$name")")
+  children_cpu
+  times+=("$(printf '%5d s %5d cpu-s  %-7s %s' $((SECONDS - t0)) $((cpu - cpu0)) "$result" "$name")")
   if [ "$result" != passed ]; then bad+=("$result: $name"); fail=1; fi
 }
 report_times() {
-  echo; echo "stage times and results (total $SECONDS s):"
+  children_cpu
+  echo; echo "stage times (wall; CPU of its processes: 2 cores give at most 2 cpu-s a second)" \
+    "and results (total $SECONDS s, $cpu cpu-s):"
   for line in "${times[@]}"; do echo "  $line"; done
   if [ "${#bad[@]}" -gt 0 ]; then
     echo; echo "stages that did not pass:"

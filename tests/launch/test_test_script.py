@@ -29,7 +29,7 @@ def test_a_stage_over_its_limit_says_so_and_the_summary_marks_it_killed():
     assert "1 x MPIDP_TEST_TIMEOUT=10" in line.group(0)
     assert re.search(r"the last test it started: (tests/unit/\S+|none \(still starting\))", line[0])
     assert "MPIDP_TEST_TIMEOUT=20 bash scripts/test.sh" in line.group(0)
-    assert re.search(r"^ +\d+ s  KILLED  unit tests$", out, re.M), out[-2000:]
+    assert re.search(r"^ +\d+ s +\d+ cpu-s  KILLED  unit tests$", out, re.M), out[-2000:]
     assert re.search(r"^stages that did not pass:\n(  .*\n)*  KILLED: unit tests$", out, re.M)
     assert "quick tier: FAILED" in out
 
