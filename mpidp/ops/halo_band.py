@@ -227,7 +227,7 @@ class _HaloFetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> Any:
-        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, ctx.number, *gs), None, None
+        return _call(_HaloAccumulate, ctx.op, ctx.x_shape, ctx.number, *gs), None, None
 
 
 class _HaloAccumulate(torch.autograd.Function):
@@ -449,6 +449,23 @@ class _Fast:
         return tuple(_assemble(parts, x, d) for parts in self.recipe)
 
 
+class _KeptFetch(torch.autograd.Function):
+    """:class:`_HaloFetch` through an op's :class:`_Fast` exchange (a gradient's calls): the
+    prepared messages and the concatenation forward (new tensors, never views of the kept
+    buffers), the same backward, halo accumulate, numbered as the forward's exchange (``2 x``
+    the transport's count, which :meth:`_Fast.__call__` advanced) plus one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fast: _Fast) -> Any:
+        out = fast(x)
+        ctx.op, ctx.x_shape, ctx.number = fast.op, x.shape, 2 * fast.op.t.fetches
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> Any:
+        return _call(_HaloAccumulate, ctx.op, ctx.x_shape, ctx.number, *gs), None
+
+
 def _fast_of(op: _Op, x: torch.Tensor) -> _Fast | None:
     """The op's :class:`_Fast` exchange for ``x``'s shape, dtype and device, made at the first
     call; None when an output is not a concatenation (:func:`_recipe`)."""
@@ -465,14 +482,14 @@ def _fast_of(op: _Op, x: torch.Tensor) -> _Fast | None:
 
 
 def _planned(x: torch.Tensor, op: _Op) -> Any:
-    """The plan's exchange, made in one go: without a gradient, and when its outputs are
-    concatenations (:func:`_recipe`), through its :class:`_Fast` exchange; otherwise
-    :class:`_HaloFetch`."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _call(_HaloFetch, x, op, None)
+    """The plan's exchange, made in one go: when its outputs are concatenations
+    (:func:`_recipe`), through its :class:`_Fast` exchange (with a gradient, as
+    :class:`_KeptFetch`); otherwise :class:`_HaloFetch`."""
     fast = _fast_of(op, x)
     if fast is None:
         return _call(_HaloFetch, x, op, None)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _KeptFetch.apply(x, fast)
     return fast(x)
 
 
@@ -501,7 +518,7 @@ def kept_fetch(
     without its resolution, or None when a call of these arguments is not one a repeat can
     skip to: one whose facts are not yet agreed (its first), or whose spec does not travel
     with the tensor (those agree on every call). Call it after such a call returned; the
-    repeat makes the same messages, numbered alike, and with a gradient the same Function."""
+    repeat makes the same messages, numbered alike, and with a gradient the same backward."""
     k, problems = _known_of(t, x, before, after, dim, spec, boundary, roll_dim, False)
     if problems or k.spec is None or known_for(x, k.d) != k.spec:
         return None
@@ -510,9 +527,11 @@ def kept_fetch(
         return None
     op = _op_of(k, k.spec.sizes, t, x, False)
     box = getattr(t, "inner", t).__dict__
-    fast = None if torch.is_grad_enabled() and x.requires_grad else _fast_of(op, x)
-    if fast is None:  # (as _planned: with a gradient, or outputs that are not concatenations)
+    fast = _fast_of(op, x)
+    if fast is None:  # (as _planned: outputs that are not concatenations)
         return Kept(lambda band: _call(_HaloFetch, band, op, None), box, agreed)
+    if torch.is_grad_enabled() and x.requires_grad:  # (a kept call's key holds the grad flag)
+        return Kept(lambda band: _call(_KeptFetch, band, fast), box, agreed)
     return Kept(fast, box, agreed)
 
 
