@@ -238,11 +238,13 @@ LEAN = ["conv", "conv stride 2", "conv circular", "conv no bias"]
 
 @pytest.fixture
 def fetches(monkeypatch):
-    """Counts of the general fetch's forwards, and the numbers the halo's backwards got."""
+    """Counts of the general fetch's forwards, and the numbers the halo's backwards got (the
+    general accumulate's, and the prepared one's: ``lean``)."""
     from mpidp.ops import halo_band
 
-    seen = {"general": 0, "backward": []}
+    seen = {"general": 0, "backward": [], "lean": 0}
     fetch, accumulate = halo_band._HaloFetch.forward, halo_band._HaloAccumulate.forward
+    back = halo_band._Back.__call__
 
     def general(ctx, *args):
         seen["general"] += 1
@@ -252,8 +254,23 @@ def fetches(monkeypatch):
         seen["backward"].append(number)
         return accumulate(ctx, op, x_shape, number, *gs)
 
+    def lean(self, g, number):
+        seen["lean"] += 1
+        run = self.exchange.run
+
+        def sent(n=0):  # the number its messages carry: the fetch's + 1
+            seen["backward"].append(n - 1)
+            return run(n)
+
+        self.exchange.run = sent
+        try:
+            return back(self, g, number)
+        finally:
+            del self.exchange.run
+
     monkeypatch.setattr(halo_band._HaloFetch, "forward", staticmethod(general))
     monkeypatch.setattr(halo_band._HaloAccumulate, "forward", staticmethod(backward))
+    monkeypatch.setattr(halo_band._Back, "__call__", lean)
     return seen
 
 
@@ -262,9 +279,10 @@ def fetches(monkeypatch):
 @pytest.mark.parametrize("name", LEAN)
 def test_kept_training_calls_take_the_prepared_exchange(m, name, spec, fetches):
     """A kept call with a gradient makes its exchange through the prepared one (no general
-    fetch) and equals serial (output, input gradient, every parameter gradient); its
-    backward is numbered as the forward's exchange (2 x the transport's count) + 1, the
-    numbering the deadlock detector reads (mpidp.comm.alarm)."""
+    fetch), its backward's too where the halo surrounds the whole band (halo_band._Back), and
+    equals serial (output, input gradient, every parameter gradient); its backward is numbered
+    as the forward's exchange (2 x the transport's count) + 1, the numbering the deadlock
+    detector reads (mpidp.comm.alarm)."""
     serial, layer = _made(name)
     conv = mpidp.convert_to_domain_parallel(layer, m)
     full = rand(SHAPE, 9)
@@ -273,7 +291,7 @@ def test_kept_training_calls_take_the_prepared_exchange(m, name, spec, fetches):
     bad = [f"first call: {b}" for b in _differs(_run(m, conv, conv, full, spec), want)]
     for i in range(2):
         conv.zero_grad()
-        fetches["general"], fetches["backward"] = 0, []
+        fetches.update(general=0, backward=[], lean=0)
         x = mpidp.shard(full, 2, m, spec).detach().requires_grad_()
         y = conv(x)
         number = 2 * t.fetches
@@ -284,6 +302,10 @@ def test_kept_training_calls_take_the_prepared_exchange(m, name, spec, fetches):
         bad += [f"kept call {i}: {b}" for b in _differs((y, *whole, grads), want)]
         if fetches["general"]:
             bad.append(f"kept call {i}: {fetches['general']} general fetches")
+        # (input and output cut alike: the halo around the whole band, the prepared backward;
+        # cut otherwise (the empty band, a stride), a rank may take part of its band: general)
+        if spec is None and "stride" not in name and fetches["lean"] != 1:
+            bad.append(f"kept call {i}: {fetches['lean']} prepared backwards, not 1")
         if fetches["backward"] != [number]:
             bad.append(f"kept call {i}: backward numbered {fetches['backward']}, not [{number}]")
     bad = agreed(bad)
