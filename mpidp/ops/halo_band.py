@@ -227,7 +227,7 @@ class _HaloFetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: torch.Tensor) -> Any:
-        return _HaloAccumulate.apply(ctx.op, ctx.x_shape, ctx.number, *gs), None, None
+        return _call(_HaloAccumulate, ctx.op, ctx.x_shape, ctx.number, *gs), None, None
 
 
 class _HaloAccumulate(torch.autograd.Function):
@@ -418,7 +418,7 @@ class _Fast:
     with kept send and receive buffers, and the outputs' concatenation recipe. A call copies
     the rows to send, runs the exchange (numbered as every fetch is) and concatenates."""
 
-    __slots__ = ("d", "exchange", "joined", "op", "recipe", "sends")
+    __slots__ = ("back", "d", "exchange", "joined", "op", "recipe", "sends")
 
     def __init__(self, op: _Op, x: torch.Tensor, recvs: list[tuple[int, torch.Tensor]]) -> None:
         pl, d = op.plan, op.dim
@@ -432,6 +432,7 @@ class _Fast:
         sends = [buf for buf, _, _ in self.sends]
         self.exchange = op.t.prepare_exchange([peer for peer, _, _ in pl.send], recvs, sends)
         self.op, self.d = op, d
+        self.back: _Back | bool | None = False  # made at the first backward (_KeptFetch)
 
     def __call__(self, x: torch.Tensor) -> Any:
         t, d = self.op.t, self.d
@@ -447,6 +448,79 @@ class _Fast:
         if len(self.recipe) == 1:
             return _assemble(self.recipe[0], x, d)
         return tuple(_assemble(parts, x, d) for parts in self.recipe)
+
+
+class _Back:
+    """The backward of a :class:`_Fast` exchange of one output around the whole band (its
+    ``joined`` recipe): halo accumulate through an exchange prepared once, the reverse of the
+    forward's (each received row's gradient sent back to its owner, into kept buffers). The
+    same messages, sums and order as :func:`_accumulate` on this layout: the band's own
+    gradient copied, then the peers' rows added where they live, in the plan's order."""
+
+    __slots__ = ("at", "bufs", "d", "exchange", "n", "offsets", "sends")
+
+    def __init__(self, fast: _Fast, x_shape: torch.Size, g: torch.Tensor) -> None:
+        op = fast.op
+        pl, lay, d = op.plan, op.layout, op.dim
+        self.d, self.n = d, x_shape[d]
+        self.at = next(p.at for _, p in lay.local if _is_band(p, self.n))
+        #: (kept send buffer, its rows' start in the extended band) per peer sent back to
+        self.sends = [
+            (g.new_empty(op.rows(g.shape, hi - lo)), direct[1])
+            for (_, lo, hi), direct in zip(pl.recv, lay.direct, strict=True)
+            if direct is not None
+        ]
+        #: (kept receive buffer, where its rows start in the band) per peer that sends back
+        self.bufs = [(g.new_empty(op.rows(g.shape, hi - lo)), lo) for _, lo, hi in pl.send]
+        self.exchange = op.t.prepare_exchange(
+            [peer for peer, _, _ in pl.recv],
+            [(peer, buf) for (peer, _, _), (buf, _) in zip(pl.send, self.bufs, strict=True)],
+            [buf for buf, _ in self.sends],
+        )
+
+    @staticmethod
+    def of(fast: _Fast, x_shape: torch.Size, g: torch.Tensor) -> _Back | None:
+        """``fast``'s backward, made at its first call; None when it takes the general one
+        (several outputs, a received piece placed otherwise than whole)."""
+        back = fast.back
+        if back is False:
+            lay = fast.op.layout
+            lean = fast.joined is not None and all(d is not None for d in lay.direct)
+            back = fast.back = _Back(fast, x_shape, g) if lean else None
+        return back  # type: ignore[return-value]
+
+    def __call__(self, g: torch.Tensor, number: int) -> torch.Tensor:
+        d = self.d
+        for buf, at in self.sends:
+            buf.copy_(g.narrow(d, at, buf.size(d)))
+        out = g.narrow(d, self.at, self.n).clone(memory_format=torch.contiguous_format)
+        self.exchange.run(number + 1 if number else 0)
+        for buf, lo in self.bufs:
+            out.narrow(d, lo, buf.size(d)).add_(buf)
+        return out
+
+
+class _KeptFetch(torch.autograd.Function):
+    """:class:`_HaloFetch` through an op's :class:`_Fast` exchange (a gradient's calls): the
+    prepared messages and the concatenation forward (new tensors, never views of the kept
+    buffers); the same backward, halo accumulate (through a prepared exchange too, :class:`_Back`,
+    unless a graph is being made), numbered as the forward's exchange (``2 x`` the
+    transport's count, which :meth:`_Fast.__call__` advanced) plus one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fast: _Fast) -> Any:
+        out = fast(x)
+        ctx.fast, ctx.x_shape, ctx.number = fast, x.shape, 2 * fast.op.t.fetches
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor) -> Any:
+        fast = ctx.fast
+        graph = torch.is_grad_enabled() and any(g.requires_grad for g in gs)
+        back = None if graph else _Back.of(fast, ctx.x_shape, gs[0])
+        if back is None:  # (making a graph: the accumulate as a Function, double backward)
+            return _call(_HaloAccumulate, fast.op, ctx.x_shape, ctx.number, *gs), None
+        return back(gs[0], ctx.number), None
 
 
 def _fast_of(op: _Op, x: torch.Tensor) -> _Fast | None:
@@ -465,14 +539,14 @@ def _fast_of(op: _Op, x: torch.Tensor) -> _Fast | None:
 
 
 def _planned(x: torch.Tensor, op: _Op) -> Any:
-    """The plan's exchange, made in one go: without a gradient, and when its outputs are
-    concatenations (:func:`_recipe`), through its :class:`_Fast` exchange; otherwise
-    :class:`_HaloFetch`."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _call(_HaloFetch, x, op, None)
+    """The plan's exchange, made in one go: when its outputs are concatenations
+    (:func:`_recipe`), through its :class:`_Fast` exchange (with a gradient, as
+    :class:`_KeptFetch`); otherwise :class:`_HaloFetch`."""
     fast = _fast_of(op, x)
     if fast is None:
         return _call(_HaloFetch, x, op, None)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _KeptFetch.apply(x, fast)
     return fast(x)
 
 
@@ -501,7 +575,7 @@ def kept_fetch(
     without its resolution, or None when a call of these arguments is not one a repeat can
     skip to: one whose facts are not yet agreed (its first), or whose spec does not travel
     with the tensor (those agree on every call). Call it after such a call returned; the
-    repeat makes the same messages, numbered alike, and with a gradient the same Function."""
+    repeat makes the same messages, numbered alike, and with a gradient the same backward."""
     k, problems = _known_of(t, x, before, after, dim, spec, boundary, roll_dim, False)
     if problems or k.spec is None or known_for(x, k.d) != k.spec:
         return None
@@ -510,9 +584,11 @@ def kept_fetch(
         return None
     op = _op_of(k, k.spec.sizes, t, x, False)
     box = getattr(t, "inner", t).__dict__
-    fast = None if torch.is_grad_enabled() and x.requires_grad else _fast_of(op, x)
-    if fast is None:  # (as _planned: with a gradient, or outputs that are not concatenations)
+    fast = _fast_of(op, x)
+    if fast is None:  # (as _planned: outputs that are not concatenations)
         return Kept(lambda band: _call(_HaloFetch, band, op, None), box, agreed)
+    if torch.is_grad_enabled() and x.requires_grad:  # (a kept call's key holds the grad flag)
+        return Kept(lambda band: _call(_KeptFetch, band, fast), box, agreed)
     return Kept(fast, box, agreed)
 
 

@@ -229,3 +229,123 @@ def test_another_partition_policy_is_not_served_by_a_stale_call(m):
         m.partition = mpidp.Balanced()
     bad = agreed(bad)
     assert not bad, bad
+
+
+#: the layers whose halo pieces are plain copies (zeros, circular): their kept exchange is the
+#: prepared one (halo_band._Fast), with a gradient through halo_band._KeptFetch
+LEAN = ["conv", "conv stride 2", "conv circular", "conv no bias"]
+
+
+@pytest.fixture
+def fetches(monkeypatch):
+    """Counts of the general fetch's forwards, and the numbers the halo's backwards got (the
+    general accumulate's, and the prepared one's: ``lean``)."""
+    from mpidp.ops import halo_band
+
+    seen = {"general": 0, "backward": [], "lean": 0}
+    fetch, accumulate = halo_band._HaloFetch.forward, halo_band._HaloAccumulate.forward
+    back = halo_band._Back.__call__
+
+    def general(ctx, *args):
+        seen["general"] += 1
+        return fetch(ctx, *args)
+
+    def backward(ctx, op, x_shape, number, *gs):
+        seen["backward"].append(number)
+        return accumulate(ctx, op, x_shape, number, *gs)
+
+    def lean(self, g, number):
+        seen["lean"] += 1
+        run = self.exchange.run
+
+        def sent(n=0):  # the number its messages carry: the fetch's + 1
+            seen["backward"].append(n - 1)
+            return run(n)
+
+        self.exchange.run = sent
+        try:
+            return back(self, g, number)
+        finally:
+            del self.exchange.run
+
+    monkeypatch.setattr(halo_band._HaloFetch, "forward", staticmethod(general))
+    monkeypatch.setattr(halo_band._HaloAccumulate, "forward", staticmethod(backward))
+    monkeypatch.setattr(halo_band._Back, "__call__", lean)
+    return seen
+
+
+@pytest.mark.skipif(WORLD == 1, reason="one rank: the torch layer, no halo")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "uneven" if s is None else "empty")
+@pytest.mark.parametrize("name", LEAN)
+def test_kept_training_calls_take_the_prepared_exchange(m, name, spec, fetches):
+    """A kept call with a gradient makes its exchange through the prepared one (no general
+    fetch), its backward's too where the halo surrounds the whole band (halo_band._Back), and
+    equals serial (output, input gradient, every parameter gradient); its backward is numbered
+    as the forward's exchange (2 x the transport's count) + 1, the numbering the deadlock
+    detector reads (mpidp.comm.alarm)."""
+    serial, layer = _made(name)
+    conv = mpidp.convert_to_domain_parallel(layer, m)
+    full = rand(SHAPE, 9)
+    want = _serial(serial, serial, full)
+    t = m.transport(None, "cpu")
+    bad = [f"first call: {b}" for b in _differs(_run(m, conv, conv, full, spec), want)]
+    for i in range(2):
+        conv.zero_grad()
+        fetches.update(general=0, backward=[], lean=0)
+        x = mpidp.shard(full, 2, m, spec).detach().requires_grad_()
+        y = conv(x)
+        number = 2 * t.fetches
+        (y * mpidp.shard(rand(tuple(y.shape), 7), 2, m, y.spec)).sum().backward()
+        mpidp.sync_gradients(conv, m)
+        whole = [v.full_tensor().as_subclass(torch.Tensor) for v in (y, x.grad)]
+        grads = {n: p.grad.clone() for n, p in conv.named_parameters()}
+        bad += [f"kept call {i}: {b}" for b in _differs((y, *whole, grads), want)]
+        if fetches["general"]:
+            bad.append(f"kept call {i}: {fetches['general']} general fetches")
+        # (input and output cut alike: the halo around the whole band, the prepared backward;
+        # cut otherwise (the empty band, a stride), a rank may take part of its band: general)
+        if spec is None and "stride" not in name and fetches["lean"] != 1:
+            bad.append(f"kept call {i}: {fetches['lean']} prepared backwards, not 1")
+        if fetches["backward"] != [number]:
+            bad.append(f"kept call {i}: backward numbered {fetches['backward']}, not [{number}]")
+    bad = agreed(bad)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: "uneven" if s is None else "empty")
+@pytest.mark.parametrize("name", ["conv", "periodic polar"])
+def test_kept_training_calls_differentiate_twice(m, name, spec):
+    """The input gradient of a kept call (the band API: one band tensor fed again), taken
+    with ``create_graph``, differentiated again (its halo's backward is a Function then): the
+    input gradient and the weight's second-order gradient equal serial's, on every call."""
+    serial, layer = _made(name)
+    conv = mpidp.convert_to_domain_parallel(layer, m)
+    full, w, v = rand(SHAPE, 10), rand((2, 4, 13, 20), 11), rand(SHAPE, 12)
+    rows = (spec or m.spec(13)).slice(m.domain_rank)
+    out = m.spec(13).slice(m.domain_rank)  # (the output is cut by the manager's policy)
+
+    def second(module, x, w_, v_):
+        module.zero_grad()
+        (gx,) = torch.autograd.grad((module(x) * w_).sum(), x, create_graph=True)
+        (gx * v_).sum().backward()
+        return gx.detach()
+
+    want_gx = second(serial, full.clone().requires_grad_(), w, v)[..., rows, :]
+    want = {n: p.grad.clone() for n, p in serial.named_parameters() if p.grad is not None}
+    x = full[..., rows, :].clone().requires_grad_()  # (the same band: its partition known)
+    bad = []
+    for i in range(3):
+        gx = second(conv, x, w[..., out, :], v[..., rows, :])
+        mpidp.sync_gradients(conv, m)
+        got = dict(conv.named_parameters())
+        if not torch.allclose(gx, want_gx, rtol=1e-10, atol=1e-12):
+            bad.append(f"call {i}: input gradient")
+        bad += [
+            f"call {i}: second-order grad {n}"
+            for n in want
+            if got[n].grad is None or not torch.allclose(got[n].grad, want[n], rtol=1e-10)
+        ]
+    if WORLD > 1 and not _kept(conv):
+        bad.append("no kept call")
+    bad = agreed(bad)
+    assert not bad, bad
