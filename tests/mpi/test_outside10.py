@@ -8,6 +8,9 @@ history, whose messages (the reads of another rank's row it was made from) every
 part in: the HEALPix U-Net's backward failed with ranks calling all_to_all_v with different
 arguments (a silent pairing with the wrong message where the arguments happen to agree).
 Float64, 13 x 20 (uneven bands), on bands of every size of the world.
+
+Reading ``.grad`` of two bands of one shape, the second without a gradient, was an internal
+error: the kept rules (mpidp.sharded.kept) replayed the first read.
 """
 
 from __future__ import annotations
@@ -89,3 +92,16 @@ def test_a_band_written_at_one_row_is_refused_on_every_rank(manager):
 
     err = refusal(write, mpidp.MpidpError)
     assert all(agreed([err is not None and "a band written across the sharded dim" in err]))
+
+
+def test_reading_grad_of_bands_of_one_shape_gives_each_its_own(manager):
+    """``[x.grad for x in inputs]`` where one input took no part in the loss: the first read
+    was kept as a replay of the band's ``.grad``, and the second (None) was an internal
+    error."""
+    xs = [shard(rand((B, C, H, W), 8 + i), -2, manager).requires_grad_() for i in range(3)]
+    (xs[1] * 2.0).sum().backward()
+    got = [x.grad for x in xs]
+    bad = [] if got[0] is None and got[2] is None else ["unused inputs have a gradient"]
+    if got[1] is None or not torch.equal(_full(got[1]), torch.full((B, C, H, W), 2.0).double()):
+        bad.append(f"rank {manager.rank}: the used input's gradient is not 2")
+    assert not agreed(bad)
