@@ -167,7 +167,7 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
   test_plan_spectral_channels test_dispatch_cache test_fixes6
   test_tokens_mha test_tokens_peraxis test_agv_fast test_compat_groups test_fixes7
   test_dispatch_cache2 test_house8 test_tokens_batch test_agv_fast2 test_outside8
-  test_kept_layers test_subclass_convert test_dispatch9)
+  test_kept_layers test_subclass_convert test_dispatch9 test_outside10)
 if [ "$one_beside" = 1 ]; then
   run_stage "DDP / FSDP2 / tensor-parallel composition tests, 1 rank" 1 \
     mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py

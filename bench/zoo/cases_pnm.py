@@ -14,6 +14,19 @@ def case(f):
     return f
 
 
+def trained(model):
+    """``model`` with every all-zero parameter filled with small seeded random values, as
+    training leaves them: the diffusion U-Nets zero-initialise each residual block's last conv
+    and the output conv, so an untrained model's output and input gradient are exactly zero
+    and a comparison would see nothing of the layers before them."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
 @case
 def pnm_AFNO():
     from physicsnemo.models.afno import AFNO  # noqa: F401 (the constructor string is eval-ed)
@@ -139,11 +152,11 @@ def pnm_SongUNet():
         "channel_mult=[1, 2], num_blocks=1, attn_resolutions=[18], dropout=0.0)"
     )
     return dict(
-        model=eval(ctor),
+        model=trained(eval(ctor)),
         inputs=[Z(2, 3, 36, 40), Z(2)],
         dim=2,
         ctor=ctor,
-        note="forward(x, noise_labels); attention at 18x20",
+        note="forward(x, noise_labels); attention at 18x20; zero-initialised parameters filled (trained())",
     )
 
 
@@ -208,7 +221,13 @@ def pnm_DhariwalUNet():
         "DhariwalUNet(img_resolution=36, in_channels=3, out_channels=3, model_channels=64, "
         "channel_mult=[1, 1], num_blocks=1, attn_resolutions=[18], dropout=0.0)"
     )
-    return dict(model=eval(ctor), inputs=[Z(2, 3, 36, 36), Z(2)], dim=2, ctor=ctor)
+    return dict(
+        model=trained(eval(ctor)),
+        inputs=[Z(2, 3, 36, 36), Z(2)],
+        dim=2,
+        ctor=ctor,
+        note="zero-initialised parameters filled (trained()): untrained, its output is zero",
+    )
 
 
 @case
@@ -225,4 +244,189 @@ def pnm_DPOTNet():
         dim=1,
         ctor=ctor,
         note="input (B,H,W,T,C): sharded along dim 1 (H)",
+    )
+
+
+@case
+def pnm_Transolver():
+    from physicsnemo.models.transolver import Transolver  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "Transolver(functional_dim=3, out_dim=2, structured_shape=(35, 40), unified_pos=True, ref=4, "
+        "n_layers=2, n_hidden=16, n_head=2, slice_num=8, use_te=False)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 35, 40, 3)],
+        dim=1,
+        ctor=ctor,
+        note="structured 2-D, input (B,H,W,C): sharded along dim 1 (H)",
+    )
+
+
+@case
+def pnm_Transolver_mesh():
+    from physicsnemo.models.transolver import Transolver  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "Transolver(functional_dim=2, embedding_dim=3, out_dim=2, structured_shape=None, unified_pos=False, "
+        "n_layers=2, n_hidden=16, n_head=2, slice_num=8, use_te=False)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 101, 2), Z(2, 101, 3)],
+        dim=1,
+        ctor=ctor,
+        note="unstructured mesh, forward(fx, embedding) (B,N,C): fx sharded along N, embedding plain",
+    )
+
+
+@case
+def pnm_FLARE():
+    from physicsnemo.models.flare import FLARE  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "FLARE(functional_dim=3, out_dim=2, structured_shape=(35, 40), unified_pos=True, ref=4, "
+        "n_layers=2, n_hidden=16, n_head=2, slice_num=8)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 35, 40, 3)],
+        dim=1,
+        ctor=ctor,
+        note="structured 2-D, input (B,H,W,C): sharded along dim 1 (H)",
+    )
+
+
+@case
+def pnm_GeoTransolver():
+    from physicsnemo.models.geotransolver import GeoTransolver  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = "GeoTransolver(functional_dim=4, out_dim=3, n_hidden=16, n_layers=2, n_head=2, slice_num=8, use_te=False)"
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 101, 4)],
+        dim=1,
+        ctor=ctor,
+        note="tokens (B,N,C): sharded along N",
+    )
+
+
+@case
+def pnm_One2ManyRNN():
+    from physicsnemo.models.rnn import One2ManyRNN  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "One2ManyRNN(input_channels=3, dimension=2, nr_latent_channels=8, activation_fn='relu', "
+        "nr_downsamples=2, nr_tsteps=3)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 3, 1, 36, 40)],
+        dim=3,
+        ctor=ctor,
+        note="input (B,C,T,H,W): sharded along H",
+    )
+
+
+@case
+def pnm_Seq2SeqRNN():
+    from physicsnemo.models.rnn import Seq2SeqRNN  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "Seq2SeqRNN(input_channels=3, dimension=2, nr_latent_channels=8, activation_fn='relu', "
+        "nr_downsamples=2, nr_tsteps=3)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(2, 3, 3, 36, 40)],
+        dim=3,
+        ctor=ctor,
+        note="input (B,C,T,H,W): sharded along H",
+    )
+
+
+@case
+def pnm_TopoDiff():
+    from physicsnemo.models.topodiff import TopoDiff  # noqa: F401 (the constructor string is eval-ed)
+
+    ctor = (
+        "TopoDiff(img_resolution=36, in_channels=2, out_channels=1, model_channels=32, channel_mult=[1, 2], "
+        "num_blocks=1, attn_resolutions=[18], dropout=0.0)"
+    )
+    return dict(
+        model=trained(eval(ctor)),
+        inputs=[Z(2, 1, 36, 36), Z(2, 1, 36, 36), Z(2)],
+        dim=2,
+        ctor=ctor,
+        note="forward(x, cons, timesteps): x sharded, cons plain; zero-initialised parameters filled (trained())",
+    )
+
+
+def _healpix_configs():
+    """The encoder and decoder configurations of PhysicsNeMo's own HEALPixUNet tests (hydra
+    ``_target_`` dicts), with 8 channels at each of the three levels."""
+    import omegaconf
+
+    act = {"_target_": "physicsnemo.nn.CappedGELU", "cap_value": 10}
+    layers = "physicsnemo.models.dlwp_healpix.layers"
+    conv = {
+        "_target_": f"{layers}.ConvNeXtBlock",
+        "in_channels": 3,
+        "out_channels": 1,
+        "activation": act,
+        "kernel_size": 3,
+        "dilation": 1,
+        "upscale_factor": 4,
+        "_recursive_": True,
+    }
+    down = {"_target_": "physicsnemo.nn.HEALPixAvgPool", "pooling": 2}
+    up = {
+        "_target_": f"{layers}.TransposedConvUpsample",
+        "in_channels": 3,
+        "out_channels": 1,
+        "activation": act,
+        "upsampling": 2,
+    }
+    out = {
+        "_target_": f"{layers}.BasicConvBlock",
+        "in_channels": 3,
+        "out_channels": 2,
+        "kernel_size": 1,
+        "dilation": 1,
+        "n_layers": 1,
+    }
+    common = {"conv_block": conv, "_recursive_": False, "n_channels": [8, 8, 8]}
+    encoder = {
+        "_target_": f"{layers}.UNetEncoder",
+        "down_sampling_block": down,
+        "dilations": [1, 2, 4],
+        **common,
+    }
+    decoder = {
+        "_target_": f"{layers}.UNetDecoder",
+        "up_sampling_block": up,
+        "output_layer": out,
+        "dilations": [4, 2, 1],
+        **common,
+    }
+    return omegaconf.DictConfig(encoder), omegaconf.DictConfig(decoder)
+
+
+@case
+def pnm_HEALPixUNet():
+    from physicsnemo.models.dlwp_healpix import HEALPixUNet  # noqa: F401 (the constructor string is eval-ed)
+
+    encoder, decoder = _healpix_configs()  # noqa: RUF059 (used by the eval-ed constructor)
+    ctor = (
+        "HEALPixUNet(encoder=encoder, decoder=decoder, input_channels=2, output_channels=2, n_constants=0, "
+        "decoder_input_channels=0, input_time_dim=1, output_time_dim=1)"
+    )
+    return dict(
+        model=eval(ctor),
+        inputs=[Z(1, 12, 1, 2, 16, 16)],
+        dim=4,
+        call=lambda m, x: m([x]),
+        ctor=ctor,
+        note="HEALPix faces (B,F=12,T,C,H,W): sharded along H of every face; forward([x])",
     )

@@ -320,6 +320,8 @@ def _kept(seen: _Seen, out: Any, leaves: list[torch.Tensor], grad: bool) -> Kept
     func, args, kwargs, y, mode, drew = seen.calls[0]
     if drew or mode != grad or type(y) is not torch.Tensor or out._local is not y:
         return None
+    if _getter(func):  # a read of the band's state (``.grad``), not a function of the call
+        return None
     if any(y is t for t in leaves):  # in place: the result is an argument
         return None
     at = {id(t): i for i, t in enumerate(leaves)}

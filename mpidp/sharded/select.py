@@ -379,7 +379,7 @@ def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if isinstance(p, int):
                 i = p % n
                 if not x.spec.start(x.rank) <= i < x.spec.stop(x.rank):
-                    return None  # another rank holds that row
+                    return _write_elsewhere(func, args, kwargs, x, parts)  # another rank's row
                 local_idx.append(i - x.start)
                 continue
             start, stop, step = p.indices(n)
@@ -400,4 +400,29 @@ def _setitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if spec is not None and i >= 0 and v.size(i) == spec.total and spec.total != 1:
             v = v.narrow(i, sum(spec.sizes[: x.rank]), spec.sizes[x.rank])
     x.local[tuple(local_idx)] = v
+    return None
+
+
+def _write_elsewhere(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], x: ShardedTensor, parts: list[Any]
+) -> None:
+    """``x[..., i, ...] = value`` on a rank that does not hold row ``i``: it writes nothing,
+    but a value that requires grad still enters the band's history, as it does on the rank
+    that writes it (an empty write: the row index as an empty slice, the value with an empty
+    dim there). Serially the written tensor requires grad after the write; left out here, the
+    band would not on this rank: its backward would skip the value's history, whose messages
+    (the ``y[..., 0, :]`` read of another rank's row it was made from) every rank takes part
+    in (HEALPix's corner patches: a crash at best, a silent pairing with the wrong message at
+    worst)."""
+    value, d = args[2], x.shard_dim
+    if isinstance(value, ShardedTensor):  # as on the rank that holds the row: every rank
+        raise refuse(func, args, kwargs, "a band written across the sharded dim", "align them")
+    if not (isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()):
+        return None
+    v = _plain(value, x.transport)  # as where it is written: its backward is collective
+    idx = [slice(0, 0) if k == d else p for k, p in enumerate(parts)]
+    pos = sum(1 for p in parts[:d] if not isinstance(p, int))  # where row i's dim would be
+    shape = list(x.local[tuple(idx)].shape)  # the selection with an empty dim at ``pos``
+    v = v.broadcast_to(shape[:pos] + shape[pos + 1 :]).unsqueeze(pos).narrow(pos, 0, 0)
+    x.local[tuple(idx)] = v
     return None

@@ -89,4 +89,6 @@ def test_the_dry_run_agrees_with_the_real_run(m, group, name):
         except Exception as err:  # every rank fails the test, none waits in the broadcast
             dry = {"ok": False, "error": f"{type(err).__name__}: {err}"}
     dry = MPI.COMM_WORLD.bcast(dry)
+    if dry["ok"] is None:  # a forward the dry run cannot call (HEALPixUNet's ``model([x])``)
+        pytest.skip(dry["why"])
     assert dry["ok"] is True, dry
