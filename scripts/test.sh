@@ -99,15 +99,16 @@ report_times() {
   fi
 }
 
-# start_beside NAME FACTOR CMD...: run_stage in the background, its output kept in a file, so
-# that a one-process stage runs beside the one-process stages that follow (2 cores: each of
-# them left one idle); join_beside waits for it, prints its output and records its result.
+# start_beside CMD...: CMD (run_stage NAME FACTOR ..., or a function running several stages)
+# in the background, its output kept in a file, so that stages that leave a core idle (one
+# process; jobs that mostly wait) run beside the stages that follow; join_beside waits for it,
+# prints its output and records its stages' times and results.
 beside_pid="" beside_dir=""
 start_beside() {
   beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-beside.XXXXXX")"
   (
     last_test="$beside_dir/last" times=() bad=() fail=0
-    run_stage "$@" >"$beside_dir/out" 2>&1
+    "$@" >"$beside_dir/out" 2>&1
     printf '%s\n' "${times[@]}" >"$beside_dir/times"
     printf '%s\n' "${bad[@]}" >"$beside_dir/bad"
   ) &
@@ -127,7 +128,7 @@ all_ranks="${MPIDP_TEST_RANKS:-1 2 3 4}"
 one_beside=0
 if [ "$quick" = 0 ] && [[ " $all_ranks " == *" 1 "* ]]; then
   one_beside=1  # the 1-rank MPI stage beside the lint, type and unit stages
-  start_beside "MPI tests, 1 rank" 2 mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi \
+  start_beside run_stage "MPI tests, 1 rank" 2 mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi \
     tests/mpi --ignore=tests/mpi/test_parallel.py
 fi
 run_stage "ruff" 1 "$py" -m ruff check mpidp tests examples bench docs
@@ -173,6 +174,40 @@ if [ "$one_beside" = 1 ]; then
     mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
   join_beside
 fi
+# Beside the MPI stages (which keep about 1.3 of 2 cores busy: ranks wait for each other), the
+# stages that mostly wait or install: the real launchers (apt-get, pip, short jobs), the
+# faults, launchers and test-script jobs (2- and 3-rank jobs that wait out a deadline of 2-5 s,
+# for a rank to abort, for a one-process command: 185 CPU-s in a 350-s stage), and the
+# third-party zoo (its environments built from PyPI the first time, then MPI jobs that fill
+# the idle core). Nothing of them shares a port, a file or a folder with the MPI stages or
+# with the examples (MPI and torchrun pick free ports; each test has its own folders), and
+# their checks hold on a loaded machine: the fault tests time the end of a job from its fault,
+# not from its launch, and look for each rank's own message, not for which rank's abort ended
+# the job. Whether the optional stages run is decided here, before anything starts (their
+# reasons go to the summary).
+with_cluster=0 with_zoo=0
+if stage_gate cluster; then with_cluster=1; fi  # root and apt-get (scripts/prereqs.sh)
+if stage_gate zoo; then with_zoo=1; fi  # the disk its environments need
+launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
+  tests/launch/test_test_script.py tests/launch/test_agv_deadline.py)
+beside_mpi_stages() {
+  if [ "$with_cluster" = 1 ]; then
+    # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
+    run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \
+      'bash scripts/setup-launch.sh || { echo "!!! its setup could not install what it needs"; exit 1; }
+       exec "$0" -m pytest -q tests/cluster' "$py"
+  fi
+  run_stage "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
+    "${launch_tests[@]}"
+  # Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, and eight of them
+  # on 2 x 2 blocks at 4, each package in an environment of its own (built once, about 5
+  # minutes for both; the runs take about 3).
+  if [ "$with_zoo" = 1 ]; then
+    run_stage "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks and 2 x 2 blocks" 3 \
+      bash scripts/test-zoo.sh
+  fi
+}
+start_beside beside_mpi_stages
 for n in $all_ranks; do
   if [ "$one_beside" = 1 ] && [ "$n" = 1 ]; then continue; fi  # (done beside the above)
   files=(tests/mpi)
@@ -217,36 +252,12 @@ if [ -n "$six" ]; then
   run_stage "blocks, $six ranks oversubscribed (2 x 3, 3 x 2)" 1 \
     mpiexec "${oversub[@]}" -n "$six" "$py" -m mpi4py -m pytest -q --with-mpi "${files[@]}"
 fi
-# Real jobs: examples trained at 1-4 ranks, torchrun, the faults, and every doc page's code in
-# one job at 1 rank and one at 2 (28 jobs before). It was 6-9 minutes on a 2-core machine with
-# 28 page jobs and longer trainings, and it varies with the load (354 s and 508 s measured an
-# hour apart, 427 s quiet, 394-417 s as one stage), so each half gets three times the limit.
-# Two halves at once: the faults, the launchers and the test script (2- and 3-rank jobs that
-# mostly wait: out a deadline of 2-5 s, for a rank to abort, for a one-process command) beside
-# the examples and the docs (trainings at 1-4 ranks that keep both cores busy). No job of one
-# half shares a port, a file or a folder with the other's (torchrun --standalone, MPI and the
-# torch transport pick free ports; each test has its own folders), and their checks hold on a
-# loaded machine: the fault tests time the end of a job from its fault, not from its launch,
-# and look for each rank's own message, not for which rank's abort ended the job.
-launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
-  tests/launch/test_test_script.py tests/launch/test_agv_deadline.py)
-start_beside "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
-  "${launch_tests[@]}"
+# Real jobs: examples trained at 1-4 ranks, torchrun, and every doc page's code in one job at
+# 1 rank and one at 2: trainings that keep both cores busy (394-437 s quiet with the faults
+# beside them, three times that on a loaded machine: three times the limit).
 run_stage "launch tests: examples, docs" 3 "$py" -m pytest -q tests/launch \
   "${launch_tests[@]/#/--ignore=}"
 join_beside
-if stage_gate cluster; then  # root and apt-get (scripts/prereqs.sh); else listed, at once
-  # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
-  run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \
-    'bash scripts/setup-launch.sh || { echo "!!! its setup could not install what it needs"; exit 1; }
-     exec "$0" -m pytest -q tests/cluster' "$py"
-fi
-# Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, and seven of them
-# on 2 x 2 blocks at 4, each package in an environment of its own (built once, about 5 minutes for both; the runs take about 1.5).
-if stage_gate zoo; then  # the disk its environments need; else listed
-  run_stage "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks and 2 x 2 blocks" 3 \
-    bash scripts/test-zoo.sh
-fi
 if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
   run_stage "parallel HDF5 (mpio) I/O tests" 2 bash -c \
     'bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh'

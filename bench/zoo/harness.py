@@ -1,12 +1,13 @@
 """One case of the zoo, run under MPI against the serial model.
 
-``run_case(name, manager)`` builds the case (cases_pnm.py / cases_credit.py), runs it serially
-on the full tensor on every rank (same seed), then on ShardedTensors, and compares output,
-input gradient and every parameter gradient (after mpidp.sync_gradients); it returns the
-result as a dict (``status``: match, mismatch, refused -- an UnsupportedOp or ConfigError,
-with its message -- or crash). tests/zoo/test_zoo.py runs every case of a group in one job;
-as a script (run_zoo.py's), one case, each rank writing <outdir>/<case>_P<n>_r<rank>.json:
-python -m mpi4py harness.py <case> <outdir>
+``run_case(name, manager)`` builds the case (cases_pnm.py / cases_credit.py) on every rank (same
+seed), runs it serially on the full tensor on rank 0 (the result broadcast: the other ranks
+would repeat it on the same cores), then on ShardedTensors, and
+compares output, input gradient and every parameter gradient (after mpidp.sync_gradients);
+it returns the result as a dict (``status``: match, mismatch, refused -- an UnsupportedOp or
+ConfigError, with its message -- or crash). tests/zoo/test_zoo.py runs every case of a
+group in one job; as a script (run_zoo.py's), one case, each rank writing
+<outdir>/<case>_P<n>_r<rank>.json: python -m mpi4py harness.py <case> <outdir>
 """
 
 from __future__ import annotations
@@ -130,6 +131,32 @@ def run_serial(spec, model, ins):
     return [t.detach() for t in ys], ws, x.grad.clone(), grads
 
 
+class SerialFailed(Exception):
+    """The serial run failed on rank 0 (raised on every rank: the broadcast carries why)."""
+
+
+def serial_reference(spec, model, ins):
+    """:func:`run_serial` on rank 0, broadcast to every rank (the others would repeat it on the
+    same cores). The other ranks' models start the sharded run as built, rank 0's after one
+    serial step (its gradients cleared): a model that keeps state from its first forward is
+    run sharded from both. (Not on a deep copy: a model whose forward reaches its modules
+    through a closure, as PhysicsNeMo's ModAFNO does, runs the original's parameters from a
+    copy.)"""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out = None
+    if comm.Get_rank() == 0:
+        try:
+            out = ("ok", run_serial(spec, model, ins))
+        except Exception:
+            out = ("failed", tb_tail(3))
+    out = comm.bcast(out)
+    if out[0] == "failed":
+        raise SerialFailed(out[1])
+    return out[1]
+
+
 def run_case(case_name, m, group=None):
     """The comparison of one case on manager ``m``'s domain group, as a dict."""
     import mpidp
@@ -145,12 +172,14 @@ def run_case(case_name, m, group=None):
         spec, model, ins = build(case, dtype, blocks)
         stage = "serial"
         try:
-            ser = run_serial(spec, model, ins)
-        except Exception:
-            result["float64_serial_failed"] = tb_tail(3)
+            ser = serial_reference(spec, model, ins)
+        except Exception as err:
+            result["float64_serial_failed"] = (
+                str(err) if isinstance(err, SerialFailed) else tb_tail(3)
+            )
             dtype = torch.float32
             spec, model, ins = build(case, dtype, blocks)
-            ser = run_serial(spec, model, ins)
+            ser = serial_reference(spec, model, ins)
         result["dtype"] = str(dtype).replace("torch.", "")
         sidx, dim = spec.get("shard", 0), spec["dim"]
         result["meta"] = {
