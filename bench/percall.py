@@ -12,6 +12,9 @@ loop of ``--calls`` calls, in microseconds per call:
 - halo: one row each way of a (1, 4, 16, 32) field's band, ``mpidp.halo_exchange`` against
   raw ``Sendrecv`` of the rows plus ``torch.cat``;
 - conv: a converted 3x3 conv on that band against ``F.conv2d`` of the raw halo'd band;
+- conv_train: the same conv's training call, forward and backward (the band requires grad),
+  against raw: ``Sendrecv`` + ``cat`` with the halo rows as leaves, ``F.conv2d``, backward,
+  the halo rows' gradients sent back (``Sendrecv``) and added to the band's;
 - all_gather_v: 1 KB per rank, ``mpidp.all_gather_v`` against raw ``Allgatherv``;
 - add: ``torch.add`` of two ShardedTensors of a (1, 8, 16, 16) field against plain tensors;
 
@@ -32,14 +35,20 @@ import os
 from pathlib import Path
 
 LIMIT = 1.5  # a figure over this many times its committed value has regressed
-FIGURES = ("halo_over_us", "conv_over_us", "all_gather_v_over_us", "add_over_us")
+FIGURES = (
+    "halo_over_us",
+    "conv_over_us",
+    "conv_train_over_us",
+    "all_gather_v_over_us",
+    "add_over_us",
+)
 #: issue 47's acceptance, per figure: its bound (us over raw, or the ratio to raw)
 #: microseconds: a committed figure under this compares as this (:func:`compare`)
 FLOOR = 5.0
 TARGETS = {"halo_over_us": 20.0, "conv_ratio": 1.2, "all_gather_v_over_us": 5.0, "add_over_us": 8.0}
 
 
-NAMES = ("halo", "conv", "all_gather_v", "add")
+NAMES = ("halo", "conv", "conv_train", "all_gather_v", "add")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -82,14 +91,35 @@ def worker(args: argparse.Namespace) -> None:
     sa, sb = mpidp.shard(a, manager=m), mpidp.shard(b, manager=m)
     n = args.calls
 
+    grad_band = band.clone().requires_grad_()
+    w_leaf, b_leaf = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    up_grad, down_grad = torch.zeros(1, 4, 1, 32), torch.zeros(1, 4, 1, 32)
+
+    def raw_train() -> None:
+        first, last = band[..., :1, :].contiguous(), band[..., -1:, :].contiguous()
+        world.Sendrecv(first.numpy(), dest=up, recvbuf=bottom.numpy(), source=down)
+        world.Sendrecv(last.numpy(), dest=down, recvbuf=top.numpy(), source=up)
+        t, b = top.clone().requires_grad_(), bottom.clone().requires_grad_()
+        y = F.conv2d(torch.cat([t, grad_band, b], -2), w_leaf, b_leaf, padding=(0, 1))
+        y.sum().backward()
+        world.Sendrecv(t.grad.numpy(), dest=up, recvbuf=down_grad.numpy(), source=down)
+        world.Sendrecv(b.grad.numpy(), dest=down, recvbuf=up_grad.numpy(), source=up)
+        with torch.no_grad():
+            grad_band.grad[..., :1, :] += up_grad
+            grad_band.grad[..., -1:, :] += down_grad
+
+    def train() -> None:
+        conv(grad_band).sum().backward()
+
     def raw_all_gather() -> torch.Tensor:
         world.Allgatherv(part.numpy(), [gathered, sizes])
         return torch.from_numpy(gathered)
 
-    def loop(fn):  # type: ignore[no-untyped-def]
+    def loop(fn, grad: bool = False):  # type: ignore[no-untyped-def]
         def run() -> None:
-            for _ in range(n):
-                fn()
+            with torch.set_grad_enabled(grad):
+                for _ in range(n):
+                    fn()
 
         return run
 
@@ -98,6 +128,8 @@ def worker(args: argparse.Namespace) -> None:
         "halo": loop(lambda: mpidp.halo_exchange(band, 1, 1, manager=m)),
         "conv_raw": loop(lambda: F.conv2d(raw_halo(), weight, bias, padding=(0, 1))),
         "conv": loop(lambda: conv(band)),
+        "conv_train_raw": loop(raw_train, grad=True),
+        "conv_train": loop(train, grad=True),
         "all_gather_v_raw": loop(raw_all_gather),
         "all_gather_v": loop(lambda: mpidp.all_gather_v(part, sizes, 0, m)),
         "add_raw": loop(lambda: torch.add(a, b)),

@@ -97,7 +97,7 @@ print_not_run() {
 prereqs_banner() {
   local why state build
   echo "=== what this run needs (scripts/prereqs.sh; each stage's variable skips it on purpose)"
-  echo "  every stage: .venv from scripts/setup.sh; 20-24 min on a 2-core machine, zoo apart"
+  echo "  every stage: .venv from scripts/setup.sh; 24-30 min on a 2-core machine, zoo included"
   echo "  real launchers, SLURM and Open MPI (MPIDP_TEST_CLUSTER=0 skips it): root (the test"
   echo "    SLURM runs its daemons and tasks as root); where SLURM is missing, apt-get and a"
   echo "    Debian mirror (installs slurmctld slurmd slurm-client munge system-wide, about 12 MB"

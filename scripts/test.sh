@@ -54,7 +54,8 @@ bad=()
 last_test="$(mktemp "${TMPDIR:-/tmp}/mpidp-last-test.XXXXXX")"
 trap 'rm -f "$last_test" "$cpu_file"*' EXIT
 # children_cpu: sets cpu to the CPU seconds (user + system) of this shell's finished children
-# so far (`times` in this shell: a pipeline's or a $(...)'s subshell has no children)
+# so far, for the total (`times` in this shell: a pipeline's or a $(...)'s subshell has no
+# children); a stage's own comes from the subshell it runs in (run_stage)
 cpu_file="$(mktemp "${TMPDIR:-/tmp}/mpidp-cpu.XXXXXX")"
 cpu=0
 children_cpu() {
@@ -66,12 +67,19 @@ children_cpu() {
 # inside it gets a little more, so that the limit, not MPICH's own timeout, ends it); records
 # the stage's time and result. A stage over its limit is killed and says so.
 run_stage() {
-  local name="$1" factor="$2" limit=$(($2 * per_run)) rc=0 t0=$SECONDS result cpu0
-  children_cpu; cpu0=$cpu
+  local name="$1" factor="$2" limit=$(($2 * per_run)) rc=0 t0=$SECONDS result
+  local own="$cpu_file.$BASHPID.stage"
   shift 2
   echo; echo "=== $name"
   : >"$last_test"
-  MPIDP_TEST_LAST="$last_test" MPIEXEC_TIMEOUT=$((limit + 60)) timeout "$limit" "$@" || rc=$?
+  # in a subshell that writes its own children's CPU at the end: the shell's own count would
+  # also take in a stage beside this one that ended meanwhile
+  (
+    rc=0
+    MPIDP_TEST_LAST="$last_test" MPIEXEC_TIMEOUT=$((limit + 60)) timeout "$limit" "$@" || rc=$?
+    times >"$own"
+    exit "$rc"
+  ) || rc=$?
   if [ "$rc" = 0 ]; then
     result=passed
   elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
@@ -84,8 +92,8 @@ run_stage() {
     result=FAILED
     echo; echo "!!! stage '$name' FAILED (exit $rc)"
   fi
-  children_cpu
-  times+=("$(printf '%5d s %5d cpu-s  %-7s %s' $((SECONDS - t0)) $((cpu - cpu0)) "$result" "$name")")
+  cpu=$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$own" 2>/dev/null || echo 0)
+  times+=("$(printf '%5d s %5d cpu-s  %-7s %s' $((SECONDS - t0)) "${cpu:-0}" "$result" "$name")")
   if [ "$result" != passed ]; then bad+=("$result: $name"); fail=1; fi
 }
 report_times() {
