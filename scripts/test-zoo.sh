@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 per_run="${MPIDP_TEST_TIMEOUT:-600}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIR_CVAR_ENABLE_HEAVY_YIELD=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+unset PYTHONDONTWRITEBYTECODE  # the environments are built without bytecode: the runs keep it
 root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
 fail=0
 for group in "pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0"; do

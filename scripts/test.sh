@@ -36,6 +36,10 @@ export PATH="$PWD/$venv/bin:$PATH"
 py="$PWD/$venv/bin/python"
 per_run="${MPIDP_TEST_TIMEOUT:-600}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Bytecode written and kept: where the environment says not to write it (PYTHONDONTWRITEBYTECODE,
+# set on these machines), each of the suite's hundreds of processes compiled the mpidp modules it
+# imported and pytest rewrote the test modules again (about 2 CPU-s a rank for tests/mpi).
+unset PYTHONDONTWRITEBYTECODE
 # MPICH's waiting ranks spin (and sched_yield) at 100% CPU: with more ranks than cores they
 # starve the ranks that compute. Sleeping instead took the 4-rank composition tests from 244 s
 # to 28 s and a 4-rank FSDP2 training from 76 s to 19 s on 2 cores (docs/launching.md).

@@ -23,7 +23,9 @@ python3.11 -m venv "$v"
 # install lands on packages an earlier one put there (the two installs this script used to
 # run). pip check then fails the build loudly on any conflict that is left.
 # shellcheck disable=SC2086  # the spec words are separate requirements
-"$v/bin/pip" install -q -c "$root/constraints.txt" $want
+# --no-compile: no bytecode for the whole 2 GB at install (half of the build's CPU); the runs
+# compile and keep what they import (scripts/test-zoo.sh writes bytecode).
+"$v/bin/pip" install -q --no-compile -c "$root/constraints.txt" $want
 "$v/bin/pip" check
 sp=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 cat > "$sp/tvstub.py" <<'PY'

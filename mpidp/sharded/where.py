@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator
 
 from torch import nn
@@ -58,8 +59,36 @@ def _path(modules: list[nn.Module]) -> str:
     root, inner = modules[0], modules[-1]
     if inner is root:
         return ""
-    path = next((p for p, mod in root.named_modules() if mod is inner), None)
-    return f"{path or '?'} ({type(inner).__name__})"
+    return f"{_named(root, inner) or '?'} ({type(inner).__name__})"
+
+
+#: root -> {id(module): its path}: the dry run asks for the path at every op (thousands per
+#: forward; walking ``named_modules`` each time took half of FengWu's dry run)
+_PATHS: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def _named(root: nn.Module, inner: nn.Module) -> str | None:
+    """``inner``'s path in ``root`` (None: not in it), from the root's map of paths; the map is
+    made again when the path it gives no longer leads to ``inner`` (modules added, replaced or
+    moved since)."""
+    paths = _PATHS.get(root)
+    path = None if paths is None else paths.get(id(inner))
+    if path is not None and _at(root, path) is inner:
+        return path
+    paths = {}
+    for name, mod in root.named_modules():
+        paths.setdefault(id(mod), name)
+    _PATHS[root] = paths
+    return paths.get(id(inner))
+
+
+def _at(root: nn.Module, path: str) -> nn.Module | None:
+    mod: nn.Module | None = root
+    for part in path.split("."):
+        mod = getattr(mod, "_modules", {}).get(part)
+        if mod is None:
+            return None
+    return mod
 
 
 def location() -> str:

@@ -2,13 +2,17 @@
 real (the quick tier without its MPI stage) with a limit of 10 s, which the unit stage overruns.
 Each killed stage says so in one line (the stage, the last test it started, the limit and the
 variable that lengthens it), the summary marks it KILLED and names it again, and the suite
-ends FAILED. And the zoo stage's pytest under mpiexec prints one summary, not one per rank."""
+ends FAILED. The zoo stage's pytest under mpiexec prints one summary, not one per rank. And the
+MPI tests' harness (tests/mpi/conftest.py) ends a job whose ranks disagree on a test: a rank
+that failed while its peers wait in a collective aborts the job after its verdict timeout."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from test_launch import MPIEXEC, clean_env
@@ -45,3 +49,30 @@ def test_the_zoo_under_mpiexec_reports_once():
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert len(re.findall(r"^\d+ (passed|skipped)", out, re.M)) == 1, out[-3000:]
+
+
+def test_the_mpi_harness_ends_a_job_whose_ranks_are_out_of_step(tmp_path):
+    """The real tests/mpi/conftest.py beside a test in which rank 1 fails before a barrier that
+    rank 0 waits in: rank 1 waits for rank 0's verdict for MPIDP_VERDICT_TIMEOUT seconds (3),
+    then prints its failure and aborts the job; a red run, never a hang."""
+    for name in ("conftest.py", "helpers.py"):
+        shutil.copy(ROOT / "tests" / "mpi" / name, tmp_path / name)
+    (tmp_path / "test_stuck.py").write_text(
+        "from mpi4py import MPI\n\n\ndef test_stuck():\n"
+        "    if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "        raise AssertionError('rank 1 fails before the barrier')\n"
+        "    MPI.COMM_WORLD.Barrier()\n"
+    )
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi"]
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [*cmd, "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
+        cwd=tmp_path, env=clean_env(MPIDP_VERDICT_TIMEOUT="3", PYTHONPATH=str(ROOT)),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert "[rank 1] test_stuck.py::test_stuck: outcome 2, peers did not reach the verdict " \
+        "within 3 s (stuck in a collective); aborting the job" in out, out[-3000:]  # fmt: skip
+    assert "rank 1 fails before the barrier" in out
+    assert time.monotonic() - t0 < 90  # the timeout, not the subprocess limit, ended it

@@ -1,7 +1,7 @@
 """MPI test harness: verdicts agreed across ranks, quiet ranks other than 0, no hangs.
 
-Every test phase (setup, call, teardown) ends with a non-blocking all-gather of each rank's
-outcome on a private communicator. A rank whose test passed but whose peers failed reports the
+Every test phase (setup, call, teardown) ends with an all-gather of each rank's outcome on a
+private communicator. A rank whose test passed but whose peers failed reports the
 failure too, so all ranks stay in step. When a failing rank waits longer than
 MPIDP_VERDICT_TIMEOUT seconds for its peers (they are stuck in a collective it skipped), it
 prints the failure and aborts the whole job: a red run, never a hang.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -80,21 +81,45 @@ def pytest_report_header(config: pytest.Config) -> str:
     )
 
 
+class _VerdictWatch:
+    """One daemon thread that aborts the job when a rank has waited over ``_TIMEOUT`` for its
+    peers' verdicts (they are stuck in a collective it skipped): the wait itself blocks in MPI,
+    which wakes at once when the last peer arrives (polling from Python cost each test phase a
+    few milliseconds on oversubscribed cores)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.what = ""
+        threading.Thread(target=self._run, name="verdict-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            since = self.since
+            if since is not None and time.monotonic() - since > _TIMEOUT:
+                sys.stderr.write(self.what)
+                sys.stderr.flush()
+                _WORLD.Abort(1)
+
+
+_WATCH: _VerdictWatch | None = None
+
+
 def _all_outcomes(code: int, nodeid: str, text: str) -> np.ndarray:
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = _VerdictWatch()
     send = np.array([code], dtype=np.int32)
     recv = np.empty(_WORLD.Get_size(), dtype=np.int32)
-    req = _VERDICTS.Iallgather(send, recv)
-    deadline = time.monotonic() + _TIMEOUT
-    while not req.Test():
-        if time.monotonic() > deadline:
-            sys.stderr.write(
-                f"\n[rank {_WORLD.Get_rank()}] {nodeid}: outcome {code}, peers did not reach the "
-                f"verdict within {_TIMEOUT:.0f} s (stuck in a collective); "
-                f"aborting the job\n{text}\n"
-            )
-            sys.stderr.flush()
-            _WORLD.Abort(1)
-        time.sleep(0.0005)
+    _WATCH.what = (
+        f"\n[rank {_WORLD.Get_rank()}] {nodeid}: outcome {code}, peers did not reach the "
+        f"verdict within {_TIMEOUT:.0f} s (stuck in a collective); aborting the job\n{text}\n"
+    )
+    _WATCH.since = time.monotonic()
+    try:
+        _VERDICTS.Allgather(send, recv)
+    finally:
+        _WATCH.since = None
     return recv
 
 

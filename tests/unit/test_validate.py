@@ -222,6 +222,24 @@ def test_a_refusal_names_the_module_path_in_a_model_run_before():
     assert "in module 1 (_Mixing) of Sequential" in report.problems[0], report.problems
 
 
+def test_the_path_named_follows_a_module_moved_since_the_last_question():
+    """The path a refusal names is remembered per model (the dry run asks for it at every op);
+    a module moved, swapped or added since is named where it is now, never where it was."""
+    from mpidp.sharded import where
+
+    bad, other = _Mixing("matrix-exp"), nn.Identity()
+    model = nn.Sequential(nn.Identity(), nn.Sequential(other, bad))
+    assert where._path([model, bad]) == "1.1 (_Mixing)"
+    model[1][0], model[1][1] = bad, other  # swapped: the remembered "1.1" is now `other`
+    assert where._path([model, bad]) == "1.0 (_Mixing)"
+    assert where._path([model, other]) == "1.1 (Identity)"
+    report = _dry(model)
+    assert "in module 1.0 (_Mixing) of Sequential" in report.problems[0], report.problems
+    model.add_module("2", late := nn.Identity())
+    assert where._path([model, late]) == "2 (Identity)"
+    assert where._path([model, nn.Identity()]) == "? (Identity)"  # not in the model
+
+
 def test_converted_models_pass():
     unet = WeatherUNet(3, 2, (37, 16), width=4)
     for parts in (2, 3, 4):
