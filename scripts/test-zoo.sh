@@ -14,12 +14,26 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 unset PYTHONDONTWRITEBYTECODE  # the environments are built without bytecode: the runs keep it
 root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
 fail=0
-for group in "pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0"; do
+groups=("pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0")
+# Every environment's build starts at once (mostly downloads; a no-op once built): the second is
+# ready by the time the first one's runs end. Each build's output is shown before its runs.
+builds="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-zoo-builds.XXXXXX")"
+trap 'rm -rf "$builds"' EXIT
+for group in "${groups[@]}"; do
   set -f  # the spec's * is pip's, not the shell's
   # shellcheck disable=SC2086  # a name and a spec, split on purpose
   set -- $group
   set +f
-  if ! bash bench/zoo/setup.sh "$1" "$2"; then
+  (bash bench/zoo/setup.sh "$1" "$2" >"$builds/$1.log" 2>&1; echo $? >"$builds/$1.rc") &
+done
+for group in "${groups[@]}"; do
+  set -f
+  # shellcheck disable=SC2086
+  set -- $group
+  set +f
+  while [ ! -f "$builds/$1.rc" ]; do sleep 1; done
+  cat "$builds/$1.log"
+  if [ "$(cat "$builds/$1.rc")" != 0 ]; then
     echo "!!! zoo: could not build the $1 environment ($2)"; fail=1; continue
   fi
   for domain in ${MPIDP_ZOO_RANKS:-2 3 2x2}; do  # N ranks of bands or LATxLON blocks
@@ -30,4 +44,5 @@ for group in "pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0"; do
       || { echo "!!! zoo $1 FAILED on domain $domain"; fail=1; }
   done
 done
+wait
 exit "$fail"

@@ -62,10 +62,15 @@ trap 'rm -f "$last_test" "$cpu_file"*' EXIT
 # children); a stage's own comes from the subshell it runs in (run_stage)
 cpu_file="$(mktemp "${TMPDIR:-/tmp}/mpidp-cpu.XXXXXX")"
 cpu=0
+# cpu_of FILE: the children's user + system seconds from what `times` wrote to FILE (0 if none)
+cpu_of() {
+  awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' \
+    "$1" 2>/dev/null || echo 0
+}
 children_cpu() {
   local f="$cpu_file.$BASHPID"  # a file per shell: a stage beside has a shell of its own
   times >"$f"
-  cpu=$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$f")
+  cpu=$(cpu_of "$f")
 }
 # run_stage NAME FACTOR CMD...: CMD under a limit of FACTOR x MPIDP_TEST_TIMEOUT seconds (an mpiexec
 # inside it gets a little more, so that the limit, not MPICH's own timeout, ends it); records
@@ -96,7 +101,7 @@ run_stage() {
     result=FAILED
     echo; echo "!!! stage '$name' FAILED (exit $rc)"
   fi
-  cpu=$(awk 'NR == 2 { split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$own" 2>/dev/null || echo 0)
+  cpu=$(cpu_of "$own")
   times+=("$(printf '%5d s %5d cpu-s  %-7s %s' $((SECONDS - t0)) "${cpu:-0}" "$result" "$name")")
   if [ "$result" != passed ]; then bad+=("$result: $name"); fail=1; fi
 }
@@ -111,36 +116,76 @@ report_times() {
   fi
 }
 
-# start_beside CMD...: CMD (run_stage NAME FACTOR ..., or a function running several stages)
+# start_beside KEY CMD...: CMD (run_stage NAME FACTOR ..., or a function running several stages)
 # in the background, its output kept in a file, so that stages that leave a core idle (one
-# process; jobs that mostly wait) run beside the stages that follow; join_beside waits for it,
-# prints its output and records its stages' times and results.
-beside_pid="" beside_dir=""
+# process; jobs that mostly wait or install) run beside the stages that follow; join_beside KEY
+# waits for it, prints its output and records its stages' times and results. Several at once.
+declare -A beside_pid=() beside_dir=()
 start_beside() {
-  beside_dir="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-beside.XXXXXX")"
+  local key="$1" dir
+  shift
+  dir="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-beside.XXXXXX")"
   (
-    last_test="$beside_dir/last" times=() bad=() fail=0
-    "$@" >"$beside_dir/out" 2>&1
-    printf '%s\n' "${times[@]}" >"$beside_dir/times"
-    printf '%s\n' "${bad[@]}" >"$beside_dir/bad"
+    last_test="$dir/last" times=() bad=() fail=0
+    "$@" >"$dir/out" 2>&1
+    printf '%s\n' "${times[@]}" >"$dir/times"
+    printf '%s\n' "${bad[@]}" >"$dir/bad"
   ) &
-  beside_pid=$!
+  beside_pid[$key]=$! beside_dir[$key]="$dir"
 }
 join_beside() {
-  local line
-  wait "$beside_pid" || true
-  echo; echo "--- (ran beside the stages above)"; cat "$beside_dir/out"
-  while IFS= read -r line; do [ -n "$line" ] && times+=("$line"); done <"$beside_dir/times"
-  while IFS= read -r line; do [ -n "$line" ] && { bad+=("$line"); fail=1; }; done <"$beside_dir/bad"
-  rm -rf "$beside_dir"
-  beside_pid=""
+  local line dir="${beside_dir[$1]}"
+  wait "${beside_pid[$1]}" || true
+  echo; echo "--- (ran beside the stages above: $1)"; cat "$dir/out"
+  while IFS= read -r line; do [ -n "$line" ] && times+=("$line"); done <"$dir/times"
+  while IFS= read -r line; do [ -n "$line" ] && { bad+=("$line"); fail=1; }; done <"$dir/bad"
+  rm -rf "$dir"
+  unset "beside_pid[$1]" "beside_dir[$1]"
 }
+
+# From the start, beside everything else (the lint, type and unit stages and the MPI stages keep
+# about 1.3 of 2 cores busy: one process; ranks that wait for each other), the stages that
+# mostly wait or install, one after the other: the real launchers (apt-get, pip, short jobs), the
+# faults, launchers and test-script jobs (2- and 3-rank jobs that wait out a deadline of 2-5 s,
+# for a rank to abort, for a one-process command: 185 CPU-s in a 350-s stage), and the
+# third-party zoo (its environments built from PyPI the first time, then MPI jobs that fill
+# the idle core). Nothing of them shares a port, a file or a folder with the MPI stages or
+# with the examples (MPI and torchrun pick free ports; each test has its own folders), and
+# their checks hold on a loaded machine: the fault tests time the end of a job from its fault,
+# not from its launch, and look for each rank's own message, not for which rank's abort ended
+# the job. Whether the optional stages run is decided here, before anything starts (their
+# reasons go to the summary).
+with_cluster=0 with_zoo=0
+if [ "$quick" = 0 ]; then
+  if stage_gate cluster; then with_cluster=1; fi  # root and apt-get (scripts/prereqs.sh)
+  if stage_gate zoo; then with_zoo=1; fi  # the disk its environments need
+fi
+launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
+  tests/launch/test_test_script.py tests/launch/test_agv_deadline.py)
+beside_mpi_stages() {
+  if [ "$with_cluster" = 1 ]; then
+    # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
+    run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \
+      'bash scripts/setup-launch.sh || { echo "!!! its setup could not install what it needs"; exit 1; }
+       exec "$0" -m pytest -q tests/cluster' "$py"
+  fi
+  run_stage "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
+    "${launch_tests[@]}"
+  # Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, and eight of them
+  # on 2 x 2 blocks at 4, each package in an environment of its own (built once, about 5
+  # minutes for both; the runs take about 3).
+  if [ "$with_zoo" = 1 ]; then
+    run_stage "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks and 2 x 2 blocks" 3 \
+      bash scripts/test-zoo.sh
+  fi
+}
+if [ "$quick" = 0 ]; then start_beside lane beside_mpi_stages; fi
 
 all_ranks="${MPIDP_TEST_RANKS:-1 2 3 4}"
 one_beside=0
 if [ "$quick" = 0 ] && [[ " $all_ranks " == *" 1 "* ]]; then
   one_beside=1  # the 1-rank MPI stage beside the lint, type and unit stages
-  start_beside run_stage "MPI tests, 1 rank" 2 mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi \
+  start_beside one run_stage "MPI tests, 1 rank" 2 mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi \
     tests/mpi --ignore=tests/mpi/test_parallel.py
 fi
 run_stage "ruff" 1 "$py" -m ruff check mpidp tests examples bench docs
@@ -184,42 +229,8 @@ wide=(test_halo test_collectives test_transports test_sharded test_sharded_model
 if [ "$one_beside" = 1 ]; then
   run_stage "DDP / FSDP2 / tensor-parallel composition tests, 1 rank" 1 \
     mpiexec -n 1 "$py" -m mpi4py -m pytest -q --with-mpi tests/mpi/test_parallel.py
-  join_beside
+  join_beside one
 fi
-# Beside the MPI stages (which keep about 1.3 of 2 cores busy: ranks wait for each other), the
-# stages that mostly wait or install: the real launchers (apt-get, pip, short jobs), the
-# faults, launchers and test-script jobs (2- and 3-rank jobs that wait out a deadline of 2-5 s,
-# for a rank to abort, for a one-process command: 185 CPU-s in a 350-s stage), and the
-# third-party zoo (its environments built from PyPI the first time, then MPI jobs that fill
-# the idle core). Nothing of them shares a port, a file or a folder with the MPI stages or
-# with the examples (MPI and torchrun pick free ports; each test has its own folders), and
-# their checks hold on a loaded machine: the fault tests time the end of a job from its fault,
-# not from its launch, and look for each rank's own message, not for which rank's abort ended
-# the job. Whether the optional stages run is decided here, before anything starts (their
-# reasons go to the summary).
-with_cluster=0 with_zoo=0
-if stage_gate cluster; then with_cluster=1; fi  # root and apt-get (scripts/prereqs.sh)
-if stage_gate zoo; then with_zoo=1; fi  # the disk its environments need
-launch_tests=(tests/launch/test_faults.py tests/launch/test_launch.py
-  tests/launch/test_test_script.py tests/launch/test_agv_deadline.py)
-beside_mpi_stages() {
-  if [ "$with_cluster" = 1 ]; then
-    # shellcheck disable=SC2016  # $0 is expanded by the inner bash: the suite's python
-    run_stage "real launchers: SLURM (srun, sbatch) and Open MPI (mpirun)" 1 bash -c \
-      'bash scripts/setup-launch.sh || { echo "!!! its setup could not install what it needs"; exit 1; }
-       exec "$0" -m pytest -q tests/cluster' "$py"
-  fi
-  run_stage "launch tests: faults, launchers, the test script" 3 "$py" -m pytest -q \
-    "${launch_tests[@]}"
-  # Unchanged PhysicsNeMo and CREDIT models against serial at 2 and 3 ranks, and eight of them
-  # on 2 x 2 blocks at 4, each package in an environment of its own (built once, about 5
-  # minutes for both; the runs take about 3).
-  if [ "$with_zoo" = 1 ]; then
-    run_stage "third-party zoo: unchanged PhysicsNeMo and CREDIT models, 2 and 3 ranks and 2 x 2 blocks" 3 \
-      bash scripts/test-zoo.sh
-  fi
-}
-start_beside beside_mpi_stages
 for n in $all_ranks; do
   if [ "$one_beside" = 1 ] && [ "$n" = 1 ]; then continue; fi  # (done beside the above)
   files=(tests/mpi)
@@ -269,7 +280,7 @@ fi
 # beside them, three times that on a loaded machine: three times the limit).
 run_stage "launch tests: examples, docs" 3 "$py" -m pytest -q tests/launch \
   "${launch_tests[@]/#/--ignore=}"
-join_beside
+join_beside lane
 if [ "${MPIDP_TEST_PHDF5:-0}" = 1 ]; then  # opt-in: builds a second environment (minutes)
   run_stage "parallel HDF5 (mpio) I/O tests" 2 bash -c \
     'bash scripts/setup-phdf5.sh && bash scripts/test-phdf5.sh'

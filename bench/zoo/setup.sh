@@ -16,7 +16,8 @@ if [ -f "$v/.mpidp-stamp" ] && [ "$(cat "$v/.mpidp-stamp")" = "$want" ]; then
 fi
 mkdir -p "$root"
 rm -rf "$v"
-echo "torch==2.13.0" > "$root/constraints.txt"
+pins="$root/constraints-$1.txt"  # one per environment: scripts/test-zoo.sh builds them at once
+echo "torch==2.13.0" > "$pins"
 python3.11 -m venv "$v"
 # One resolver run for everything (torch is in $want): pip prints its "ERROR: pip's dependency
 # resolver does not currently take into account all the packages that are installed" when an
@@ -25,7 +26,7 @@ python3.11 -m venv "$v"
 # shellcheck disable=SC2086  # the spec words are separate requirements
 # --no-compile: no bytecode for the whole 2 GB at install (half of the build's CPU); the runs
 # compile and keep what they import (scripts/test-zoo.sh writes bytecode).
-"$v/bin/pip" install -q --no-compile -c "$root/constraints.txt" $want
+"$v/bin/pip" install -q --no-compile -c "$pins" $want
 "$v/bin/pip" check
 sp=$("$v/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 cat > "$sp/tvstub.py" <<'PY'
