@@ -11,9 +11,11 @@ registers a converter for their type or vouches for them with ``safe=``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -138,12 +140,9 @@ class Verdict:
         return f"{self.path} ({self.kind}): {self.action}{into}; {self.why}"
 
 
-def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict[str, tuple]:
-    """Input shape of every module's first call in one forward on meta tensors shaped like
-    ``example_inputs`` (no memory, no data); empty when the model cannot run on meta."""
-    if not example_inputs:
-        return {}
-    meta = copy.deepcopy(model).to("meta")
+def first_shapes(meta: nn.Module) -> tuple[dict[str, tuple], list[Any]]:
+    """Hooks on every module of ``meta`` that record the input shape of its first call (what
+    :func:`_seen_shapes` reads): the dict they fill and the hooks (remove them after)."""
     seen: dict[str, tuple] = {}
     hooks = []
     for path, module in meta.named_modules():
@@ -153,6 +152,38 @@ def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict
                 seen[path] = tuple(args[0].shape)
 
         hooks.append(module.register_forward_pre_hook(record))
+    return seen, hooks
+
+
+#: a model and the first input shapes a caller's own meta forward of it recorded on the inputs
+#: the conversion gets (the dry run's, mpidp.preflight.validate): :func:`_seen_shapes` reads
+#: them for that model alone instead of copying it and running it once more
+_SEEN: contextvars.ContextVar[tuple[nn.Module, dict[str, tuple]] | None] = contextvars.ContextVar(
+    "mpidp_seen_shapes", default=None
+)
+
+
+@contextlib.contextmanager
+def shapes_seen(model: nn.Module, seen: dict[str, tuple]) -> Iterator[None]:
+    """Within it, a conversion of ``model`` takes ``seen`` (from :func:`first_shapes`, on a
+    copy of it) as its shapes; a conversion of any other module runs its own forward."""
+    token = _SEEN.set((model, seen))
+    try:
+        yield
+    finally:
+        _SEEN.reset(token)
+
+
+def _seen_shapes(model: nn.Module, example_inputs: Sequence[Any] | None) -> dict[str, tuple]:
+    """Input shape of every module's first call in one forward on meta tensors shaped like
+    ``example_inputs`` (no memory, no data); empty when the model cannot run on meta."""
+    if not example_inputs:
+        return {}
+    known = _SEEN.get()
+    if known is not None and known[0] is model:
+        return dict(known[1])
+    meta = copy.deepcopy(model).to("meta")
+    seen, hooks = first_shapes(meta)
     args = [
         torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
         for t in example_inputs

@@ -41,7 +41,6 @@ measures the real bytes beside it: the U-Net to 0.05%, AFNO and Swin-style model
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import inspect
@@ -54,7 +53,6 @@ from torch import nn
 
 from mpidp.errors import ConfigError
 from mpidp.graph.module import GraphExchange
-from mpidp.layers import base
 from mpidp.preflight.grids import (
     ShapeCost,
     _cut,
@@ -66,10 +64,10 @@ from mpidp.preflight.grids import (
 )
 from mpidp.preflight.validate import (
     LayerSharding,
+    SavedLog,
     ShardingReport,
     _meta_inputs,
-    needs_values,
-    validate_sharding_constraints,
+    _validate,
 )
 from mpidp.runtime.grid import grid_shape
 from mpidp.runtime.partition import Balanced, PartitionPolicy, Weighted
@@ -321,11 +319,11 @@ def _by_exchange(exchanges: Sequence[GraphExchange]) -> dict[tuple[str, str], li
 def _axis_share(
     lay: LayerSharding | None,
     first: LayerSharding,
-    t: torch.Tensor,
+    shape: torch.Size,
     inside: bool,
     parts: int,
 ) -> tuple[list[float], bool]:
-    """Each rank's share, along one axis of the grid, of a tensor autograd saved inside
+    """Each rank's share, along one axis of the grid, of a tensor of ``shape`` autograd saved inside
     spatial layer ``lay`` (or after it; None: before the first, ``first``), and whether the
     rank saves its rows extended by their halo (a storage of the layer's own)."""
     if parts == 1:
@@ -339,10 +337,10 @@ def _axis_share(
         return [k / sum(lay.modes) for k in lay.modes], False
     d_in = len(lay.shape_in) + lay.dim_in
     h_in = lay.shape_in[d_in]
-    at = t.dim() + lay.dim_in
+    at = len(shape) + lay.dim_in
     ends = zip(lay.halo_before, lay.halo_after, strict=True)
     pad = [max(0, b) + max(0, a) for b, a in ends]
-    length = t.shape[at] if 0 <= at < t.dim() else -1
+    length = shape[at] if 0 <= at < len(shape) else -1
     # the layer's input, or (PeriodicConv2d) the input the serial layer padded itself with
     # the rows across the poles: each rank saves its rows and their halo
     padded = not lay.window and h_in < length <= h_in + 2 * max(pad)
@@ -359,84 +357,65 @@ def _axis_share(
 
 
 def _saved_bytes(
-    model: nn.Module,
+    log: SavedLog,
     inputs: list[Any],
     cut: tuple[tuple[LayerSharding, ...], tuple[LayerSharding, ...]],
     grid: tuple[int, int],
     itemsize: int,
-    report_ok: bool,
 ) -> tuple[list[int], int]:
     """What autograd saves for the backward pass on each rank of the ``grid`` (row-major),
-    and on one process (the serial figure, from the same pass), in bytes: the model's forward
-    on meta tensors of the global shape, every saved tensor's storage counted once (parameters
-    left out), and each rank's share of it from the spatial layer it was saved in (or the last
-    one before it), along each axis of the grid (``cut``: the layers cut along the latitude
-    and along the longitude): its rows (columns) of that layer's input, halo included (a
-    converted layer saves the block it extended, a storage of its own), or of its output.
-    bench/memory.py measures the real thing."""
+    and on one process (the serial figure, from the same pass), in bytes: from the dry run's
+    forward on meta tensors of the global shape (``log``: every saved tensor and the module
+    calls around it), every saved storage counted once (parameters left out), and each rank's
+    share of it from the spatial layer it was saved in (or the last one before it), along each
+    axis of the grid (``cut``: the layers cut along the latitude and along the longitude): its
+    rows (columns) of that layer's input, halo included (a converted layer saves the block it
+    extended, a storage of its own), or of its output. bench/memory.py measures the real
+    thing."""
     lat, lon = cut
     parts = grid[0] * grid[1]
     by_path = {a.path: (a, b) for a, b in zip(lat, lon, strict=True)}
-    meta = copy.deepcopy(model).to("meta")
-    first = next(iter(meta.parameters()), None)
-    args = _meta_inputs(None, inputs, first.dtype if first is not None else torch.float32)
+    args = _meta_inputs(None, inputs, torch.float32)
     lead = next((t for t in args if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
     if lead is None or not lat:
         return [0] * parts, 0
-    stack: list[str] = []
-    last: list[str | None] = [None]
-    hooks = []
-    for path, module in meta.named_modules():
-        if path in by_path:
-            hooks.append(module.register_forward_pre_hook(lambda *_, p=path: stack.append(p)))
-
-            def done(*_: Any, p: str = path) -> None:
-                stack.pop()
-                last[0] = p
-
-            hooks.append(module.register_forward_hook(done))
-    ours = {p.untyped_storage()._cdata for p in meta.parameters()}
-    ours |= {b.untyped_storage()._cdata for b in meta.buffers()}
+    stack: list[str] = []  # the cut layers running, innermost last
+    last: str | None = None  # the last cut layer that ended
     seen: set[Any] = set()
     serial_seen: set[Any] = set()
     totals = [0.0] * parts
-    serial = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key: Any = t.untyped_storage()._cdata
-        if key in ours:
-            return t
-        nbytes = t.untyped_storage().nbytes()
-        if t.is_floating_point():
-            nbytes = nbytes * itemsize // t.element_size()
+    serial = 0
+    for event in log:
+        if event[0] == "in":
+            if event[1] in by_path:
+                stack.append(event[1])
+            continue
+        if event[0] == "out":
+            if event[1] in by_path:
+                stack.pop()
+                last = event[1]
+            continue
+        _, storage, nbytes, floating, element_size, shape = event
+        key: Any = storage._cdata
+        if floating:
+            nbytes = nbytes * itemsize // element_size
         if key not in serial_seen:  # one process: every storage once, whole
             serial_seen.add(key)
-            serial[0] += nbytes
+            serial += nbytes
         inside = bool(stack)
-        path = stack[-1] if inside else last[0]
+        path = stack[-1] if inside else last
         a, b = by_path[path] if path is not None else (None, None)
-        rows, ext_rows = _axis_share(a, lat[0], t, inside, grid[0])
-        cols, ext_cols = _axis_share(b, lon[0], t, inside, grid[1])
+        rows, ext_rows = _axis_share(a, lat[0], shape, inside, grid[0])
+        cols, ext_cols = _axis_share(b, lon[0], shape, inside, grid[1])
         if (ext_rows or ext_cols) and path is not None:  # the layer's own extended block
             key = (key, path)
         if key in seen:
-            return t
+            continue
         seen.add(key)
         for i, share_i in enumerate(rows):
             for j, share_j in enumerate(cols):
                 totals[i * grid[1] + j] += nbytes * share_i * share_j
-        return t
-
-    try:
-        with base.torch_path(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            meta(*args)
-    except Exception as err:  # what was saved up to there (the report's notes say where)
-        if not needs_values(err) and report_ok:
-            raise
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [round(v) for v in totals], serial[0]
+    return [round(v) for v in totals], serial
 
 
 def plan_model(
@@ -469,15 +448,10 @@ def plan_model(
     policy = partition if partition is not None else Balanced()
     if progress is not None:
         progress("checking how each layer cuts")
-    report = validate_sharding_constraints(
-        model,
-        parts=grid[0],
-        partition=policy,
-        shard_dim=shard_dim,
-        example_inputs=[tuple(global_shape), *extra_inputs],
-        input_dim=input_dim,
-        simulate=simulate,
-    )
+    report, saves = _validate(
+        model, None, None, grid[0], policy, shard_dim, [tuple(global_shape), *extra_inputs],
+        input_dim, simulate, saves=True,
+    )  # fmt: skip
     itemsize = torch.empty((), dtype=dtype).element_size()
     refused = None
     if report.graph_exchanges:
@@ -496,7 +470,7 @@ def plan_model(
     inputs = [tuple(global_shape), *extra_inputs]
     if progress is not None:
         progress("counting the activation memory")
-    saved, serial = _saved_bytes(model, inputs, (lat, lon), grid, itemsize, report.ok)
+    saved, serial = _saved_bytes(saves, inputs, (lat, lon), grid, itemsize)
     recv, send = _halo_bytes(lat, lon, grid, itemsize)
     transposes = transpose_bytes(lat, lon, grid, itemsize, policy)
     ranks = []

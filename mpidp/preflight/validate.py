@@ -14,6 +14,7 @@ logged for ``mpidp plan``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -29,7 +30,7 @@ from mpidp.errors import ConfigError
 from mpidp.graph.module import Graph, GraphExchange, logging_exchanges
 from mpidp.layers import base
 from mpidp.layers.registry import layer_for
-from mpidp.parallel.convert import convert_to_domain_parallel
+from mpidp.parallel.convert import convert_to_domain_parallel, first_shapes, shapes_seen
 from mpidp.preflight.explain import simulate
 from mpidp.runtime.manager import DistributedManager, get_manager
 from mpidp.runtime.partition import PartitionPolicy, ShardSpec
@@ -276,6 +277,55 @@ def validate_sharding_constraints(
     as for :func:`~mpidp.convert_to_domain_parallel`). ``simulate=False``: the layer table
     alone, without the simulated ranks' run (no check of the model's own code: what prices a
     model at many rank counts, ``mpidp plan --scaling``). Local: no communication, no data."""
+    report, _ = _validate(
+        model, global_shape, manager, parts, partition, shard_dim, example_inputs, input_dim,
+        simulate, saves=False,
+    )  # fmt: skip
+    return report
+
+
+#: what the dry run's one serial forward logged for ``mpidp plan``'s activation memory, in
+#: order: ``("in", path)`` and ``("out", path)`` as each module's call starts and ends, and
+#: ``("save", storage, nbytes, floating, element_size, shape)`` for each tensor autograd saved
+#: (parameters and buffers left out; the storage kept, so that one freed during the forward
+#: cannot lend its key to another and the count does not depend on where storages land)
+SavedLog = list[tuple[Any, ...]]
+
+
+def _logging_saves(meta: nn.Module, log: SavedLog) -> tuple[list[Any], Any]:
+    """Hooks on every module of ``meta`` and a saved-tensors context that fill ``log``."""
+    hooks = []
+    for path, module in meta.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda *_, p=path: log.append(("in", p))))
+        hooks.append(module.register_forward_hook(lambda *_, p=path: log.append(("out", p))))
+    ours = {p.untyped_storage()._cdata for p in meta.parameters()}
+    ours |= {b.untyped_storage()._cdata for b in meta.buffers()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in ours:  # the log holds the storage: its key is never reused
+            floating, size = t.is_floating_point(), t.element_size()
+            log.append(("save", storage, storage.nbytes(), floating, size, t.shape))
+        return t
+
+    return hooks, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _validate(
+    model: nn.Module,
+    global_shape: Sequence[int] | None,
+    manager: DistributedManager | None,
+    parts: int | None,
+    partition: PartitionPolicy | None,
+    shard_dim: int,
+    example_inputs: Sequence[Any] | None,
+    input_dim: int | None,
+    simulate: bool,
+    saves: bool,
+) -> tuple[ShardingReport, SavedLog]:
+    """:func:`validate_sharding_constraints`, and with ``saves`` what its serial forward saved
+    for the backward pass (:data:`SavedLog`; ``mpidp plan`` prices it per rank): one meta
+    forward serves the layer table, the conversion's shapes and the activation memory."""
     if parts is None or partition is None:
         m = manager or get_manager()
         parts = parts if parts is not None else m.domain_world_size
@@ -295,18 +345,17 @@ def validate_sharding_constraints(
                     seen.append((path, mod, args[0].shape, out.shape))
 
             hooks.append(module.register_forward_hook(record))
+    first_seen, shape_hooks = first_shapes(meta)  # what the conversion needs: this forward
+    hooks += shape_hooks
+    log: SavedLog = []
+    saving: Any = contextlib.nullcontext()
+    if saves:
+        save_hooks, saving = _logging_saves(meta, log)
+        hooks += save_hooks
     problems: list[str] = []
-    converted = None
-    try:  # what conversion would refuse (pure: nothing moves)
-        converted = convert_to_domain_parallel(
-            copy.deepcopy(model), shard_dim=shard_dim, example_inputs=inputs, input_dim=input_dim
-        )
-    except ConfigError as err:
-        problems.append(str(err))
-    exchanges: list[GraphExchange] = []
     notes: list[str] = []
     runs = False
-    with base.torch_path():
+    with base.torch_path(), saving:
         try:
             meta(*inputs)
             runs = True
@@ -320,6 +369,16 @@ def validate_sharding_constraints(
         finally:
             for hook in hooks:
                 hook.remove()
+    converted = None
+    try:  # what conversion would refuse (pure: nothing moves)
+        twin = copy.deepcopy(model)
+        with shapes_seen(twin, first_seen):
+            converted = convert_to_domain_parallel(
+                twin, shard_dim=shard_dim, example_inputs=inputs, input_dim=input_dim
+            )
+    except ConfigError as err:
+        problems.insert(0, str(err))  # the conversion's refusal first, as it comes first
+    exchanges: list[GraphExchange] = []
     if runs and converted is not None and simulate:  # refusals are the same at 1 rank
         if input_dim is None:  # the dim the converted model cuts its inputs along
             band = converted.__dict__.get("_mpidp_band")
@@ -333,7 +392,8 @@ def validate_sharding_constraints(
         problems += found
         if layer is not None:
             layers.append(layer)
-    return ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))
+    report = ShardingReport(parts, tuple(layers), tuple(problems), tuple(exchanges), tuple(notes))
+    return report, log
 
 
 def axis_sharding(
