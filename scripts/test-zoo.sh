@@ -14,34 +14,29 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 unset PYTHONDONTWRITEBYTECODE  # the environments are built without bytecode: the runs keep it
 root="${MPIDP_ZOO_VENVS:-/tmp/mpidp-zoo}"
 fail=0
-groups=("pnm nvidia-physicsnemo==2.2.*" "credit miles-credit==2026.2.0")
+names=(pnm credit)  # one environment per index: its name here, its package spec below
+specs=("nvidia-physicsnemo==2.2.*" miles-credit==2026.2.0)
 # Every environment's build starts at once (mostly downloads; a no-op once built): the second is
 # ready by the time the first one's runs end. Each build's output is shown before its runs.
 builds="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-zoo-builds.XXXXXX")"
 trap 'rm -rf "$builds"' EXIT
-for group in "${groups[@]}"; do
-  set -f  # the spec's * is pip's, not the shell's
-  # shellcheck disable=SC2086  # a name and a spec, split on purpose
-  set -- $group
-  set +f
-  (bash bench/zoo/setup.sh "$1" "$2" >"$builds/$1.log" 2>&1; echo $? >"$builds/$1.rc") &
+for i in "${!names[@]}"; do
+  name=${names[$i]} spec=${specs[$i]}
+  (bash bench/zoo/setup.sh "$name" "$spec" >"$builds/$name.log" 2>&1; echo $? >"$builds/$name.rc") &
 done
-for group in "${groups[@]}"; do
-  set -f
-  # shellcheck disable=SC2086
-  set -- $group
-  set +f
-  while [ ! -f "$builds/$1.rc" ]; do sleep 1; done
-  cat "$builds/$1.log"
-  if [ "$(cat "$builds/$1.rc")" != 0 ]; then
-    echo "!!! zoo: could not build the $1 environment ($2)"; fail=1; continue
+for i in "${!names[@]}"; do
+  name=${names[$i]} spec=${specs[$i]}
+  while [ ! -f "$builds/$name.rc" ]; do sleep 1; done
+  cat "$builds/$name.log"
+  if [ "$(cat "$builds/$name.rc")" != 0 ]; then
+    echo "!!! zoo: could not build the $name environment ($spec)"; fail=1; continue
   fi
   for domain in ${MPIDP_ZOO_RANKS:-2 3 2x2}; do  # N ranks of bands or LATxLON blocks
     n=$(( ${domain/x/*} ))
-    echo "--- zoo $1 ($2), domain $domain ($n ranks)"
-    MPIDP_ZOO_DOMAIN="$domain" timeout $((per_run + 30)) "$root/$1/bin/mpiexec" -n "$n" \
-      "$root/$1/bin/python" -m mpi4py -m pytest -q -rs -p no:cacheprovider tests/zoo \
-      || { echo "!!! zoo $1 FAILED on domain $domain"; fail=1; }
+    echo "--- zoo $name ($spec), domain $domain ($n ranks)"
+    MPIDP_ZOO_DOMAIN="$domain" timeout $((per_run + 30)) "$root/$name/bin/mpiexec" -n "$n" \
+      "$root/$name/bin/python" -m mpi4py -m pytest -q -rs -p no:cacheprovider tests/zoo \
+      || { echo "!!! zoo $name FAILED on domain $domain"; fail=1; }
   done
 done
 wait
